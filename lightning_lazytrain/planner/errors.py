@@ -1,0 +1,41 @@
+"""Errors raised by the planner. Each message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class PlannerError(ValueError):
+    """Base class for planner errors."""
+
+
+class InvalidInput(PlannerError):
+    """A nonsense input (negative bandwidth, zero layers, ...). ``key`` names the offending field."""
+
+    def __init__(self, key: str, value: object, why: str) -> None:
+        self.key = key
+        self.value = value
+        super().__init__(f"invalid {key}={value!r}: {why}")
+
+
+class InfeasibleBudget(PlannerError):
+    """No schedule fits: ``tier`` is short by ``shortfall_bytes``; ``suggestion`` says what would fit."""
+
+    def __init__(self, tier: str, shortfall_bytes: float, message: str, suggestion: str = "") -> None:
+        self.tier = tier
+        self.shortfall_bytes = shortfall_bytes
+        self.suggestion = suggestion
+        text = f"{message} ({tier} memory short by {shortfall_bytes / 1e9:.2f} GB)"
+        if suggestion:
+            text += f"; {suggestion}"
+        super().__init__(text)
+
+
+class InfeasibleSchedule(PlannerError):
+    """The simulator found a schedule that violates a resource; ``resource`` names it."""
+
+    def __init__(self, resource: str, message: str, *, window: str | None = None,
+                 need_bytes: float = 0.0, have_bytes: float = 0.0) -> None:
+        self.resource = resource
+        self.window = window
+        self.need_bytes = need_bytes
+        self.have_bytes = have_bytes
+        super().__init__(f"{resource}: {message}")

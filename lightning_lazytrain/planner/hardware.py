@@ -1,0 +1,88 @@
+"""Hardware profiles as plain numbers (bytes, seconds, FLOP/s inside; GB only at the edges)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .errors import InvalidInput
+
+GB = 1e9
+GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """One GPU plus its host.
+
+    Bandwidths are *achieved* figures (bytes/s), not link peaks: the paper measured 12 GB/s on a
+    PCIe Gen5 x16 link. ``efficiency`` is the one calibration factor: achieved dense bf16 matmul
+    rate as a fraction of ``peak_tflops``.
+    """
+
+    name: str
+    gpu_memory_bytes: float
+    gpu_memory_cap_bytes: float  # the peak the plan may use (allocator slack, CUDA context, ...)
+    peak_tflops: float  # dense bf16, TFLOP/s
+    efficiency: float  # achieved fraction of peak for transformer blocks
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+    nvme_capacity_bytes: float
+    cpu_memory_bytes: float
+    cpu_adam_params_per_s: float  # 32-bit AdamW states, whole host
+    cpu_adam8_params_per_s: float  # 8-bit blockwise AdamW states, whole host
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.efficiency
+
+    def validate(self) -> Hardware:
+        for key in ("gpu_memory_bytes", "gpu_memory_cap_bytes", "peak_tflops", "h2d_bytes_per_s",
+                    "d2h_bytes_per_s", "cpu_memory_bytes", "cpu_adam_params_per_s",
+                    "cpu_adam8_params_per_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise InvalidInput(f"hardware.{key}", value, "must be a finite number > 0")
+        for key in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_capacity_bytes"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = no NVMe)")
+        if not 0 < self.efficiency <= 1:
+            raise InvalidInput("hardware.efficiency", self.efficiency, "must be in (0, 1]")
+        if self.gpu_memory_cap_bytes > self.gpu_memory_bytes:
+            raise InvalidInput("hardware.gpu_memory_cap_bytes", self.gpu_memory_cap_bytes,
+                               f"exceeds gpu_memory_bytes={self.gpu_memory_bytes:.3g}")
+        return self
+
+    @property
+    def has_nvme(self) -> bool:
+        return self.nvme_capacity_bytes > 0 and self.nvme_read_bytes_per_s > 0 and self.nvme_write_bytes_per_s > 0
+
+    def replace(self, **changes: object) -> Hardware:
+        data = asdict(self)
+        data.update(changes)
+        return Hardware(**data).validate()
+
+    @classmethod
+    def from_gb(cls, *, name: str, gpu_memory_gb: float, gpu_memory_cap_gb: float, peak_tflops: float,
+                efficiency: float, h2d_gb_per_s: float, d2h_gb_per_s: float, nvme_read_gb_per_s: float,
+                nvme_write_gb_per_s: float, nvme_capacity_gb: float, cpu_memory_gb: float,
+                cpu_adam_gparams_per_s: float, cpu_adam8_gparams_per_s: float) -> Hardware:
+        """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
+        return cls(
+            name=name,
+            gpu_memory_bytes=gpu_memory_gb * GB,
+            gpu_memory_cap_bytes=gpu_memory_cap_gb * GB,
+            peak_tflops=peak_tflops,
+            efficiency=efficiency,
+            h2d_bytes_per_s=h2d_gb_per_s * GB,
+            d2h_bytes_per_s=d2h_gb_per_s * GB,
+            nvme_read_bytes_per_s=nvme_read_gb_per_s * GB,
+            nvme_write_bytes_per_s=nvme_write_gb_per_s * GB,
+            nvme_capacity_bytes=nvme_capacity_gb * GB,
+            cpu_memory_bytes=cpu_memory_gb * GB,
+            cpu_adam_params_per_s=cpu_adam_gparams_per_s * 1e9,
+            cpu_adam8_params_per_s=cpu_adam8_gparams_per_s * 1e9,
+        ).validate()

@@ -1,0 +1,293 @@
+"""``Schedule``: one training iteration's decisions, as data. Every policy produces it; the
+simulator and the executor consume it.
+
+Windows (one micro-batch; ``L`` layers)::
+
+    F0 .. F{L-1}   forward of layer j                      index j
+    H              head: final norm, LM head, loss, fwd+bwd index L
+    B{L-1} .. B0   backward of layer t                     index 2L - t
+    T              once per iteration: last grads to host, optimizer, first weights   index 2L + 1
+
+A window lasts as long as its busiest lane (compute, h2d, d2h, nvme_read, nvme_write, cpu); the
+transfers assigned to a window start with it and end within it (see ``simulator``).
+
+Decisions:
+- ``homes[i]`` for boundary ``i`` (the hidden state entering layer ``i``; ``L`` enters the head):
+  ``gpu``, ``cpu``, ``nvme`` or ``recompute``. Boundaries 0 and L are ``gpu``. Consecutive
+  materialised boundaries ``s < e`` form a recompute block when ``e - s >= 2``: at the start of
+  ``B{e-1}`` layers ``s .. e-2`` are re-run without grad (their weights streamed again) and the
+  boundaries ``s+1 .. e-1`` stay on the GPU until their layer's backward.
+- ``keep_internals[j]``: layer j's forward runs with grad and its saved tensors stay on the GPU
+  until ``B{j}`` (no local recompute). Requires ``homes[j] == "gpu"`` (the input is one of them).
+  Otherwise the forward runs without grad and ``B{j}`` re-runs the layer with grad first.
+- ``resident_weights[j]``: layer j's weights stay on the GPU from ``F{j}`` to ``B{j}`` (no second
+  fetch). A resident layer is never inside a recompute block.
+- ``offload_window[i]``: forward window (a layer index) whose D2H lane moves a cpu/nvme boundary
+  to the host; an nvme boundary's file write runs in the following window.
+- ``reload_window[i]``: backward window (a layer index ``t`` for ``B{t}``, or ``L`` for ``H``)
+  whose H2D lane brings the boundary back; an nvme boundary's file read runs one window earlier.
+  It must end before the boundary's first use (``B{e-1}`` for block ``(i, e)``).
+- ``backward_prefetch``: the weights for ``B{t}`` are fetched during ``B{t+1}`` (MegaTrain: no,
+  they are fetched inside ``B{t}`` before its compute).
+- ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
+  first micro-batch's ``F{j}`` updates layer ``j+1`` just before fetching it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import InvalidInput
+
+SCHEDULE_VERSION = 1
+HOMES = ("gpu", "cpu", "nvme", "recompute")
+LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu")
+
+Home = Literal["gpu", "cpu", "nvme", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One item of work in a window: a compute op or a transfer on a lane.
+
+    ``kind``: forward, head, recompute, local_recompute, backward (compute); weights,
+    recompute_weights, reload (h2d); grads, offload (d2h); nvme_write, nvme_read; optimizer (cpu).
+    ``index``: a layer (weights, grads, compute, optimizer) or a boundary (offload, reload);
+    -1 for the non-block parameters. ``after``: position in the window's op list of an op that
+    must finish before this one starts, or -1.
+    """
+
+    lane: str
+    kind: str
+    index: int
+    after: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    name: str
+    ops: tuple[Op, ...]
+
+
+def window_index(name: str, num_layers: int) -> int:
+    """Position of a window in one micro-batch's order (F0..F{L-1}, H, B{L-1}..B0, T)."""
+    if name == "H":
+        return num_layers
+    if name == "T":
+        return 2 * num_layers + 1
+    kind, layer = name[0], int(name[1:])
+    return layer if kind == "F" else 2 * num_layers - layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    num_layers: int
+    homes: tuple[str, ...]
+    keep_internals: tuple[bool, ...]
+    resident_weights: tuple[bool, ...]
+    offload_window: tuple[int | None, ...]
+    reload_window: tuple[int | None, ...]
+    backward_prefetch: bool = True
+    optimizer: str = "pipelined"
+    policy: str = ""
+    version: int = SCHEDULE_VERSION
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    # ---- validation ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        L = self.num_layers
+        if L < 1:
+            raise InvalidInput("schedule.num_layers", L, "must be >= 1")
+        for key, n in (("homes", L + 1), ("keep_internals", L), ("resident_weights", L),
+                       ("offload_window", L + 1), ("reload_window", L + 1)):
+            if len(getattr(self, key)) != n:
+                raise InvalidInput(f"schedule.{key}", len(getattr(self, key)), f"needs {n} entries")
+        for i, home in enumerate(self.homes):
+            if home not in HOMES:
+                raise InvalidInput(f"schedule.homes[{i}]", home, f"must be one of {HOMES}")
+        if self.homes[0] != "gpu" or self.homes[L] != "gpu":
+            raise InvalidInput("schedule.homes", (self.homes[0], self.homes[L]), "boundaries 0 and L must be 'gpu'")
+        if self.optimizer not in ("serial", "pipelined"):
+            raise InvalidInput("schedule.optimizer", self.optimizer, "must be 'serial' or 'pipelined'")
+        if self.version != SCHEDULE_VERSION:
+            raise InvalidInput("schedule.version", self.version, f"this code reads version {SCHEDULE_VERSION}")
+        nxt = self.next_materialised()
+        for j in range(L):
+            if self.keep_internals[j] and self.homes[j] != "gpu":
+                raise InvalidInput(f"schedule.keep_internals[{j}]", True, f"needs homes[{j}]='gpu', got {self.homes[j]!r}")
+        for s, e in self.recompute_blocks:
+            for j in range(s, e - 1):
+                if self.resident_weights[j]:
+                    raise InvalidInput(f"schedule.resident_weights[{j}]", True,
+                                       f"layer {j} is re-run in recompute block {(s, e)}")
+        for i, home in enumerate(self.homes):
+            off, rel = self.offload_window[i], self.reload_window[i]
+            if home in ("cpu", "nvme"):
+                if off is None or not i <= off <= L - 1:
+                    raise InvalidInput(f"schedule.offload_window[{i}]", off, f"must be in [{i}, {L - 1}]")
+                last = L if home == "cpu" else L - 1
+                first = nxt[i]  # must end before B{e-1}, i.e. run in B{t} with t >= e
+                if rel is None or not first <= rel <= last:
+                    raise InvalidInput(f"schedule.reload_window[{i}]", rel, f"must be in [{first}, {last}]")
+            elif off is not None or rel is not None:
+                raise InvalidInput(f"schedule.offload_window[{i}]", (off, rel), f"only cpu/nvme boundaries move, this is {home!r}")
+
+    # ---- derived structure --------------------------------------------------------------------
+    def next_materialised(self) -> list[int]:
+        """For each boundary i < L, the next materialised boundary above it (L for the last)."""
+        L = self.num_layers
+        out = [L] * (L + 1)
+        nxt = L
+        for i in range(L - 1, -1, -1):
+            out[i] = nxt
+            if self.homes[i] != "recompute":
+                nxt = i
+        return out
+
+    @property
+    def materialised(self) -> tuple[int, ...]:
+        return tuple(i for i, h in enumerate(self.homes) if h != "recompute")
+
+    @property
+    def recompute_blocks(self) -> tuple[tuple[int, int], ...]:
+        m = self.materialised
+        return tuple((s, e) for s, e in zip(m, m[1:]) if e - s >= 2)
+
+    def block_ending_at(self, e: int) -> tuple[int, int] | None:
+        for s, end in self.recompute_blocks:
+            if end == e:
+                return (s, end)
+        return None
+
+    def count_homes(self) -> dict[str, int]:
+        return {h: sum(1 for x in self.homes if x == h) for h in HOMES}
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Extra forward passes per micro-batch: block recompute plus local recompute."""
+        block = sum(e - 1 - s for s, e in self.recompute_blocks)
+        local = sum(1 for k in self.keep_internals if not k)
+        return block + local
+
+    # ---- windows and their ops (the transfer plan) -------------------------------------------
+    def window_names(self) -> list[str]:
+        L = self.num_layers
+        return [f"F{j}" for j in range(L)] + ["H"] + [f"B{t}" for t in range(L - 1, -1, -1)] + ["T"]
+
+    def windows(self, *, first_microbatch: bool = True, last_microbatch: bool = True) -> list[Window]:
+        """Every window's ops in issue order; the executor follows this list, the simulator times it.
+
+        ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
+        ``last_microbatch``: the T window follows; otherwise layer 0's grads go in the next F0.
+        """
+        L = self.num_layers
+        pipelined = self.optimizer == "pipelined"
+        out: list[Window] = []
+        for j in range(L):
+            ops: list[Op] = [Op("compute", "forward", j)]
+            if j == 0 and not first_microbatch:
+                ops.append(Op("d2h", "grads", 0))  # layer 0's grads of the previous micro-batch
+            for i in range(L + 1):
+                if self.homes[i] in ("cpu", "nvme") and self.offload_window[i] == j:
+                    ops.append(Op("d2h", "offload", i))
+                if self.homes[i] == "nvme" and self.offload_window[i] == j - 1:
+                    ops.append(Op("nvme_write", "offload", i))
+            if j + 1 < L:
+                if pipelined and first_microbatch:
+                    ops.append(Op("cpu", "optimizer", j + 1))
+                    ops.append(Op("h2d", "weights", j + 1, after=len(ops) - 1))
+                else:
+                    ops.append(Op("h2d", "weights", j + 1))
+            out.append(Window(f"F{j}", tuple(ops)))
+        ops = [Op("compute", "head", -1)]
+        for i in range(L + 1):
+            if self.homes[i] == "nvme" and self.offload_window[i] == L - 1:
+                ops.append(Op("nvme_write", "offload", i))
+        if self.backward_prefetch and not self.resident_weights[L - 1]:
+            ops.append(Op("h2d", "weights", L - 1))
+        ops += self._reload_ops(L)
+        out.append(Window("H", tuple(ops)))
+        for t in range(L - 1, -1, -1):
+            ops = []
+            fetch_here = not self.backward_prefetch and not self.resident_weights[t]
+            if fetch_here:
+                ops.append(Op("h2d", "weights", t))
+            dep = 0 if fetch_here else -1
+            block = self.block_ending_at(t + 1)
+            if block is not None:
+                for j in range(block[0], t):
+                    ops.append(Op("compute", "recompute", j, after=dep))
+                    ops.append(Op("h2d", "recompute_weights", j))
+            if not self.keep_internals[t]:
+                ops.append(Op("compute", "local_recompute", t, after=dep))
+            ops.append(Op("compute", "backward", t, after=dep))
+            if t + 1 < L:
+                ops.append(Op("d2h", "grads", t + 1))
+            if self.backward_prefetch and t >= 1 and not self.resident_weights[t - 1]:
+                ops.append(Op("h2d", "weights", t - 1))
+            ops += self._reload_ops(t)
+            out.append(Window(f"B{t}", tuple(ops)))
+        if last_microbatch:
+            # grads of layer 0 and of the non-block parameters -> host, then the optimizer; layer 0's
+            # fresh weights go back as soon as its update is done.
+            ops = [Op("d2h", "grads", 0), Op("d2h", "grads", -1)]
+            order = [-1, 0] if pipelined else [-1] + list(range(L))
+            for j in order:
+                ops.append(Op("cpu", "optimizer", j, after=1))
+            ops.append(Op("h2d", "weights", 0, after=3))  # op 3 is layer 0's update in both orders
+            out.append(Window("T", tuple(ops)))
+        return out
+
+    def _reload_ops(self, t: int) -> list[Op]:
+        ops = []
+        for i in range(self.num_layers + 1):
+            home = self.homes[i]
+            if home in ("cpu", "nvme") and self.reload_window[i] == t:
+                ops.append(Op("h2d", "reload", i))
+            if home == "nvme" and self.reload_window[i] == t - 1:
+                ops.append(Op("nvme_read", "reload", i))
+        return ops
+
+    # ---- serialisation ------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "policy": self.policy,
+            "num_layers": self.num_layers,
+            "homes": list(self.homes),
+            "keep_internals": list(self.keep_internals),
+            "resident_weights": list(self.resident_weights),
+            "offload_window": list(self.offload_window),
+            "reload_window": list(self.reload_window),
+            "backward_prefetch": self.backward_prefetch,
+            "optimizer": self.optimizer,
+            "recompute_blocks": [list(b) for b in self.recompute_blocks],
+            "home_counts": self.count_homes(),
+            "windows": [{"name": w.name, "ops": [[o.lane, o.kind, o.index, o.after] for o in w.ops]}
+                        for w in self.windows()],
+            "meta": self.meta,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Schedule:
+        version = data.get("version")
+        if version != SCHEDULE_VERSION:
+            raise InvalidInput("schedule.version", version, f"this code reads version {SCHEDULE_VERSION}")
+        return cls(num_layers=data["num_layers"], homes=tuple(data["homes"]),
+                   keep_internals=tuple(bool(k) for k in data["keep_internals"]),
+                   resident_weights=tuple(bool(r) for r in data["resident_weights"]),
+                   offload_window=tuple(data["offload_window"]), reload_window=tuple(data["reload_window"]),
+                   backward_prefetch=bool(data["backward_prefetch"]), optimizer=data["optimizer"],
+                   policy=data.get("policy", ""), meta=data.get("meta", {}))
+
+    @classmethod
+    def loads(cls, text: str) -> Schedule:
+        return cls.from_json(json.loads(text))

@@ -1,0 +1,223 @@
+"""Replay a ``Schedule`` on a ``Workload`` and ``Hardware``: timeline, memory curve, checks.
+
+Independent of the MILP: it derives every load and every tensor's lifetime from the schedule's
+window/op list, and raises ``InfeasibleSchedule`` on the first violated resource.
+
+Timing rule (the contract the MILP's algebra also encodes): windows run one after another; within
+a window each lane runs its ops in list order from the window's start, an op with ``after`` starts
+no earlier than that op's end, and the window ends when its last op ends.
+
+Memory rule: a tensor occupies the device in every window of its lifetime interval (window
+granularity, so the figure is the peak within the window). See ``_lifetimes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InfeasibleSchedule
+from .hardware import Hardware
+from .schedule import LANES, Op, Schedule, Window
+from .workload import Workload
+
+# Tensors smaller than this are not worth a memory-check failure (float noise).
+_TOL = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    window: str
+    lane: str
+    kind: str
+    index: int
+    start: float
+    end: float
+    bytes: float = 0.0
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    iteration_seconds: float
+    tokens_per_second: float
+    tflops: float
+    peak_gpu_bytes: float
+    peak_window: str
+    peak_cpu_bytes: float
+    nvme_bytes: float
+    exposed_transfer_seconds: float
+    compute_seconds: float
+    recompute_seconds: float
+    lane_bytes: dict[str, float]
+    window_seconds: dict[str, float]  # one micro-batch (the first), plus T
+    window_bytes: dict[str, float]  # device bytes per window
+    timeline: list[Segment] = field(default_factory=list)
+    memory_curve: list[tuple[float, float, float]] = field(default_factory=list)  # (start, end, bytes)
+
+    def predicted(self) -> dict:
+        """The ``predicted`` block of plan.json."""
+        return {
+            "iteration_seconds": self.iteration_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "tflops": self.tflops,
+            "peak_gpu_bytes": self.peak_gpu_bytes,
+            "peak_cpu_bytes": self.peak_cpu_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "exposed_transfer_seconds": self.exposed_transfer_seconds,
+        }
+
+
+def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
+    """(seconds, bytes) of one op."""
+    layers, A = wl.layers, wl.boundary_bytes
+    if op.lane == "compute":
+        if op.kind == "head":
+            return wl.head_seconds, 0.0
+        layer = layers[op.index]
+        return (layer.bwd_seconds if op.kind == "backward" else layer.fwd_seconds), 0.0
+    if op.lane == "cpu":
+        return (wl.nonblock_opt_seconds if op.index < 0 else layers[op.index].opt_seconds), 0.0
+    if op.kind in ("weights", "recompute_weights"):
+        nbytes = layers[op.index].param_bytes
+    elif op.kind == "grads":
+        nbytes = wl.nonblock_grad_bytes if op.index < 0 else layers[op.index].grad_bytes
+    else:  # offload / reload / nvme legs move a boundary
+        nbytes = A[op.index]
+    bandwidth = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
+                 "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}[op.lane]
+    if bandwidth <= 0:
+        raise InfeasibleSchedule(op.lane, f"the schedule uses the {op.lane} lane but the hardware has no bandwidth there")
+    return nbytes / bandwidth, nbytes
+
+
+def _run_window(window: Window, start: float, wl: Workload, hw: Hardware,
+                out: list[Segment], lane_bytes: dict[str, float]) -> tuple[float, float]:
+    """Place one window's ops; return (end time, compute seconds)."""
+    cursor = {lane: start for lane in LANES}
+    ends: list[float] = []
+    compute = 0.0
+    for op in window.ops:
+        seconds, nbytes = op_cost(op, wl, hw)
+        begin = cursor[op.lane]
+        if op.after >= 0:
+            begin = max(begin, ends[op.after])
+        end = begin + seconds
+        cursor[op.lane] = end
+        ends.append(end)
+        lane_bytes[op.lane] = lane_bytes.get(op.lane, 0.0) + nbytes
+        if op.lane == "compute":
+            compute += seconds
+        out.append(Segment(window.name, op.lane, op.kind, op.index, begin, end, nbytes))
+    return max([start] + ends), compute
+
+
+def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
+    """(first window, last window, bytes, what) of every non-static device tensor in a micro-batch.
+
+    Window indices: F{j}=j, H=L, B{t}=2L-t (see ``schedule.window_index``).
+    """
+    L, A, layers = s.num_layers, wl.boundary_bytes, wl.layers
+    nxt = s.next_materialised()
+    out: list[tuple[int, int, float, str]] = []
+    for i, home in enumerate(s.homes):
+        produced = max(i - 1, 0)  # boundary i is written by F{i-1} (boundary 0 by the embedding in F0)
+        consumed = 2 * L - i  # ... and last read by B{i} (boundary L by the head)
+        if home == "gpu":
+            out.append((produced, consumed, A[i], f"boundary {i} (gpu)"))
+        elif home in ("cpu", "nvme"):
+            out.append((produced, s.offload_window[i], A[i], f"boundary {i} before offload"))
+            out.append((2 * L - s.reload_window[i], consumed, A[i], f"boundary {i} reloaded"))
+        else:
+            out.append((produced, i, A[i], f"boundary {i} (forward)"))
+            out.append((2 * L - (nxt[i] - 1), consumed, A[i], f"boundary {i} (recomputed)"))
+    for j, layer in enumerate(layers):
+        if s.keep_internals[j]:
+            out.append((j, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals"))
+        if s.resident_weights[j]:
+            out.append((j, 2 * L - j, layer.param_bytes, f"layer {j} resident weights"))
+        out.append((j, j, layer.fwd_work_bytes, f"layer {j} forward work"))
+        saved = 0.0 if s.keep_internals[j] else layer.internal_bytes - A[j]
+        out.append((2 * L - j, 2 * L - j, saved + layer.bwd_work_bytes, f"layer {j} backward"))
+        if s.block_ending_at(j + 1) is not None:
+            out.append((2 * L - j, 2 * L - j, wl.max_param_bytes, f"recompute weight buffer B{j}"))
+    out.append((L, L, wl.head_work_bytes, "head work"))
+    return out
+
+
+def window_memory(s: Schedule, wl: Workload) -> list[float]:
+    """Device bytes in each window of one micro-batch (2L + 2 windows, T last)."""
+    n = 2 * s.num_layers + 2
+    level = [wl.static_gpu_bytes] * n
+    for first, last, nbytes, _ in _lifetimes(s, wl):
+        for w in range(first, last + 1):
+            level[w] += nbytes
+    return level
+
+
+def host_bytes(s: Schedule, wl: Workload) -> tuple[float, float]:
+    """(peak host bytes, NVMe bytes)."""
+    A = wl.boundary_bytes
+    cpu = sum(A[i] for i, h in enumerate(s.homes) if h == "cpu")
+    nvme = sum(A[i] for i, h in enumerate(s.homes) if h == "nvme")
+    bounce = 2 * max(A) if nvme > 0 else 0.0  # pinned staging for the file legs
+    return wl.host_static_bytes + cpu + bounce, nvme
+
+
+def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, check: bool = True) -> SimResult:
+    """Time one iteration (``grad_accum`` micro-batches + T) and check every resource."""
+    s, wl, hw = schedule, workload, hardware
+    if s.num_layers != wl.num_layers:
+        raise InfeasibleSchedule("shape", f"schedule has {s.num_layers} layers, workload {wl.num_layers}")
+    names = s.window_names()
+    mem = window_memory(s, wl)
+    peak_index = max(range(len(mem)), key=mem.__getitem__)
+    cpu_bytes, nvme_bytes = host_bytes(s, wl)
+    if check:
+        if mem[peak_index] > hw.gpu_memory_cap_bytes + _TOL:
+            raise InfeasibleSchedule(
+                "gpu_memory", f"window {names[peak_index]} needs {mem[peak_index] / 1e9:.2f} GB, "
+                f"cap is {hw.gpu_memory_cap_bytes / 1e9:.2f} GB", window=names[peak_index],
+                need_bytes=mem[peak_index], have_bytes=hw.gpu_memory_cap_bytes)
+        if cpu_bytes > hw.cpu_memory_bytes + _TOL:
+            raise InfeasibleSchedule("cpu_memory", f"needs {cpu_bytes / 1e9:.2f} GB of host memory, "
+                                     f"have {hw.cpu_memory_bytes / 1e9:.2f} GB", need_bytes=cpu_bytes,
+                                     have_bytes=hw.cpu_memory_bytes)
+        if nvme_bytes > hw.nvme_capacity_bytes + _TOL:
+            raise InfeasibleSchedule("nvme_capacity", f"needs {nvme_bytes / 1e9:.2f} GB on NVMe, "
+                                     f"have {hw.nvme_capacity_bytes / 1e9:.2f} GB", need_bytes=nvme_bytes,
+                                     have_bytes=hw.nvme_capacity_bytes)
+
+    timeline: list[Segment] = []
+    lane_bytes: dict[str, float] = {}
+    window_seconds: dict[str, float] = {}
+    curve: list[tuple[float, float, float]] = []
+    now = compute = exposed = 0.0
+    g = wl.grad_accum
+    for k in range(g):
+        for w, window in enumerate(s.windows(first_microbatch=k == 0, last_microbatch=k == g - 1)):
+            end, busy = _run_window(window, now, wl, hw, timeline, lane_bytes)
+            if k == 0 or window.name == "T":
+                window_seconds[window.name] = end - now
+            curve.append((now, end, mem[w]))
+            compute += busy
+            exposed += (end - now) - busy
+            now = end
+    recompute = g * sum(wl.layers[j].fwd_seconds for s_, e in s.recompute_blocks for j in range(s_, e - 1))
+    recompute += g * sum(wl.layers[j].fwd_seconds for j in range(s.num_layers) if not s.keep_internals[j])
+    tokens = wl.tokens * g
+    return SimResult(
+        iteration_seconds=now,
+        tokens_per_second=tokens / now,
+        tflops=6.0 * wl.total_params * tokens / now / 1e12,
+        peak_gpu_bytes=mem[peak_index],
+        peak_window=names[peak_index],
+        peak_cpu_bytes=cpu_bytes,
+        nvme_bytes=nvme_bytes,
+        exposed_transfer_seconds=exposed,
+        compute_seconds=compute,
+        recompute_seconds=recompute,
+        lane_bytes=lane_bytes,
+        window_seconds=window_seconds,
+        window_bytes=dict(zip(names, mem)),
+        timeline=timeline,
+        memory_curve=curve,
+    )

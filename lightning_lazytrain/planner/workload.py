@@ -1,0 +1,175 @@
+"""The numbers the planner works on: per-layer seconds and bytes for one micro-batch.
+
+A ``Workload`` is hardware-specific (times are seconds on that hardware). It is built analytically
+from (ModelSpec, TrainSpec, Hardware) or from measured numbers (``Workload.from_measured``; the
+engine's profiler fills it). Boundary ``i`` is the hidden state entering layer ``i``; boundary
+``L`` enters the head. Everything is bytes and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from .errors import InvalidInput
+from .hardware import Hardware
+from .model import DTYPE_BYTES, ModelSpec, TrainSpec, block_cost
+
+# Host bytes per parameter for the master copy and its fp32 gradient accumulator.
+HOST_MASTER_BYTES = 4
+HOST_GRAD_BYTES = 4
+STATE_BYTES_32 = 8.0  # exp_avg + exp_avg_sq in fp32
+STATE_BYTES_8 = 2.0 + 2 * 4 / 256  # two uint8 states + one fp32 absmax per 256-element block each
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerWork:
+    params: int
+    param_bytes: float  # weights streamed host -> device (compute dtype)
+    grad_bytes: float  # weight gradients streamed device -> host
+    fwd_seconds: float
+    bwd_seconds: float  # backward only; a local recompute adds fwd_seconds
+    internal_bytes: float  # saved activations incl. the input boundary
+    fwd_work_bytes: float
+    bwd_work_bytes: float
+    opt_seconds: float  # host optimizer update of this layer's parameters
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    layers: tuple[LayerWork, ...]
+    boundary_bytes: tuple[float, ...]  # L + 1 entries
+    head_seconds: float  # embedding fwd/bwd + final norm + LM head + loss, fwd and bwd
+    head_work_bytes: float  # logits chunk and its grad
+    nonblock_params: int
+    nonblock_gpu_bytes: float  # resident embedding/norm/head weights + their device grads
+    nonblock_grad_bytes: float  # their grads sent to the host once per micro-batch
+    nonblock_opt_seconds: float
+    host_static_bytes: float  # master params, grads and optimizer states on the host
+    tokens: int  # per micro-batch
+    grad_accum: int = 1
+    total_params: int  # for MegaTrain's TFLOPS convention (6 * N * tokens / time)
+    name: str = ""
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_param_bytes(self) -> float:
+        return max(layer.param_bytes for layer in self.layers)
+
+    @property
+    def weight_buffer_bytes(self) -> float:
+        """Two device buffers sized to the largest layer (double buffering)."""
+        return 2 * self.max_param_bytes
+
+    @property
+    def static_gpu_bytes(self) -> float:
+        """Device bytes present in every window: resident non-block weights/grads + weight buffers."""
+        return self.nonblock_gpu_bytes + self.weight_buffer_bytes
+
+    def validate(self) -> Workload:
+        if not self.layers:
+            raise InvalidInput("workload.layers", 0, "need at least one layer")
+        if len(self.boundary_bytes) != len(self.layers) + 1:
+            raise InvalidInput("workload.boundary_bytes", len(self.boundary_bytes),
+                               f"need num_layers + 1 = {len(self.layers) + 1} entries")
+        for j, layer in enumerate(self.layers):
+            for key, value in asdict(layer).items():
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise InvalidInput(f"workload.layers[{j}].{key}", value, "must be a finite number >= 0")
+        for key in ("head_seconds", "head_work_bytes", "nonblock_gpu_bytes", "nonblock_grad_bytes",
+                    "nonblock_opt_seconds", "host_static_bytes"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
+        if self.grad_accum < 1:
+            raise InvalidInput("workload.grad_accum", self.grad_accum, "must be >= 1")
+        return self
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Workload:
+        data = dict(data)
+        data["layers"] = tuple(LayerWork(**layer) for layer in data["layers"])
+        data["boundary_bytes"] = tuple(data["boundary_bytes"])
+        return cls(**data).validate()
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    # ---- constructors -------------------------------------------------------------------------
+    @classmethod
+    def from_measured(cls, *, fwd_seconds: list[float], bwd_seconds: list[float], params: list[int],
+                      param_bytes: list[float], grad_bytes: list[float], boundary_bytes: list[float],
+                      internal_bytes: list[float], fwd_work_bytes: list[float], bwd_work_bytes: list[float],
+                      opt_seconds: list[float], head_seconds: float, head_work_bytes: float,
+                      nonblock_params: int, nonblock_gpu_bytes: float, nonblock_grad_bytes: float,
+                      nonblock_opt_seconds: float, host_static_bytes: float, tokens: int, grad_accum: int = 1,
+                      name: str = "measured") -> Workload:
+        """Build from measured per-layer lists (the profiler's output)."""
+        n = len(fwd_seconds)
+        lists = dict(bwd_seconds=bwd_seconds, params=params, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                     internal_bytes=internal_bytes, fwd_work_bytes=fwd_work_bytes,
+                     bwd_work_bytes=bwd_work_bytes, opt_seconds=opt_seconds)
+        for key, values in lists.items():
+            if len(values) != n:
+                raise InvalidInput(key, len(values), f"need {n} entries (one per layer, like fwd_seconds)")
+        layers = tuple(
+            LayerWork(params=int(params[j]), param_bytes=float(param_bytes[j]), grad_bytes=float(grad_bytes[j]),
+                      fwd_seconds=float(fwd_seconds[j]), bwd_seconds=float(bwd_seconds[j]),
+                      internal_bytes=float(internal_bytes[j]), fwd_work_bytes=float(fwd_work_bytes[j]),
+                      bwd_work_bytes=float(bwd_work_bytes[j]), opt_seconds=float(opt_seconds[j]))
+            for j in range(n))
+        return cls(layers=layers, boundary_bytes=tuple(float(a) for a in boundary_bytes),
+                   head_seconds=head_seconds, head_work_bytes=head_work_bytes, nonblock_params=nonblock_params,
+                   nonblock_gpu_bytes=nonblock_gpu_bytes, nonblock_grad_bytes=nonblock_grad_bytes,
+                   nonblock_opt_seconds=nonblock_opt_seconds, host_static_bytes=host_static_bytes,
+                   tokens=tokens, grad_accum=grad_accum, total_params=sum(params) + nonblock_params,
+                   name=name).validate()
+
+    @classmethod
+    def analytic(cls, model: ModelSpec, train: TrainSpec, hardware: Hardware) -> Workload:
+        """Costs from shapes: FLOPs / (peak * efficiency), bytes from dtypes."""
+        model.validate()
+        train.validate()
+        hardware.validate()
+        cost = block_cost(model, train)
+        e = DTYPE_BYTES[train.dtype]
+        ge = DTYPE_BYTES[train.grad_dtype]
+        rate = hardware.flops_per_s
+        frac8 = train.eight_bit_fraction
+        opt_per_param = (1 - frac8) / hardware.cpu_adam_params_per_s + frac8 / hardware.cpu_adam8_params_per_s
+        layer = LayerWork(params=cost.params, param_bytes=cost.params * e, grad_bytes=cost.params * ge,
+                          fwd_seconds=cost.fwd_flops / rate, bwd_seconds=cost.bwd_flops / rate,
+                          internal_bytes=cost.internal_bytes, fwd_work_bytes=cost.fwd_work_bytes,
+                          bwd_work_bytes=cost.bwd_work_bytes, opt_seconds=cost.params * opt_per_param)
+        n_tok = train.tokens
+        nonblock = model.embedding_params + model.head_params
+        head_matmul = model.vocab * model.hidden  # LM head (tied or not, same FLOPs)
+        head_flops = 6.0 * n_tok * head_matmul  # fwd + bwd of the LM head; embedding lookup ~ free
+        chunk = min(train.loss_chunk_tokens, n_tok)
+        head_work = 2 * chunk * model.vocab * 4 + 2 * n_tok * model.hidden * e  # fp32 logits + grad, norm io
+        state_bytes = (1 - frac8) * STATE_BYTES_32 + frac8 * STATE_BYTES_8
+        host = (model.num_layers * cost.params * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + state_bytes)
+                + nonblock * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + STATE_BYTES_32))
+        return cls(
+            layers=(layer,) * model.num_layers,
+            boundary_bytes=(float(cost.boundary_bytes),) * (model.num_layers + 1),
+            head_seconds=head_flops / rate,
+            head_work_bytes=float(head_work),
+            nonblock_params=nonblock,
+            nonblock_gpu_bytes=float(nonblock * (e + ge)),
+            nonblock_grad_bytes=float(nonblock * ge),
+            nonblock_opt_seconds=nonblock / hardware.cpu_adam_params_per_s,
+            host_static_bytes=float(host),
+            tokens=n_tok,
+            grad_accum=train.grad_accum,
+            total_params=model.total_params,
+            name=f"{model.name}/b{train.micro_batch_size}x{train.seq_len}",
+        ).validate()
