@@ -1,0 +1,430 @@
+"""HybridAdamW: AdamW with per-parameter 8-bit or 32-bit states, fused clipping, pipelined step.
+
+* State bits per parameter come from :func:`assign_state_bits` (pure, logged, byte-accounted).
+* 8-bit states: bitsandbytes' blockwise kernel (CPU or CUDA), clip factor as ``gnorm_scale``.
+* 32-bit states: torch's fused AdamW kernel (default) or foreach math, clip factor fused in.
+* Global gradient norm: handed over per layer by the executor (:meth:`add_layer_sq_norm`,
+  :meth:`set_grad_sq_norms`) or one ``_foreach_norm`` pass. Non-finite norm -> the step is
+  skipped, nothing changes (not even the step counters), ``skipped_steps`` is incremented.
+* :meth:`step_pipelined` runs the same per-layer updates on a worker thread (see pipeline.py).
+
+Layers: each param group has a ``"layer"`` key (default: the group's index). The serial step
+updates layer by layer in group order; the pipelined step in the order the caller gives. All
+state initialisation happens in the constructor, so :meth:`state_bytes` reports the real figure
+before the first step and the worker never allocates states.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from .adamw32 import Impl32, adamw32_update, init_32bit_state
+from .assign import (
+    DEFAULT_MIN_8BIT_NUMEL,
+    EightBitPolicy,
+    StateBytes,
+    assign_state_bits,
+    log_assignment,
+)
+from .bnb8bit import adamw_8bit_update, check_8bit_state, init_8bit_state, make_qmaps, validate_block_size
+from .clip import ClipDecision, SqNormInbox, decide_clip, global_grad_norm, norm_from_sq_norms
+from .pipeline import LayerPipeline
+
+logger = logging.getLogger("lightning_lazytrain.optim")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _GroupHyper:
+    """A group's hyper-parameters, snapshot at step start (a scheduler may change the group
+    while a pipelined step is still running)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+@dataclass(kw_only=True, slots=True)
+class _StepPlan:
+    clip: ClipDecision
+    hyper: list[_GroupHyper]
+
+
+class HybridAdamW(Optimizer):
+    """AdamW (decoupled weight decay, torch semantics) with hybrid 8/32-bit states.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or param group
+            dicts (``"params"`` of either kind, optional ``"layer"``, per-group lr etc.). Names feed
+            the 8-bit policy; unnamed parameters are called ``"g<group>.p<index>"``.
+        eight_bit: "none" | "all" | fraction in (0, 1] | predicate ``(name, shape) -> bool``.
+        block_size: must be 256 (bitsandbytes' fixed block; anything else raises).
+        max_grad_norm: clip the global L2 gradient norm to this (None: no clipping).
+        min_8bit_numel: tensors smaller than this keep 32-bit states.
+        impl: 32-bit path, "fused" (torch's fused AdamW kernel) or "foreach".
+        skip_nonfinite: compute the norm even without clipping, to skip non-finite steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        eight_bit: EightBitPolicy = "none",
+        block_size: int = 256,
+        max_grad_norm: float | None = None,
+        min_8bit_numel: int = DEFAULT_MIN_8BIT_NUMEL,
+        impl: Impl32 = "fused",
+        skip_nonfinite: bool = True,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"invalid lr/eps/weight_decay: {lr}, {eps}, {weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas: {betas}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        if impl not in ("fused", "foreach"):
+            raise ValueError(f"impl must be 'fused' or 'foreach', got {impl!r}")
+        validate_block_size(block_size)
+        # Set before Optimizer.__init__, which calls our add_param_group for each group.
+        self.eight_bit = eight_bit
+        self.block_size = block_size
+        self.max_grad_norm = max_grad_norm
+        self.min_8bit_numel = min_8bit_numel
+        self.impl: Impl32 = impl
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        self.last_grad_norm = math.nan
+        self._ready = False
+        self._names: dict[torch.Tensor, str] = {}
+        self._name_set: set[str] = set()
+        self._bits: dict[torch.Tensor, int] = {}
+        self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layer_groups: dict[Hashable, list[int]] = {}
+        self._inbox = SqNormInbox()
+        self._inflight: LayerPipeline | None = None
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._ready = True
+        self._assign_and_init([p for g in self.param_groups for p in g["params"]])
+
+    # ----------------------------------------------------------------- groups, assignment, state
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group.setdefault("layer", len(self.param_groups))
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        names = group.get("param_names") or [f"g{gi}.p{i}" for i in range(len(group["params"]))]
+        for name, p in zip(names, group["params"]):
+            if name in self._name_set:
+                raise ValueError(f"duplicate parameter name {name!r}")
+            self._name_set.add(name)
+            self._names[p] = name
+        self._layer_groups.setdefault(group["layer"], []).append(gi)
+        if self._ready:  # groups added after construction get assigned on their own
+            self._assign_and_init(group["params"])
+
+    def _assign_and_init(self, params: Sequence[torch.Tensor]) -> None:
+        named = [(self._names[p], p) for p in params]
+        bits = assign_state_bits(named, self.eight_bit, min_8bit_numel=self.min_8bit_numel)
+        for name, p in named:
+            self._bits[p] = bits[name]
+            self.state[p] = self._fresh_state(p)
+        log_assignment(bits, self.state_bytes(), policy=self.eight_bit)
+
+    def _fresh_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self._bits[p] == 8:
+            if p.device not in self._qmaps:
+                self._qmaps[p.device] = make_qmaps(p.device)
+            return init_8bit_state(p, *self._qmaps[p.device])
+        return init_32bit_state(p)
+
+    @property
+    def assignment(self) -> dict[str, int]:
+        """``{parameter name: 8 or 32}`` as decided by :func:`assign_state_bits`."""
+        return {self._names[p]: b for p, b in self._bits.items()}
+
+    @property
+    def layers(self) -> list[Hashable]:
+        """Layer ids in param-group order (the serial step's order)."""
+        return list(self._layer_groups)
+
+    def state_bytes(self) -> StateBytes:
+        """Measured bytes of all optimizer-state tensors (shared qmaps counted once)."""
+        out = StateBytes(total=0)
+        seen_qmaps: set[tuple[torch.device, int]] = set()
+        for p, bits in self._bits.items():
+            nbytes = 0
+            for key, value in self.state[p].items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                size = value.numel() * value.element_size()
+                if key.startswith("qmap"):
+                    ident = (value.device, value.untyped_storage().data_ptr())
+                    if ident not in seen_qmaps:
+                        seen_qmaps.add(ident)
+                        out.qmap_bytes += size
+                else:
+                    nbytes += size
+            out.per_param[self._names[p]] = nbytes
+            out.numel += p.numel()
+            if bits == 8:
+                out.eight_bit_bytes += nbytes
+                out.eight_bit_numel += p.numel()
+            else:
+                out.full_bytes += nbytes
+        out.total = out.eight_bit_bytes + out.full_bytes + out.qmap_bytes
+        return out
+
+    # ----------------------------------------------------------------------- gradient norms
+    def add_layer_sq_norm(self, layer: Hashable, sq_norm: torch.Tensor | float) -> None:
+        """Hand over (part of) a layer's squared gradient norm; parts of one layer add up.
+
+        When any norm was handed over for a step, every layer with gradients must have one;
+        the step then uses them instead of the ``_foreach_norm`` pass.
+        """
+        if layer not in self._layer_groups:
+            raise KeyError(f"unknown layer {layer!r}; layers are {self.layers}")
+        self._inbox.add(layer, sq_norm)
+
+    def set_grad_sq_norms(
+        self, sq_norms: Mapping[Hashable, torch.Tensor | float] | Sequence[torch.Tensor | float]
+    ) -> None:
+        """Hand over all layers' squared norms at once (a sequence is indexed by layer id)."""
+        layers = sq_norms.keys() if isinstance(sq_norms, Mapping) else range(len(sq_norms))
+        unknown = [layer for layer in layers if layer not in self._layer_groups]
+        if unknown:
+            raise KeyError(f"unknown layers {unknown}; layers are {self.layers}")
+        self._inbox.replace(sq_norms)
+
+    def _global_norm(self) -> torch.Tensor | None:
+        handed = self._inbox.take()
+        with_grads = {
+            layer
+            for layer, gis in self._layer_groups.items()
+            if any(p.grad is not None for gi in gis for p in self.param_groups[gi]["params"])
+        }
+        if handed:
+            missing = with_grads - handed.keys()
+            if missing:
+                raise ValueError(
+                    f"squared gradient norms were handed over but not for layers {sorted(map(str, missing))}; "
+                    "hand over every layer's or none"
+                )
+            values = [v for layer in handed for v in handed[layer]]
+            device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+            return norm_from_sq_norms(values, device)
+        if self.max_grad_norm is None and not self.skip_nonfinite:
+            return None
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return global_grad_norm(grads)
+
+    # ------------------------------------------------------------------------------ stepping
+    def _prepare(self) -> _StepPlan:
+        decision = decide_clip(self._global_norm(), self.max_grad_norm)
+        self.last_grad_norm = decision.grad_norm
+        if decision.skip:
+            self.skipped_steps += 1
+            logger.warning(
+                "HybridAdamW: non-finite gradient norm (%s), step skipped; skipped_steps=%d",
+                decision.grad_norm,
+                self.skipped_steps,
+            )
+        hyper = [
+            _GroupHyper(
+                lr=float(g["lr"]),
+                beta1=float(g["betas"][0]),
+                beta2=float(g["betas"][1]),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+            )
+            for g in self.param_groups
+        ]
+        return _StepPlan(clip=decision, hyper=hyper)
+
+    def _update_layer(self, layer: Hashable, plan: _StepPlan) -> None:
+        scale = plan.clip.scale
+        for gi in self._layer_groups[layer]:
+            hp = plan.hyper[gi]
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in self.param_groups[gi]["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if self._bits[p] == 8:
+                    adamw_8bit_update(
+                        p, p.grad, state, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                        weight_decay=hp.weight_decay, gnorm_scale=scale,
+                    )
+                else:
+                    params.append(p)
+                    grads.append(p.grad)
+                    exp_avgs.append(state["exp_avg"])
+                    exp_avg_sqs.append(state["exp_avg_sq"])
+                    steps.append(state["step"])
+            adamw32_update(
+                params, grads, exp_avgs, exp_avg_sqs, steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+                eps=hp.eps, weight_decay=hp.weight_decay, scale=scale, scale_tensor=plan.clip.scale_tensor,
+                impl=self.impl,
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Serial step: every layer updated, in param-group order, before returning."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._wait_inflight()
+        plan = self._prepare()
+        if not plan.clip.skip:
+            for layer in self._layer_groups:
+                self._update_layer(layer, plan)
+        return loss
+
+    @torch.no_grad()
+    def step_pipelined(self, order: Sequence[Hashable] | None = None) -> LayerPipeline:
+        """Start a step whose per-layer updates run on a worker thread in ``order``.
+
+        The norm / clip / skip decision is made here, before returning. ``order`` must list every
+        layer exactly once (default: param-group order). Use ``handle.wait_updated(layer)`` before
+        reading a layer's weights. The next ``step``/``state_dict``/... waits for completion;
+        ``zero_grad`` is deferred per layer (see pipeline.py).
+        """
+        self._wait_inflight()
+        order = list(self._layer_groups) if order is None else list(order)
+        missing = set(self._layer_groups) - set(order)
+        unknown = [layer for layer in order if layer not in self._layer_groups]
+        if missing or unknown:
+            raise ValueError(f"order must list every layer exactly once: missing {missing}, unknown {unknown}")
+        plan = self._prepare()
+        skip = plan.clip.skip
+        cuda_devices = sorted({p.device for p in self._bits if p.device.type == "cuda"}, key=str)
+        pipe = LayerPipeline(
+            order,
+            (lambda layer: None) if skip else (lambda layer: self._update_layer(layer, plan)),
+            self._clear_layer_grads,
+            cuda_devices=cuda_devices,
+        )
+        self._inflight = pipe.start()
+        # What LRScheduler's wrapper of step() would record; it cannot see this entry point.
+        self._opt_called = True  # type: ignore[attr-defined]
+        return pipe
+
+    def _wait_inflight(self) -> None:
+        pipe, self._inflight = self._inflight, None
+        if pipe is not None:
+            pipe.wait_all()
+
+    def wait_step(self) -> None:
+        """Block until an in-flight pipelined step is complete (re-raising its error, if any)."""
+        self._wait_inflight()
+
+    def _clear_layer_grads(self, layer: Hashable, set_to_none: bool) -> None:
+        for gi in self._layer_groups[layer]:
+            for p in self.param_groups[gi]["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pipe = self._inflight
+        if pipe is not None and not pipe.done:
+            pipe.request_zero_grad(set_to_none)
+            return
+        self._wait_inflight()
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        self._wait_inflight()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`: 8-bit states, qmaps and block scales exactly as saved.
+
+        Tensors move to their parameter's device (CPU <-> CUDA) keeping their dtype (uint8 states
+        stay uint8 -- torch's default loader would cast them to the parameter's float dtype).
+        As with torch, a tensor already on the right device and dtype is adopted, not copied.
+        The 8/32-bit assignment must be the one the state was saved with.
+        """
+        self._wait_inflight()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        id_map: dict[Any, torch.Tensor] = {}
+        for group, saved in zip(self.param_groups, saved_groups):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+            if "param_names" in group and "param_names" in saved and list(group["param_names"]) != list(saved["param_names"]):
+                raise ValueError("loaded state dict names its parameters differently (different model or order)")
+            id_map.update(zip(saved["params"], group["params"]))
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_map:
+                raise ValueError(f"loaded state refers to unknown parameter id {pid}")
+            p = id_map[pid]
+            new_state[p] = self._load_param_state(p, saved_state)
+        for p in self._bits:  # parameters without saved state start fresh (torch: no state)
+            if p not in new_state:
+                new_state[p] = self._fresh_state(p)
+        self.state = defaultdict(dict, new_state)
+        for group, saved in zip(self.param_groups, saved_groups):
+            for key, value in saved.items():
+                if key not in ("params", "param_names", "layer"):
+                    group[key] = deepcopy(value)
+
+    def _load_param_state(self, p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
+        saved_bits = 8 if "state1" in saved else 32
+        if saved_bits != self._bits[p]:
+            raise ValueError(
+                f"saved state of {self._names[p]!r} is {saved_bits}-bit but this optimizer assigns it "
+                f"{self._bits[p]}-bit: construct it with the eight_bit policy the checkpoint was made with"
+            )
+        out: dict[str, Any] = {}
+        for key, value in saved.items():
+            if key == "step":
+                # Always a float32 CPU scalar (see adamw32.py), whatever device it was saved from.
+                out[key] = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu").clone().reshape(())
+            elif isinstance(value, torch.Tensor):
+                if saved_bits == 32 and value.is_floating_point():
+                    out[key] = value.detach().to(device=p.device, dtype=p.dtype)
+                else:
+                    out[key] = value.detach().to(device=p.device)
+            else:
+                out[key] = deepcopy(value)
+        if saved_bits == 8:
+            check_8bit_state(p, out)
+            out["qmap1"], out["qmap2"] = self._shared_qmaps(p.device, out["qmap1"], out["qmap2"])
+        elif out["exp_avg"].shape != p.shape or out["exp_avg_sq"].shape != p.shape:
+            raise ValueError(f"saved moments of {self._names[p]!r} do not match its shape {tuple(p.shape)}")
+        return out
+
+    def _shared_qmaps(
+        self, device: torch.device, qmap1: torch.Tensor, qmap2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Share one copy per device when the loaded maps equal ours; keep the loaded ones if not
+        (the states were quantised with them)."""
+        if device not in self._qmaps:
+            self._qmaps[device] = (qmap1, qmap2)
+        ours1, ours2 = self._qmaps[device]
+        return (ours1 if torch.equal(ours1, qmap1) else qmap1, ours2 if torch.equal(ours2, qmap2) else qmap2)
