@@ -4,13 +4,15 @@ simulator and the MILP. Pure Python (stdlib, pyomo, highspy) - it never imports 
 from .errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput, PlannerError
 from .hardware import Hardware
 from .model import BlockCost, ModelSpec, TrainSpec, block_cost
+from .milp import MilpOptions, SolveResult, solve
+from .plan import BatchSearch, PlanResult, diagnose, largest_batch, make_plan, search_batch
 from .policies import BASELINES, baseline, keep_all, megatrain, min_memory, recompute_all
 from .schedule import Op, Schedule, Window, window_index
 from .simulator import SimResult, simulate
 from .workload import LayerWork, Workload
 
 __all__ = [
-    "BASELINES", "BlockCost", "Hardware", "InfeasibleBudget", "InfeasibleSchedule", "InvalidInput", "LayerWork",
+    "BASELINES", "BatchSearch", "BlockCost", "MilpOptions", "PlanResult", "SolveResult", "diagnose", "largest_batch", "make_plan", "search_batch", "solve", "Hardware", "InfeasibleBudget", "InfeasibleSchedule", "InvalidInput", "LayerWork",
     "ModelSpec", "Op", "PlannerError", "Schedule", "SimResult", "TrainSpec", "Window", "Workload", "baseline",
     "block_cost", "keep_all", "megatrain", "min_memory", "recompute_all", "simulate", "window_index",
 ]

@@ -71,6 +71,7 @@ class SolveResult:
     solver: dict = field(default_factory=dict)
     simulated: SimResult | None = None
     seed_policy: str | None = None
+    violation: str | None = None  # what the simulator rejects (only possible with window_memory=False)
 
     def solver_json(self) -> dict:
         return {**self.solver, "mip_gap": self.mip_gap, "build_seconds": self.build_seconds,
@@ -454,10 +455,17 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **over
         res.solution_loader.load_vars()
         status = "optimal" if tc == TerminationCondition.optimal else "time_limit"
         schedule = model.extract()
-        sim = simulate(schedule, wl, hw)
+        sim = simulate(schedule, wl, hw, check=False)
+        violation = None
+        try:
+            simulate(schedule, wl, hw)
+        except InfeasibleSchedule as err:
+            if opt.window_memory:
+                raise  # the full model's constraints mirror the simulator's: this is a bug
+            violation = str(err)
         return SolveResult(schedule=schedule, status=status, objective=objective, bound=bound, mip_gap=gap,
                            build_seconds=build, solve_seconds=solve_s, solver=info, simulated=sim,
-                           seed_policy=seed[0].policy if seed else None)
+                           seed_policy=seed[0].policy if seed else None, violation=violation)
     if seed is not None:
         warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {seed[0].policy}", stacklevel=2)
         return SolveResult(schedule=seed[0], status="fallback", objective=None, bound=bound, mip_gap=None,

@@ -1,0 +1,199 @@
+"""The planner's front door: build the workload, solve (or apply a policy), compare with the
+baselines, diagnose infeasible inputs, search the micro-batch size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InfeasibleBudget, InfeasibleSchedule
+from .hardware import Hardware
+from .milp import MilpOptions, SolveResult, solve
+from .model import ModelSpec, TrainSpec
+from .policies import BASELINES, baseline, min_memory
+from .schedule import Schedule
+from .simulator import SimResult, simulate
+from .workload import Workload
+
+GB = 1e9
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    status: str
+    schedule: Schedule
+    sim: SimResult
+    workload: Workload
+    hardware: Hardware
+    solver: dict = field(default_factory=dict)
+    baselines: dict[str, SimResult | str] = field(default_factory=dict)  # name -> result or reason
+    baseline_schedules: dict[str, Schedule] = field(default_factory=dict)
+    model: ModelSpec | None = None
+    train: TrainSpec | None = None
+
+    def to_json(self) -> dict:
+        """The content of plan.json."""
+        base = {name: (r.predicted() if isinstance(r, SimResult) else {"infeasible": r})
+                for name, r in self.baselines.items()}
+        return {
+            "status": self.status,
+            "solver": self.solver,
+            "schedule": self.schedule.to_json(),
+            "predicted": self.sim.predicted(),
+            "baselines": base,
+            "hardware": self.hardware.name,
+            "model": self.model.name if self.model else self.workload.name,
+            "train": None if self.train is None else {
+                "micro_batch_size": self.train.micro_batch_size, "seq_len": self.train.seq_len,
+                "grad_accum": self.train.grad_accum, "dtype": self.train.dtype},
+        }
+
+    def rows(self) -> list[dict]:
+        """One row per schedule (this plan first) for the comparison table."""
+        out = [_row("plan (" + (self.schedule.policy or "milp") + ")", self.sim, self.schedule)]
+        for name, r in self.baselines.items():
+            out.append(_row(name, r, self.baseline_schedules.get(name)))
+        return out
+
+
+def _row(name: str, r: SimResult | str, s: Schedule | None) -> dict:
+    if not isinstance(r, SimResult):
+        return {"schedule": name, "infeasible": r}
+    counts = s.count_homes() if s is not None else {}
+    return {"schedule": name, "iteration_s": r.iteration_seconds, "tokens_per_s": r.tokens_per_second,
+            "tflops": r.tflops, "peak_gpu_gb": r.peak_gpu_bytes / GB, "exposed_s": r.exposed_transfer_seconds,
+            "homes": "/".join(f"{counts.get(h, 0)}" for h in ("gpu", "cpu", "nvme", "recompute"))}
+
+
+def evaluate_baselines(wl: Workload, hw: Hardware, K: int = 4) -> tuple[dict, dict]:
+    results: dict[str, SimResult | str] = {}
+    schedules: dict[str, Schedule] = {}
+    for name in BASELINES:
+        s = baseline(name, wl.num_layers, K)
+        schedules[name] = s
+        try:
+            results[name] = simulate(s, wl, hw)
+        except InfeasibleSchedule as err:
+            results[name] = str(err)
+    return results, schedules
+
+
+def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: TrainSpec | None = None,
+             options: MilpOptions | None = None) -> None:
+    """Raise ``InfeasibleBudget`` naming the short tier if no schedule can fit; return otherwise."""
+    if wl.host_static_bytes > hw.cpu_memory_bytes:
+        short = wl.host_static_bytes - hw.cpu_memory_bytes
+        raise InfeasibleBudget(
+            "cpu", short, f"master weights, gradients and optimizer states need {wl.host_static_bytes / GB:.1f} GB "
+            f"of host memory, {hw.name} has {hw.cpu_memory_bytes / GB:.1f} GB",
+            f"smallest host memory that works: {wl.host_static_bytes / GB:.1f} GB (8-bit optimizer states "
+            "shrink it: train.eight_bit_fraction=1.0)")
+    floor = wl.static_gpu_bytes
+    if floor > hw.gpu_memory_cap_bytes:
+        raise InfeasibleBudget(
+            "gpu", floor - hw.gpu_memory_cap_bytes,
+            f"resident non-block weights, their grads and two layer buffers need {floor / GB:.2f} GB before any "
+            f"activation, the cap is {hw.gpu_memory_cap_bytes / GB:.2f} GB",
+            f"smallest GPU budget that works: above {floor / GB:.2f} GB")
+    tight = simulate(min_memory(wl.num_layers), wl, hw, check=False)
+    if tight.peak_gpu_bytes > hw.gpu_memory_cap_bytes:
+        hint = ""
+        if model is not None and train is not None:
+            best = largest_batch(model, train, hw)
+            hint = (f"largest micro-batch that fits: {best}; " if best else "no micro-batch fits; ")
+        raise InfeasibleBudget(
+            "gpu", tight.peak_gpu_bytes - hw.gpu_memory_cap_bytes,
+            f"even with every activation on the host the peak is {tight.peak_gpu_bytes / GB:.2f} GB "
+            f"(window {tight.peak_window}), the cap is {hw.gpu_memory_cap_bytes / GB:.2f} GB",
+            hint + f"smallest GPU budget for this batch: {tight.peak_gpu_bytes / GB:.2f} GB")
+    cpu_need = tight.peak_cpu_bytes
+    if cpu_need > hw.cpu_memory_bytes and not hw.has_nvme:
+        # the min-memory schedule puts every boundary on the host; maybe recompute fits instead
+        return
+
+
+def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy: str = "milp",
+              options: MilpOptions | None = None, K: int = 4, workload: Workload | None = None) -> PlanResult:
+    """Plan one run. ``policy``: milp | megatrain | keep_all | recompute_all."""
+    wl = workload or Workload.analytic(model, train, hardware)
+    diagnose(wl, hardware, model, train, options)
+    results, schedules = evaluate_baselines(wl, hardware, K)
+    if policy == "milp":
+        sol: SolveResult = solve(wl, hardware, options)
+        schedule, sim, status, solver = sol.schedule, sol.simulated, sol.status, sol.solver_json()
+    else:
+        schedule = baseline(policy, wl.num_layers, K)
+        sim = simulate(schedule, wl, hardware)  # raises InfeasibleSchedule naming the resource
+        status, solver = "policy", {"name": "none", "policy": schedule.policy}
+    return PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,
+                      baselines=results, baseline_schedules=schedules, model=model, train=train)
+
+
+def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
+    """Does any schedule of the executor fit (the min-memory schedule is the floor)?"""
+    wl = Workload.analytic(model, train, hw)
+    if wl.host_static_bytes > hw.cpu_memory_bytes or wl.static_gpu_bytes > hw.gpu_memory_cap_bytes:
+        return False
+    tight = simulate(min_memory(wl.num_layers), wl, hw, check=False)
+    return tight.peak_gpu_bytes <= hw.gpu_memory_cap_bytes and tight.peak_cpu_bytes <= hw.cpu_memory_bytes
+
+
+def largest_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
+    """Largest micro-batch for which some schedule fits (0 if none). Memory grows with the batch."""
+    lo, hi = 0, 1
+    while hi <= upper and fits(model, train.replace(micro_batch_size=hi), hw):
+        lo, hi = hi, hi * 2
+    hi = min(hi, upper + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(model, train.replace(micro_batch_size=mid), hw):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def largest_batch_for(schedule_fn, model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
+    """Largest micro-batch for which the fixed policy ``schedule_fn(L)`` fits."""
+    def ok(b: int) -> bool:
+        wl = Workload.analytic(model, train.replace(micro_batch_size=b), hw)
+        try:
+            simulate(schedule_fn(wl.num_layers), wl, hw)
+            return True
+        except InfeasibleSchedule:
+            return False
+    lo, hi = 0, 1
+    while hi <= upper and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, upper + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(kw_only=True)
+class BatchSearch:
+    largest_feasible: int
+    best_throughput: int
+    table: list[dict]  # micro_batch_size, tokens_per_s, iteration_s, status
+
+
+def search_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, options: MilpOptions | None = None,
+                 candidates: list[int] | None = None) -> BatchSearch:
+    """``micro_batch_size: auto``: the largest feasible batch, and the one with the best predicted tokens/s
+    among ``candidates`` (default: powers of two and the largest, solved with the MILP)."""
+    top = largest_batch(model, train, hw)
+    if top == 0:
+        diagnose(Workload.analytic(model, train.replace(micro_batch_size=1), hw), hw, model, train)
+        raise InfeasibleBudget("gpu", 0.0, "no micro-batch size fits", "")
+    if candidates is None:
+        candidates = sorted({b for b in (2**p for p in range(13)) if b < top} | {top})
+    table = []
+    for b in candidates:
+        if b > top:
+            continue
+        result = make_plan(model, train.replace(micro_batch_size=b), hw, options=options)
+        table.append({"micro_batch_size": b, "tokens_per_s": result.sim.tokens_per_second,
+                      "iteration_s": result.sim.iteration_seconds, "status": result.status})
+    best = max(table, key=lambda row: row["tokens_per_s"])["micro_batch_size"]
+    return BatchSearch(largest_feasible=top, best_throughput=best, table=table)
