@@ -1,0 +1,295 @@
+"""Activation store: boundary activations kept on GPU, CPU or NVMe.
+
+The planner decides, per block boundary, where the boundary activation lives
+between the forward and the backward pass (or that it is recomputed, which is
+not the store's business). The executor then calls
+
+    offload(key, x, tier)   # forward: hand the activation over
+    prefetch(key)           # backward, ahead of time: start bringing it back
+    get(key)                # backward: the device tensor (waits / stream-syncs)
+    free(key)               # done with it
+    end_step()              # drop everything, delete this step's spill files
+
+Data paths (the same on the CPU backend, so the emulated timeline matches):
+
+    GPU : keep the tensor (no copy)
+    CPU : d2h into a host buffer            ... h2d back into a fresh device buffer
+    NVMe: d2h into a staging buffer, write  ... read into a staging buffer, h2d back
+
+Host buffers come from a pool of page-aligned (pinned on CUDA) byte buffers,
+rounded to 4 KiB so O_DIRECT can use them without a bounce copy.
+
+Accounting: ``device_bytes`` counts device memory the store is responsible
+for: GPU-tier tensors, sources of offloads still in flight, and prefetched
+copies. ``peak_device_bytes`` is its high-water mark (reset with
+``reset_peak()``); per-lane bytes come from the copy engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, DoneHandle, make_copy_engine, nbytes_of
+from lightning_lazytrain.engine.nvme import ALIGN, SpillDir
+
+__all__ = ["ActivationStore", "HostBufferPool", "Tier"]
+
+
+class Tier(str, Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+
+    @classmethod
+    def parse(cls, tier: object) -> Tier:
+        """Accept a Tier, a string, or any enum whose name/value is gpu/cpu/nvme."""
+        if isinstance(tier, Tier):
+            return tier
+        raw = getattr(tier, "value", tier)
+        for cand in (raw, getattr(tier, "name", None)):
+            if isinstance(cand, str) and cand.lower() in cls._value2member_map_:
+                return cls(cand.lower())
+        raise ValueError(f"unknown activation tier {tier!r}; expected one of gpu, cpu, nvme")
+
+
+class HostBufferPool:
+    """Reusable host byte buffers: 4 KiB aligned, sizes rounded up to 4 KiB, pinned if asked."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.bytes_reserved = 0
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        bucket = self._free.get(size)
+        if bucket:
+            return bucket.pop()
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        off = (-raw.data_ptr()) % ALIGN
+        self.bytes_reserved += size + ALIGN
+        return raw[off : off + size]  # the view keeps `raw` alive
+
+    def put(self, buf: torch.Tensor) -> None:
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.bytes_reserved = 0
+
+
+def _typed(buf: torch.Tensor, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    return buf[:nbytes].view(dtype).view(shape)
+
+
+@dataclass(eq=False)
+class _Entry:
+    tier: Tier
+    shape: torch.Size
+    dtype: torch.dtype
+    nbytes: int
+    device: torch.Tensor | None = None  # GPU-tier tensor or prefetched copy (counted)
+    src: torch.Tensor | None = None  # offload source, counted until `offload` is done
+    host: torch.Tensor | None = None  # CPU tier: pooled buffer holding the bytes
+    staging: list[torch.Tensor] | None = None  # NVMe: pooled buffers in flight
+    path: Path | None = None
+    offload: CopyHandle | None = None  # CPU: the d2h; NVMe: the file write
+    prefetch: CopyHandle | None = None
+
+    def handles(self) -> list[CopyHandle]:
+        return [h for h in (self.offload, self.prefetch) if h is not None]
+
+
+class ActivationStore:
+    """Tensors keyed by id (e.g. boundary index) on three tiers; see module doc."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        copy_engine: CopyEngine | None = None,
+        nvme_dir: str | os.PathLike[str] | None = None,
+        *,
+        nvme_required_bytes: int = 0,
+        direct_io: bool | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self._own_engine = copy_engine is None
+        self.engine = copy_engine if copy_engine is not None else make_copy_engine(self.device)
+        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.pool = HostBufferPool(pin)
+        self.spill: SpillDir | None = (
+            SpillDir(nvme_dir, nvme_required_bytes, direct=direct_io) if nvme_dir is not None else None
+        )
+        self._entries: dict[Hashable, _Entry] = {}
+        self._device_bytes = 0
+        self._peak = 0
+        self._closed = False
+
+    # ---- accounting ------------------------------------------------------
+    def _count(self, n: int) -> None:
+        self._device_bytes += n
+        self._peak = max(self._peak, self._device_bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        self._reap()
+        return self._device_bytes
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._reap()
+        self._peak = self._device_bytes
+
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        return self.engine.bytes_moved
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.tier is Tier.NVME)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tier_of(self, key: Hashable) -> Tier:
+        return self._entries[key].tier
+
+    def _reap(self) -> None:
+        """Release what finished copies no longer need (sources, staging buffers)."""
+        for e in self._entries.values():
+            if e.src is not None and e.offload is not None and e.offload.done():
+                e.src = None
+                self._count(-e.nbytes)
+            if e.staging and all(h.done() for h in e.handles()):
+                for buf in e.staging:
+                    self.pool.put(buf)
+                e.staging = None
+
+    # ---- API -------------------------------------------------------------
+    def offload(self, key: Hashable, tensor: torch.Tensor, tier: Tier | str) -> CopyHandle:
+        """Hand ``tensor`` (detached) to the store on ``tier``; the handle finishes when it is there."""
+        self._check_open()
+        if key in self._entries:
+            raise KeyError(f"activation {key!r} is already stored; free({key!r}) it first")
+        t = tensor.detach()
+        tier = Tier.parse(tier)
+        n = nbytes_of(t)
+        e = _Entry(tier, t.shape, t.dtype, n)
+        self._reap()
+        if tier is Tier.GPU:
+            e.device = t
+            e.offload = DoneHandle("d2h")
+        elif tier is Tier.CPU:
+            e.host = self.pool.get(n)
+            e.src = t
+            e.offload = self.engine.d2h(_typed(e.host, t.shape, t.dtype, n), t, tag=f"act:{key}")
+        else:
+            spill = self._require_spill()
+            staging = self.pool.get(n)
+            e.src, e.staging, e.path = t, [staging], spill.file(key)
+            d2h = self.engine.d2h(_typed(staging, t.shape, t.dtype, n), t, tag=f"act:{key}")
+            # The whole padded, aligned buffer goes to disk: O_DIRECT needs no bounce copy.
+            e.offload = self.engine.nvme_write(e.path, staging, direct=spill.direct, after=[d2h], tag=f"act:{key}")
+        self._count(n)
+        self._entries[key] = e
+        return e.offload
+
+    def prefetch(self, key: Hashable) -> CopyHandle:
+        """Start bringing ``key`` back to the device (idempotent)."""
+        self._check_open()
+        e = self._entries[key]
+        if e.tier is Tier.GPU:
+            return e.offload or DoneHandle()
+        if e.prefetch is not None:
+            return e.prefetch
+        self._reap()
+        assert e.offload is not None
+        dst = self.engine.new_device_buffer(e.shape, e.dtype, self.device)
+        tag = f"act:{key}"
+        if e.tier is Tier.CPU:
+            assert e.host is not None
+            src = _typed(e.host, e.shape, e.dtype, e.nbytes)
+            e.prefetch = self.engine.h2d(dst, src, after=[e.offload], tag=tag)
+        else:
+            spill = self._require_spill()
+            assert e.path is not None
+            staging = self.pool.get(e.nbytes)
+            e.staging = [*(e.staging or []), staging]
+            read = self.engine.nvme_read(e.path, staging, direct=spill.direct, after=[e.offload], tag=tag)
+            src = _typed(staging, e.shape, e.dtype, e.nbytes)
+            e.prefetch = self.engine.h2d(dst, src, after=[read], tag=tag)
+        e.device = dst
+        self._count(e.nbytes)
+        return e.prefetch
+
+    def get(self, key: Hashable) -> torch.Tensor:
+        """The activation on the device; prefetches if needed and makes compute wait for it."""
+        e = self._entries[key]
+        handle = self.prefetch(key)
+        handle.sync_current_stream()
+        assert e.device is not None
+        return e.device
+
+    def free(self, key: Hashable) -> None:
+        """Forget ``key``: waits for its copies in flight, recycles buffers, deletes its file."""
+        e = self._entries.pop(key)
+        for h in e.handles():
+            h.wait()
+        counted = (e.device is not None) + (e.src is not None)
+        self._count(-e.nbytes * counted)
+        for buf in [*(e.staging or []), *([e.host] if e.host is not None else [])]:
+            self.pool.put(buf)
+        if e.path is not None:
+            try:
+                e.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def end_step(self) -> None:
+        """Free every activation and delete all of this process's spill files."""
+        for key in list(self._entries):
+            self.free(key)
+        if self.spill is not None:
+            self.spill.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.end_step()
+        finally:
+            self._closed = True
+            if self._own_engine:
+                self.engine.close()
+            if self.spill is not None:
+                self.spill.close()
+            self.pool.clear()
+
+    def __enter__(self) -> ActivationStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers ---------------------------------------------------------
+    def _require_spill(self) -> SpillDir:
+        if self.spill is None:
+            raise ValueError("the NVMe tier needs a spill directory: ActivationStore(..., nvme_dir=...)")
+        return self.spill
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("activation store is closed")

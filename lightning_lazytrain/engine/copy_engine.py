@@ -1,0 +1,400 @@
+"""Copy engine: one interface for every byte the engine moves.
+
+Four lanes, each FIFO: ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and
+``nvme_write`` (host <-> spill files). Every copy returns a :class:`CopyHandle`
+(``wait()`` / ``done()``), bumps a per-lane byte counter and, once finished,
+leaves a :class:`CopyRecord` with perf_counter start/end times, so a step's
+measured transfer timeline can be compared with the planner's model.
+
+Backends (pick with :func:`make_copy_engine`):
+
+* CUDA (``copy_cuda.py``): dedicated H2D and D2H streams, events, pinned memory.
+* CPU  (``copy_cpu.py``): one worker thread per lane. Optional link emulation
+  (:class:`LinkSpec`) makes a copy of n bytes take ``latency + n / bandwidth``
+  wall time, so overlap and ordering can be tested without a GPU.
+
+The NVMe lanes are worker threads in both backends (file I/O is a host thing);
+the file format and O_DIRECT handling live in ``nvme.py``.
+
+Dependencies: every copy takes ``after=`` handles that must finish before it
+starts. Within one lane the order is the submission order.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "LANES",
+    "CopyEngine",
+    "CopyError",
+    "CopyHandle",
+    "CopyRecord",
+    "DoneHandle",
+    "Lane",
+    "LinkSpec",
+    "ThreadHandle",
+    "make_copy_engine",
+    "nbytes_of",
+]
+
+Lane = Literal["h2d", "d2h", "nvme_read", "nvme_write"]
+LANES: tuple[Lane, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """An emulated link: a copy of n bytes takes ``latency_s + n / bandwidth``."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+
+    def duration_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class CopyRecord:
+    """One finished copy on the measured timeline (times from time.perf_counter)."""
+
+    lane: Lane
+    nbytes: int
+    start: float
+    end: float
+    tag: str | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class CopyError(RuntimeError):
+    """A copy failed; raised from ``CopyHandle.wait()`` (the cause is chained)."""
+
+
+class CopyHandle(ABC):
+    """A copy in flight."""
+
+    lane: Lane
+    nbytes: int
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block the calling thread until the copy has finished (raises CopyError on failure)."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy has finished (successfully or not); never blocks."""
+
+    def sync_current_stream(self) -> None:
+        """Make the current compute stream wait for this copy.
+
+        On CPU there is no stream, so this is ``wait()``; the CUDA backend
+        overrides it with a non-blocking ``stream.wait_event``.
+        """
+        self.wait()
+
+
+class ThreadHandle(CopyHandle):
+    """Completed by a worker thread (CPU lanes, NVMe lanes)."""
+
+    def __init__(self, lane: Lane, nbytes: int, keep: tuple[Any, ...] = ()) -> None:
+        self.lane = lane
+        self.nbytes = nbytes
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[[ThreadHandle], None]] = []
+        # References that must outlive the copy (source and destination tensors).
+        self._keep: tuple[Any, ...] | None = keep
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._exc = exc
+            self._keep = None
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def add_done_callback(self, fn: Callable[[ThreadHandle], None]) -> None:
+        """Run ``fn(handle)`` when done: in the finishing thread, or now if already done."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    @property
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._exc is not None:
+            raise CopyError(f"{self.lane} copy of {self.nbytes} bytes failed: {self._exc!r}") from self._exc
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+
+class DoneHandle(ThreadHandle):
+    """An already finished no-op (e.g. 'compute is done' on CPU, a GPU-tier offload)."""
+
+    def __init__(self, lane: Lane = "h2d", nbytes: int = 0) -> None:
+        super().__init__(lane, nbytes)
+        self._finish()
+
+
+_Job = tuple[ThreadHandle, Callable[[], None], Sequence[CopyHandle], str | None]
+
+
+class LaneWorker:
+    """One thread executing the copies of one lane in FIFO order."""
+
+    def __init__(self, engine: CopyEngine, lane: Lane, link: LinkSpec | None) -> None:
+        self.engine = engine
+        self.lane = lane
+        self.link = link
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"lazytrain-{lane}", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        nbytes: int,
+        fn: Callable[[], None],
+        after: Sequence[CopyHandle],
+        tag: str | None,
+        keep: tuple[Any, ...],
+    ) -> ThreadHandle:
+        handle = ThreadHandle(self.lane, nbytes, keep)
+        self._queue.put((handle, fn, tuple(after), tag))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            handle, fn, after, tag = job
+            del job
+            try:
+                for dep in after:
+                    dep.wait()
+                start = time.perf_counter()
+                fn()
+                if self.link is not None:
+                    # Emulated link: the real copy already happened; sleep for
+                    # whatever is left of latency + n / bandwidth.
+                    remaining = start + self.link.duration_s(handle.nbytes) - time.perf_counter()
+                    if remaining > 0:
+                        time.sleep(remaining)
+                end = time.perf_counter()
+                self.engine._add_record(CopyRecord(self.lane, handle.nbytes, start, end, tag))
+            except BaseException as e:  # noqa: BLE001 - delivered to the waiter
+                handle._finish(e)
+            else:
+                handle._finish()
+            finally:
+                del fn, after, handle
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+class CopyEngine(ABC):
+    """Backend-independent part: counters, records, NVMe lanes, bookkeeping."""
+
+    kind: str = "abstract"
+
+    def __init__(self, links: Mapping[str, LinkSpec] | None = None) -> None:
+        links = dict(links or {})
+        unknown = set(links) - set(LANES)
+        if unknown:
+            raise ValueError(f"unknown lane(s) {sorted(unknown)} in links; lanes are {LANES}")
+        self.links: dict[str, LinkSpec] = links
+        self._stats_lock = threading.Lock()
+        self._bytes: dict[str, int] = dict.fromkeys(LANES, 0)
+        self._count: dict[str, int] = dict.fromkeys(LANES, 0)
+        self._records: list[CopyRecord] = []
+        self._pending: list[CopyHandle] = []
+        self._closed = False
+        self._nvme_workers: dict[str, LaneWorker] = {
+            lane: LaneWorker(self, lane, links.get(lane)) for lane in ("nvme_read", "nvme_write")
+        }
+
+    # ---- statistics -------------------------------------------------------
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes submitted per lane since the last reset_stats()."""
+        with self._stats_lock:
+            return dict(self._bytes)
+
+    @property
+    def copies(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._count)
+
+    def records(self) -> list[CopyRecord]:
+        """Finished copies, ordered by start time."""
+        with self._stats_lock:
+            return sorted(self._records, key=lambda r: r.start)
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._bytes = dict.fromkeys(LANES, 0)
+            self._count = dict.fromkeys(LANES, 0)
+            self._records = []
+
+    def _add_record(self, record: CopyRecord) -> None:
+        with self._stats_lock:
+            self._records.append(record)
+
+    def _track(self, handle: CopyHandle) -> CopyHandle:
+        with self._stats_lock:
+            self._bytes[handle.lane] += handle.nbytes
+            self._count[handle.lane] += 1
+            self._pending = [h for h in self._pending if not h.done()]
+            self._pending.append(handle)
+        return handle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("copy engine is closed")
+
+    # ---- copies -----------------------------------------------------------
+    @abstractmethod
+    def h2d(
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None
+    ) -> CopyHandle:
+        """Copy host ``src`` into device ``dst`` (shapes must match; dtypes may differ)."""
+
+    @abstractmethod
+    def d2h(
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None
+    ) -> CopyHandle:
+        """Copy device ``src`` into host ``dst``. Ordered after work already queued on the compute stream."""
+
+    def nvme_write(
+        self,
+        path: str | os.PathLike[str],
+        src: torch.Tensor,
+        *,
+        direct: bool = False,
+        after: Iterable[CopyHandle] = (),
+        tag: str | None = None,
+    ) -> CopyHandle:
+        """Write the bytes of host tensor ``src`` to ``path`` (overwriting it)."""
+        from lightning_lazytrain.engine.nvme import write_tensor
+
+        self._check_open()
+        if src.device.type != "cpu":
+            raise ValueError(f"nvme_write needs a host tensor, got one on {src.device}")
+        fpath = os.fspath(path)
+        worker = self._nvme_workers["nvme_write"]
+        h = worker.submit(nbytes_of(src), lambda: write_tensor(fpath, src, direct=direct), list(after), tag, (src,))
+        return self._track(h)
+
+    def nvme_read(
+        self,
+        path: str | os.PathLike[str],
+        dst: torch.Tensor,
+        *,
+        direct: bool = False,
+        after: Iterable[CopyHandle] = (),
+        tag: str | None = None,
+    ) -> CopyHandle:
+        """Fill host tensor ``dst`` (contiguous) with the first bytes of ``path``."""
+        from lightning_lazytrain.engine.nvme import read_tensor
+
+        self._check_open()
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            raise ValueError("nvme_read needs a contiguous host tensor as destination")
+        fpath = os.fspath(path)
+        worker = self._nvme_workers["nvme_read"]
+        h = worker.submit(nbytes_of(dst), lambda: read_tensor(fpath, dst, direct=direct), list(after), tag, (dst,))
+        return self._track(h)
+
+    def record_compute(self) -> CopyHandle:
+        """A handle that finishes when the work queued so far on the compute stream has.
+
+        Pass it as ``after=`` to a copy that overwrites a buffer compute may still read.
+        On CPU, compute is synchronous, so this is already done.
+        """
+        return DoneHandle()
+
+    def new_device_buffer(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        """A fresh device tensor that is safe to fill with ``h2d`` (see copy_cuda.py)."""
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def synchronize(self) -> None:
+        """Wait for every copy submitted so far (re-raises the first failure)."""
+        with self._stats_lock:
+            pending, self._pending = self._pending, []
+        for h in pending:
+            h.wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._closed = True
+            self._close_workers()
+
+    def _close_workers(self) -> None:
+        for w in self._nvme_workers.values():
+            w.close()
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_copy_engine(
+    device: torch.device | str,
+    links: Mapping[str, LinkSpec] | None = None,
+    *,
+    timeline: bool = True,
+) -> CopyEngine:
+    """The copy engine for ``device``: CUDA streams for a CUDA device, threads otherwise.
+
+    ``links`` emulates lanes on the CPU backend; with CUDA only the NVMe lanes
+    can be emulated (the PCIe lanes are real). ``timeline`` enables CUDA event
+    timing for per-copy records (small overhead).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        from lightning_lazytrain.engine.copy_cuda import CudaCopyEngine
+
+        return CudaCopyEngine(dev, links, timeline=timeline)
+    from lightning_lazytrain.engine.copy_cpu import ThreadCopyEngine
+
+    return ThreadCopyEngine(links)

@@ -1,0 +1,354 @@
+"""Parameter store: fp32 master weights on the host, streamed compute copies on the device.
+
+Layout
+    Every parameter of the model is a *master* in fp32 on the host. Parameters
+    are grouped per block (group ``i`` = block ``i``) plus one group ``REST``
+    (embeddings, final norm, head: everything outside the block stack). Each
+    group is packed into one flat host buffer (pinned when the device is CUDA)
+    and the module's own ``param.data`` is re-pointed to views into it, so the
+    optimizer keeps updating the module's parameters and a group is one
+    contiguous H2D. Each group also has a flat fp32 host gradient buffer; the
+    masters' ``.grad`` are views into it and accumulate across micro-batches.
+
+Compute copies
+    Blocks are staged (``stage``) into one of ``num_slots`` (default 2: double
+    buffering) flat device buffers in the compute dtype; REST has its own
+    resident device buffer. ``bind`` temporarily replaces the entries of the
+    owning modules' ``_parameters`` with fresh leaf ``nn.Parameter`` views of
+    that device buffer, so ``block(...)`` / ``model(...)`` run unchanged.
+
+Why swap ``_parameters`` entries rather than ``param.data`` or functional_call?
+    * Swapping ``param.data`` would alias master and compute copy: autograd
+      would write compute-dtype device grads into the master's ``.grad``
+      (which must stay host fp32), and the master could not be updated while
+      a block is bound.
+    * ``torch.func.functional_call`` does the same swap internally, but only
+      around one call; a context manager also works when the executor drives
+      the whole model's forward or uses hooks.
+    The wrappers' ``.grad`` are pre-set to views of a flat device grad buffer,
+    so autograd accumulates in place into it (AccumulateGrad does ``grad +=``
+    when a grad exists) and one D2H moves a block's grads. Tied parameters
+    get one wrapper installed at every site, so their grads are summed.
+
+Note: [slot reuse] Staging into a slot overwrites weights the previous
+    occupant's kernels may still read: ``bind`` records a compute event on exit
+    and the next ``stage`` into that slot waits for it (``after=``). Run the
+    block's backward inside ``bind`` (or call ``release`` after it) for that
+    event to cover the backward kernels too.
+
+Note: [grad write-back ordering] ``write_back_grads`` issues the D2H after an
+    event on the current (compute) stream, so it sees the finished backward,
+    and waits for it on the host before accumulating into the fp32 master grad
+    and zeroing the device grads for the next use of the slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+from torch import nn
+
+from lightning_lazytrain.blocks import BlockStack, find_blocks
+from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
+
+__all__ = ["REST", "ParamStore"]
+
+REST: Final[int] = -1  # group id of the non-block parameters
+
+
+@dataclass(eq=False)
+class _Param:
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    sites: list[tuple[nn.Module, str]]  # every (module, attribute) registering this param
+
+
+@dataclass(eq=False)
+class _Group:
+    gid: int
+    params: list[_Param]
+    numel: int
+    master: torch.Tensor = field(init=False)  # flat fp32 host
+    grad: torch.Tensor = field(init=False)  # flat fp32 host
+
+
+@dataclass(eq=False)
+class _Slot:
+    weights: torch.Tensor  # flat device, compute dtype
+    grads: torch.Tensor  # flat device, compute dtype
+    cast: torch.Tensor | None  # host compute-dtype staging for the H2D (None when compute is fp32)
+    grad_host: torch.Tensor  # host compute-dtype landing buffer for the grad D2H
+    gid: int | None = None  # group currently staged here
+    ready: CopyHandle | None = None  # its H2D
+    free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
+    bound: bool = False
+    wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
+
+
+class ParamStore:
+    """Host fp32 masters + double-buffered device compute copies of a model's blocks."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        blocks: BlockStack | str | None = None,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
+        copy_engine: CopyEngine | None = None,
+        *,
+        num_slots: int = 2,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.module = module
+        self.blocks = blocks if isinstance(blocks, BlockStack) else find_blocks(module, blocks)
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.num_slots = num_slots
+        self._own_engine = copy_engine is None
+        self.engine = copy_engine if copy_engine is not None else make_copy_engine(self.device)
+        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self._groups = self._build_groups()
+        for g in self._groups.values():
+            self._pack(g, pin)
+        self._move_buffers()
+        max_block = max(self._groups[i].numel for i in range(len(self.blocks)))
+        self._slots = [self._new_slot(max_block, pin) for _ in range(num_slots)]
+        self._slots.append(self._new_slot(self._groups[REST].numel, pin))  # REST's own
+
+    # ---- construction ----------------------------------------------------
+    def _build_groups(self) -> dict[int, _Group]:
+        where: dict[int, int] = {}  # id(module) -> block index
+        for i, block in enumerate(self.blocks):
+            for m in block.modules():
+                if where.setdefault(id(m), i) != i:
+                    raise NotImplementedError(f"module {type(m).__name__} is shared by blocks {where[id(m)]} and {i}")
+        owner: dict[int, int] = {}
+        infos: dict[int, _Param] = {}
+        order: dict[int, list[_Param]] = {i: [] for i in range(-1, len(self.blocks))}
+        for mname, m in self.module.named_modules():
+            gid = where.get(id(m), REST)
+            for pname, p in m._parameters.items():
+                if p is None:
+                    continue
+                if owner.setdefault(id(p), gid) != gid:
+                    raise NotImplementedError(
+                        f"parameter {mname}.{pname} is shared between group {owner[id(p)]} and {gid} "
+                        "(-1 = outside the blocks); tying across streamed blocks is not supported"
+                    )
+                if id(p) in infos:
+                    infos[id(p)].sites.append((m, pname))
+                    continue
+                info = _Param(f"{mname}.{pname}".lstrip("."), p, 0, p.numel(), p.shape, [(m, pname)])
+                infos[id(p)] = info
+                order[gid].append(info)
+        groups = {}
+        for gid, params in order.items():
+            off = 0
+            for info in params:
+                info.offset = off
+                off += info.numel
+            groups[gid] = _Group(gid, params, off)
+        return groups
+
+    def _pack(self, g: _Group, pin: bool) -> None:
+        g.master = torch.empty(g.numel, dtype=torch.float32, pin_memory=pin)
+        g.grad = torch.zeros(g.numel, dtype=torch.float32)
+        with torch.no_grad():
+            for info in g.params:
+                view = self._view(g.master, info)
+                view.copy_(info.param.data)
+                info.param.data = view  # the module's parameter now lives in the packed buffer
+                if info.param.requires_grad:
+                    if info.param.grad is not None:
+                        self._view(g.grad, info).copy_(info.param.grad)
+                    info.param.grad = self._view(g.grad, info)
+
+    def _move_buffers(self) -> None:
+        # Buffers (rotary tables, masks) are small: resident on the device.
+        for m in self.module.modules():
+            for name, b in m._buffers.items():
+                if b is not None and b.device != self.device:
+                    m._buffers[name] = b.to(self.device)
+
+    def _new_slot(self, numel: int, pin: bool) -> _Slot:
+        dt, dev = self.compute_dtype, self.device
+        cast = torch.empty(numel, dtype=dt, pin_memory=pin) if dt != torch.float32 else None
+        return _Slot(
+            weights=torch.empty(numel, dtype=dt, device=dev),
+            grads=torch.zeros(numel, dtype=dt, device=dev),
+            cast=cast,
+            grad_host=torch.empty(numel, dtype=dt, pin_memory=pin),
+        )
+
+    @staticmethod
+    def _view(flat: torch.Tensor, info: _Param) -> torch.Tensor:
+        return flat[info.offset : info.offset + info.numel].view(info.shape)
+
+    # ---- introspection ---------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    def group_numel(self, layer: int) -> int:
+        return self._group(layer).numel
+
+    def param_names(self, layer: int) -> list[str]:
+        return [p.name for p in self._group(layer).params]
+
+    def master_flat(self, layer: int) -> torch.Tensor:
+        """The packed fp32 host master of a group (views of it are the module's params)."""
+        return self._group(layer).master
+
+    def grad_flat(self, layer: int) -> torch.Tensor:
+        return self._group(layer).grad
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(s.weights.nbytes + s.grads.nbytes for s in self._slots)
+
+    def _group(self, layer: int) -> _Group:
+        if layer not in self._groups:
+            raise IndexError(f"layer {layer} out of range: blocks are 0..{len(self.blocks) - 1}, REST is {REST}")
+        return self._groups[layer]
+
+    def _slot(self, layer: int, slot: int | None) -> _Slot:
+        if layer == REST:
+            return self._slots[-1]
+        if slot is None or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in 0..{self.num_slots - 1} for block {layer}, got {slot}")
+        return self._slots[slot]
+
+    # ---- staging ---------------------------------------------------------
+    def _repair_master(self, g: _Group) -> None:
+        # An optimizer that *replaced* p.data (instead of updating in place) broke the packing.
+        with torch.no_grad():
+            for info in g.params:
+                view = self._view(g.master, info)
+                if info.param.data_ptr() != view.data_ptr() or info.param.dtype != torch.float32:
+                    view.copy_(info.param.data)
+                    info.param.data = view
+
+    def stage(self, layer: int, slot: int | None = None) -> CopyHandle:
+        """Start copying group ``layer``'s masters into ``slot`` (REST: its own buffer)."""
+        g, s = self._group(layer), self._slot(layer, slot)
+        if s.bound:
+            raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
+        self._repair_master(g)
+        src = g.master
+        if s.cast is not None:
+            # Cast on the host so only compute-dtype bytes cross the link; the
+            # cast buffer may still feed this slot's previous H2D.
+            if s.ready is not None:
+                s.ready.wait()
+            s.cast[: g.numel].copy_(g.master)
+            src = s.cast[: g.numel]
+        after = [s.free] if s.free is not None else []
+        s.ready = self.engine.h2d(s.weights[: g.numel], src, after=after, tag=f"param:{layer}")
+        s.gid = layer
+        return s.ready
+
+    def release(self, layer: int, slot: int | None = None) -> None:
+        """Mark the compute queued so far as the last user of the slot (Note: [slot reuse])."""
+        self._slot(layer, slot).free = self.engine.record_compute()
+
+    @contextlib.contextmanager
+    def bind(self, layer: int, slot: int | None = None, *, grads: bool | None = None) -> Iterator[None]:
+        """Run the group's modules on the staged compute copy.
+
+        ``grads`` (default: grad mode at entry) makes the compute copy require
+        grad and zeroes the slot's device grads; grads accumulate there until
+        ``write_back_grads``.
+        """
+        g, s = self._group(layer), self._slot(layer, slot)
+        if s.gid != layer or s.ready is None:
+            raise RuntimeError(f"layer {layer} is not staged in slot {slot}; call stage({layer}, {slot}) first")
+        if s.bound:
+            raise RuntimeError(f"slot {slot} is already bound")
+        want_grads = torch.is_grad_enabled() if grads is None else grads
+        s.ready.sync_current_stream()
+        if want_grads:
+            s.grads[: g.numel].zero_()
+        s.wrappers = []
+        for info in g.params:
+            w = nn.Parameter(self._view(s.weights, info), requires_grad=want_grads and info.param.requires_grad)
+            if w.requires_grad:
+                w.grad = self._view(s.grads, info)  # autograd accumulates in place here
+            s.wrappers.append((info, w))
+            for m, name in info.sites:
+                # Same mechanism as torch.func.functional_call; bypasses
+                # registration hooks that would fire per layer per step.
+                m._parameters[name] = w
+        s.bound = True
+        try:
+            yield
+        finally:
+            for info, _ in s.wrappers:
+                for m, name in info.sites:
+                    m._parameters[name] = info.param
+            s.bound = False
+            s.free = self.engine.record_compute()
+
+    # ---- gradients -------------------------------------------------------
+    def _ensure_host_grads(self, g: _Group) -> None:
+        # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad.
+        for info in g.params:
+            if not info.param.requires_grad:
+                continue
+            view, cur = self._view(g.grad, info), info.param.grad
+            if cur is None:
+                view.zero_()
+            elif cur.data_ptr() != view.data_ptr():
+                view.copy_(cur)
+            else:
+                continue
+            info.param.grad = view
+
+    def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True) -> torch.Tensor | None:
+        """D2H the slot's grads, add them into the host fp32 ``.grad`` of the masters.
+
+        Returns the group's squared grad norm (0-dim fp32, of the accumulated
+        host grad) for global-norm clipping, or None with ``norm=False``.
+        """
+        g, s = self._group(layer), self._slot(layer, slot)
+        if s.gid != layer:
+            raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
+        n = g.numel
+        with torch.no_grad():
+            for info, w in s.wrappers:
+                # Grads that did not land in place: create_graph=True makes
+                # AccumulateGrad replace .grad by (old + new); user code may
+                # have set it to None (= zero).
+                view = self._view(s.grads, info)
+                if not w.requires_grad or (w.grad is not None and w.grad.data_ptr() == view.data_ptr()):
+                    continue
+                if w.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(w.grad)
+                w.grad = view
+            h = self.engine.d2h(s.grad_host[:n], s.grads[:n], tag=f"grad:{layer}")
+            h.wait()  # Note: [grad write-back ordering]
+            s.grads[:n].zero_()
+            self._ensure_host_grads(g)
+            g.grad.add_(s.grad_host[:n])
+        if not norm:
+            return None
+        return torch.linalg.vector_norm(g.grad).square()
+
+    def zero_grad(self) -> None:
+        for g in self._groups.values():
+            g.grad.zero_()
+            self._ensure_host_grads(g)
+
+    def close(self) -> None:
+        if self._own_engine:
+            self.engine.close()
