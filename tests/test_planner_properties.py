@@ -1,0 +1,60 @@
+"""Property tests: every MILP schedule passes the simulator's checks, agrees with it to 1%, and
+is never slower than the best feasible baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from lightning_lazytrain.planner import (  # noqa: E402
+    InfeasibleSchedule, keep_all, megatrain, min_memory, recompute_all, simulate, solve,
+)
+from planner_helpers import G, hardware, workload  # noqa: E402
+
+
+@st.composite
+def instances(draw):
+    L = draw(st.integers(2, 6))
+    fwd = [draw(st.floats(0.1, 3.0)) for _ in range(L)]
+    A = draw(st.floats(0.2, 2.0)) * G
+    internal = A * draw(st.floats(1.0, 6.0))
+    param_bytes = draw(st.floats(0.01, 3.0)) * G
+    bw = draw(st.floats(0.5, 50.0)) * G
+    head = draw(st.floats(0.01, 1.0))
+    opt = draw(st.floats(0.0, 0.5))
+    accum = draw(st.integers(1, 2))
+    wl = workload(fwd, A=A, internal=internal, param_bytes=param_bytes, fwd_work=0.2 * A, bwd_work=0.5 * A,
+                  head=head, opt=opt, grad_accum=accum)
+    nvme = draw(st.booleans())
+    cpu_room = draw(st.floats(0.0, 6.0)) * A
+    peak = lambda s: simulate(s, wl, hardware(1e15), check=False).peak_gpu_bytes  # noqa: E731
+    # the cap lies between the smallest footprint some schedule can reach here and keep-all's
+    floors = [peak(megatrain(L, 2)), peak(recompute_all(L))]
+    if cpu_room >= (L - 1) * A:
+        floors.append(peak(min_memory(L)))
+    floor, top = min(floors), peak(keep_all(L))
+    cap = floor + draw(st.floats(0.0, 1.0)) * max(0.0, top - floor)
+    hw = hardware(cap, cpu=1 * G + cpu_room, h2d=bw, d2h=bw, nvme_cap=100 * G if nvme else 0.0,
+                  nvme_bw=bw / 4 if nvme else 0.0)
+    return wl, hw
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_milp_schedule_is_feasible_agrees_with_simulator_and_beats_baselines(inst):
+    wl, hw = inst
+    res = solve(wl, hw, time_limit=30)
+    sim = simulate(res.schedule, wl, hw)  # raises if any resource is violated
+    assert res.status in ("optimal", "time_limit", "fallback")
+    if res.objective is not None:
+        assert res.objective == pytest.approx(sim.iteration_seconds, rel=1e-2)
+    L = wl.num_layers
+    for base in (megatrain(L, 2), megatrain(L, 4), keep_all(L), recompute_all(L)):
+        try:
+            t = simulate(base, wl, hw).iteration_seconds
+        except InfeasibleSchedule:
+            continue
+        assert sim.iteration_seconds <= t * (1 + 2e-3) + 1e-9, base.policy
