@@ -165,7 +165,7 @@ class DoneHandle(ThreadHandle):
         self._finish()
 
 
-_Job = tuple[ThreadHandle, Callable[[], None], Sequence[CopyHandle], str | None]
+_Job = tuple[ThreadHandle, Callable[[], object], Sequence[CopyHandle], str | None]
 
 
 class LaneWorker:
@@ -182,7 +182,7 @@ class LaneWorker:
     def submit(
         self,
         nbytes: int,
-        fn: Callable[[], None],
+        fn: Callable[[], object],
         after: Sequence[CopyHandle],
         tag: str | None,
         keep: tuple[Any, ...],

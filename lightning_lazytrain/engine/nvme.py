@@ -135,8 +135,8 @@ def _direct_io(fd: int, ptr: int, n: int, write: bool, path: str) -> None:
         off += k
 
 
-def write_tensor(path: str, t: torch.Tensor, *, direct: bool = False) -> None:
-    """Write the raw bytes of host tensor ``t`` to ``path``."""
+def write_tensor(path: str, t: torch.Tensor, *, direct: bool = False) -> bool:
+    """Write the raw bytes of host tensor ``t`` to ``path``; True if O_DIRECT was used."""
     t = t.detach()
     if t.device.type == "cpu" and not t.is_contiguous():
         t = t.contiguous()
@@ -154,16 +154,17 @@ def write_tensor(path: str, t: torch.Tensor, *, direct: bool = False) -> None:
                 os.ftruncate(fd, n)  # drop the padding of the last block
             finally:
                 os.close(fd)
-            return
+            return True
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         _write_all(fd, _mem(ptr, n))  # no fsync: scratch data
     finally:
         os.close(fd)
+    return False
 
 
-def read_tensor(path: str, out: torch.Tensor, *, direct: bool = False) -> None:
-    """Fill contiguous host tensor ``out`` from the first bytes of ``path``."""
+def read_tensor(path: str, out: torch.Tensor, *, direct: bool = False) -> bool:
+    """Fill contiguous host tensor ``out`` from the first bytes of ``path``; True if O_DIRECT was used."""
     ptr, n = _host_bytes(out)
     flags = os.O_RDONLY | os.O_CLOEXEC
     if direct and _O_DIRECT:
@@ -177,12 +178,13 @@ def read_tensor(path: str, out: torch.Tensor, *, direct: bool = False) -> None:
                 _direct_io(fd, ptr, n, False, path)
             finally:
                 os.close(fd)
-            return
+            return True
     fd = os.open(path, flags)
     try:
         _read_all(fd, _mem(ptr, n), path)
     finally:
         os.close(fd)
+    return False
 
 
 def probe_direct_io(directory: str | os.PathLike[str]) -> tuple[bool, str]:

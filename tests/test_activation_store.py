@@ -1,0 +1,273 @@
+"""Activation store tiers, NVMe spill files, directory checks and crash cleanup."""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_lazytrain.engine import nvme
+from lightning_lazytrain.engine.activation_store import ActivationStore, Tier
+from lightning_lazytrain.engine.copy_cpu import ThreadCopyEngine
+from lightning_lazytrain.engine.copy_engine import LinkSpec
+from lightning_lazytrain.engine.nvme import (
+    SPILL_PREFIX,
+    NvmeDirError,
+    SpillDir,
+    check_nvme_dir,
+    remove_stale_spill_dirs,
+)
+
+TENSORS = {
+    "f32": lambda: torch.randn(33, 65),
+    "bf16": lambda: torch.randn(4, 1000).to(torch.bfloat16),
+    "f16-noncontig": lambda: torch.randn(40, 30).half().t(),
+    "int64": lambda: torch.randint(-(2**40), 2**40, (777,)),
+    "scalar": lambda: torch.tensor(3.5),
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ActivationStore]:
+    s = ActivationStore("cpu", nvme_dir=tmp_path / "spill")
+    yield s
+    s.close()
+
+
+def _spill_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.name.startswith(SPILL_PREFIX))
+
+
+# ------------------------------------------------------------------- tiers
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "nvme"])
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_round_trip_bit_exact(store: ActivationStore, tier: str, name: str) -> None:
+    x = TENSORS[name]()
+    store.offload("k", x, tier)
+    got = store.get("k")
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert torch.equal(got.contiguous().view(-1).view(torch.uint8), x.contiguous().view(-1).view(torch.uint8))
+    if tier == "gpu":
+        assert got.data_ptr() == x.data_ptr()  # kept, not copied
+    else:
+        assert got.data_ptr() != x.data_ptr()
+    store.free("k")
+    assert "k" not in store and store.device_bytes == 0
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["odirect", "buffered"])
+def test_nvme_files_and_lanes(tmp_path: Path, direct: bool) -> None:
+    if direct:
+        ok, why = nvme.probe_direct_io(tmp_path)
+        if not ok:
+            pytest.skip(f"no O_DIRECT on {tmp_path}: {why}")
+    with ActivationStore("cpu", nvme_dir=tmp_path, direct_io=direct) as s:
+        assert s.spill is not None and s.spill.direct is direct
+        xs = {i: torch.randn(1000 + i) for i in range(3)}  # sizes not multiples of 4 KiB
+        for i, x in xs.items():
+            s.offload(i, x, Tier.NVME)
+        s.engine.synchronize()
+        files = s.spill.spill_files()
+        assert len(files) == 3
+        for i in reversed(range(3)):
+            s.prefetch(i)
+        for i, x in xs.items():
+            assert torch.equal(s.get(i), x)
+        moved = s.bytes_moved
+        raw = sum(x.nbytes for x in xs.values())
+        assert moved["d2h"] == raw == moved["h2d"]
+        assert moved["nvme_write"] >= raw and moved["nvme_read"] == moved["nvme_write"]
+        s.free(0)
+        assert not files[0].exists() and files[1].exists()
+        s.end_step()  # removes the rest of this step's files, keeps the directory
+        assert s.spill.spill_files() == [] and s.spill.path.is_dir() and len(s) == 0
+        spill_path = s.spill.path
+    assert not spill_path.exists()  # close() removes the directory
+
+
+def test_write_tensor_reports_direct_and_handles_unaligned_memory(tmp_path: Path) -> None:
+    if not nvme.probe_direct_io(tmp_path)[0]:
+        pytest.skip("no O_DIRECT here")
+    base = torch.randint(0, 255, (nvme._CHUNK + 3 * nvme.ALIGN + 5,), dtype=torch.uint8)
+    x = base[1:]  # unaligned address, > one bounce chunk: exercises the chunked bounce path
+    p = str(tmp_path / "u.spill")
+    assert nvme.write_tensor(p, x, direct=True) is True
+    out = torch.empty_like(x)
+    assert nvme.read_tensor(p, out, direct=True) is True
+    assert torch.equal(out, x)
+    with pytest.raises(EOFError, match="truncated"):
+        nvme.read_tensor(p, torch.empty(x.numel() + 10, dtype=torch.uint8), direct=True)
+
+
+def test_device_byte_accounting(store: ActivationStore) -> None:
+    a, b = torch.randn(256), torch.randn(512)  # 1 KiB, 2 KiB
+    store.offload("a", a, "gpu")
+    store.offload("b", b, "cpu")
+    store.engine.synchronize()
+    assert store.device_bytes == 1024  # b's source is released once on the host
+    assert store.peak_device_bytes == 3072
+    store.get("b")
+    assert store.device_bytes == 3072
+    store.free("a")
+    assert store.device_bytes == 2048
+    store.end_step()
+    assert store.device_bytes == 0 and store.peak_device_bytes == 3072
+    store.reset_peak()
+    assert store.peak_device_bytes == 0
+
+
+def test_prefetch_overlaps_with_offload_on_emulated_links(tmp_path: Path) -> None:
+    link = LinkSpec(200e6, latency_s=0.0)  # 4 MB -> 20 ms
+    eng = ThreadCopyEngine(links={"d2h": link, "h2d": link})
+    with ActivationStore("cpu", eng) as s:
+        xs = [torch.randn(1 << 20) for _ in range(4)]
+        s.offload(0, xs[0], "cpu")
+        s.offload(1, xs[1], "cpu")
+        h = s.prefetch(0)  # h2d lane runs while d2h lane still works on 1
+        s.offload(2, xs[2], "cpu")
+        h.wait()
+        for i in range(3):
+            assert torch.equal(s.get(i), xs[i])
+        recs = [r for r in eng.records() if r.tag == "act:0" and r.lane == "h2d"]
+        (up,) = recs
+        offs = [r for r in eng.records() if r.lane == "d2h"]
+        assert all(b.start >= a.end for a, b in zip(offs, offs[1:]))  # FIFO per lane
+        assert up.start >= offs[0].end  # prefetch of 0 waited for its offload
+    eng.close()
+
+
+def test_api_errors(tmp_path: Path) -> None:
+    class PlannerTier(enum.Enum):  # a foreign enum with the same names works
+        NVME = 2
+
+    assert Tier.parse(PlannerTier.NVME) is Tier.NVME and Tier.parse("CPU") is Tier.CPU
+    with pytest.raises(ValueError, match="unknown activation tier"):
+        Tier.parse("recompute")
+    with ActivationStore("cpu") as s:
+        with pytest.raises(ValueError, match="nvme_dir"):
+            s.offload("x", torch.ones(2), "nvme")
+        s.offload("x", torch.ones(2), "cpu")
+        with pytest.raises(KeyError, match="already stored"):
+            s.offload("x", torch.ones(2), "cpu")
+    with pytest.raises(RuntimeError, match="closed"):
+        s.offload("y", torch.ones(2), "gpu")
+
+
+# -------------------------------------------------------------- dir checks
+def test_check_dir_creates_missing(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b"
+    assert check_nvme_dir(target, 1) == target and target.is_dir()
+
+
+def test_check_dir_path_under_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NvmeDirError) as ei:
+        check_nvme_dir(f / "spill")
+    msg = str(ei.value)
+    assert str(f / "spill") in msg and "cannot be created" in msg and "Fix:" in msg
+    with pytest.raises(NvmeDirError, match="not a directory"):
+        check_nvme_dir(f)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write to read-only directories")
+def test_check_dir_read_only(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(NvmeDirError, match="not writable") as ei:
+            check_nvme_dir(ro)
+        assert str(ro) in str(ei.value) and "Fix:" in str(ei.value)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_check_dir_too_small(tmp_path: Path) -> None:
+    need = shutil.disk_usage(tmp_path).free + (1 << 40)
+    with pytest.raises(NvmeDirError) as ei:
+        check_nvme_dir(tmp_path, need)
+    msg = str(ei.value)
+    assert str(tmp_path) in msg and "free" in msg and str(need) in msg and "Fix:" in msg
+    with pytest.raises(NvmeDirError, match="free"):
+        ActivationStore("cpu", nvme_dir=tmp_path, nvme_required_bytes=need)
+
+
+# ---------------------------------------------------------- stale cleanup
+_CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    from lightning_lazytrain.engine.nvme import SpillDir, write_tensor
+    d = SpillDir(sys.argv[1])
+    print(d.path, flush=True)
+    if sys.argv[2] == "write":
+        t = torch.zeros(4 << 20)
+        i = 0
+        while True:  # keep writing until killed
+            write_tensor(str(d.file(i % 3)), t)
+            i += 1
+    elif sys.argv[2] == "sleep":
+        time.sleep(60)
+    # "exit": leave without close(); atexit must clean up
+    """
+)
+
+
+def _spawn(root: Path, mode: str) -> tuple[subprocess.Popen[str], Path]:
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), mode], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    return p, Path(p.stdout.readline().strip())
+
+
+def test_sigkill_mid_write_is_cleaned_at_next_start(tmp_path: Path) -> None:
+    root = tmp_path / "spill"
+    writer, wdir = _spawn(root, "write")
+    sleeper, sdir = _spawn(root, "sleep")
+    try:
+        deadline = time.monotonic() + 30
+        while not list(wdir.glob("*.spill")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        assert list(wdir.glob("*.spill"))  # the crash left files behind
+        own = SpillDir(root)  # start-up: removes the dead run's directory only
+        assert not wdir.exists()
+        assert sdir.exists()  # its owner is alive (holds the lock)
+        assert remove_stale_spill_dirs(root) == []  # our own dir is alive too
+        own.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert remove_stale_spill_dirs(root) == [sdir] and _spill_dirs(root) == []
+
+
+def test_normal_exit_without_close_cleans_up(tmp_path: Path) -> None:
+    child, d = _spawn(tmp_path, "exit")
+    assert child.wait(timeout=60) == 0
+    assert not d.exists()
+
+
+def test_stale_dirs_without_lock_use_pid(tmp_path: Path) -> None:
+    dead = tmp_path / f"{SPILL_PREFIX}{2**22 + 12345}-dead"  # above pid_max: never alive
+    half = tmp_path / f".{SPILL_PREFIX}{2**22 + 12346}-half"  # crashed while being created
+    mine = tmp_path / f".{SPILL_PREFIX}{os.getpid()}-mine"  # being created by a live process
+    unlocked = tmp_path / f"{SPILL_PREFIX}{os.getpid()}-unlocked"  # lock file nobody holds
+    other = tmp_path / "unrelated"
+    for d in (dead, half, mine, unlocked, other):
+        d.mkdir()
+        (d / "0.spill").write_bytes(b"x")
+    (unlocked / ".lock").write_text("1\n")
+    removed = remove_stale_spill_dirs(tmp_path)
+    assert sorted(removed) == sorted([dead, half, unlocked])
+    assert mine.exists() and other.exists()
