@@ -45,37 +45,38 @@ def _check(stack: BlockStack, root: nn.Module, path: str, n: int) -> None:
 
 
 # --------------------------------------------------------------------------- HF
-transformers = pytest.importorskip("transformers")
+def _tf():  # noqa: ANN202 - the transformers module
+    return pytest.importorskip("transformers")
 
 
 def _llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(
+    cfg = _tf().LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2,
     )
-    return transformers.LlamaForCausalLM(cfg)
+    return _tf().LlamaForCausalLM(cfg)
 
 
 def _qwen2() -> nn.Module:
-    cfg = transformers.Qwen2Config(
+    cfg = _tf().Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
     )
-    return transformers.Qwen2ForCausalLM(cfg)
+    return _tf().Qwen2ForCausalLM(cfg)
 
 
 def _gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+    cfg = _tf().GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                   bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return _tf().GPT2LMHeadModel(cfg)
 
 
 def _neox() -> nn.Module:
-    cfg = transformers.GPTNeoXConfig(
+    cfg = _tf().GPTNeoXConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         bos_token_id=0, eos_token_id=0,
     )
-    return transformers.GPTNeoXForCausalLM(cfg)
+    return _tf().GPTNeoXForCausalLM(cfg)
 
 
 @pytest.mark.parametrize(
