@@ -30,6 +30,7 @@ SHAPES: list[tuple[str, tuple[int, ...]]] = [
 ]
 TOTAL = sum(torch.Size(s).numel() for _, s in SHAPES)
 
+
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread():
     """Tiny tensors: intra-op threading only adds synchronisation, and on a loaded 2-core box
@@ -38,7 +39,6 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
 
 
 def test_none_and_all() -> None:

@@ -23,7 +23,6 @@ def _one_intra_op_thread():
     torch.set_num_threads(n)
 
 
-
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     blocks = [
