@@ -16,8 +16,8 @@ Discovery order (first hit wins):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from torch import nn
 

@@ -95,15 +95,16 @@ class _Entry:
     dtype: torch.dtype
     nbytes: int
     device: torch.Tensor | None = None  # GPU-tier tensor or prefetched copy (counted)
-    src: torch.Tensor | None = None  # offload source, counted until `offload` is done
+    src: torch.Tensor | None = None  # offload source, counted until `moved` is done
     host: torch.Tensor | None = None  # CPU tier: pooled buffer holding the bytes
     staging: list[torch.Tensor] | None = None  # NVMe: pooled buffers in flight
     path: Path | None = None
+    moved: CopyHandle | None = None  # the d2h that reads `src`
     offload: CopyHandle | None = None  # CPU: the d2h; NVMe: the file write
     prefetch: CopyHandle | None = None
 
     def handles(self) -> list[CopyHandle]:
-        return [h for h in (self.offload, self.prefetch) if h is not None]
+        return [h for h in (self.moved, self.offload, self.prefetch) if h is not None]
 
 
 class ActivationStore:
@@ -170,7 +171,7 @@ class ActivationStore:
     def _reap(self) -> None:
         """Release what finished copies no longer need (sources, staging buffers)."""
         for e in self._entries.values():
-            if e.src is not None and e.offload is not None and e.offload.done():
+            if e.src is not None and e.moved is not None and e.moved.done():
                 e.src = None
                 self._count(-e.nbytes)
             if e.staging and all(h.done() for h in e.handles()):
@@ -180,7 +181,11 @@ class ActivationStore:
 
     # ---- API -------------------------------------------------------------
     def offload(self, key: Hashable, tensor: torch.Tensor, tier: Tier | str) -> CopyHandle:
-        """Hand ``tensor`` (detached) to the store on ``tier``; the handle finishes when it is there."""
+        """Hand ``tensor`` (detached) to the store on ``tier``; the handle finishes when it is there.
+
+        The tensor must not be modified in place before the returned handle is
+        done (the copy reads it asynchronously); dropping it is fine.
+        """
         self._check_open()
         if key in self._entries:
             raise KeyError(f"activation {key!r} is already stored; free({key!r}) it first")
@@ -195,14 +200,16 @@ class ActivationStore:
         elif tier is Tier.CPU:
             e.host = self.pool.get(n)
             e.src = t
-            e.offload = self.engine.d2h(_typed(e.host, t.shape, t.dtype, n), t, tag=f"act:{key}")
+            e.moved = e.offload = self.engine.d2h(_typed(e.host, t.shape, t.dtype, n), t, tag=f"act:{key}")
         else:
             spill = self._require_spill()
             staging = self.pool.get(n)
             e.src, e.staging, e.path = t, [staging], spill.file(key)
-            d2h = self.engine.d2h(_typed(staging, t.shape, t.dtype, n), t, tag=f"act:{key}")
+            e.moved = self.engine.d2h(_typed(staging, t.shape, t.dtype, n), t, tag=f"act:{key}")
             # The whole padded, aligned buffer goes to disk: O_DIRECT needs no bounce copy.
-            e.offload = self.engine.nvme_write(e.path, staging, direct=spill.direct, after=[d2h], tag=f"act:{key}")
+            e.offload = self.engine.nvme_write(
+                e.path, staging, direct=spill.direct, after=[e.moved], tag=f"act:{key}"
+            )
         self._count(n)
         self._entries[key] = e
         return e.offload

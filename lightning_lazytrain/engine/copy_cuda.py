@@ -115,7 +115,8 @@ class CudaHandle(CopyHandle):
         self._raise()
         if self.end_event is not None:
             self.end_event.synchronize()
-        self._protect_consumer(torch.cuda.current_stream(self._device()))
+        if self._consumer is not None:  # host-synchronised, but compute may use it next
+            self._protect_consumer(torch.cuda.current_stream(self._consumer.device))
         self._release()
 
     def sync_current_stream(self) -> None:
@@ -208,9 +209,10 @@ class CudaCopyEngine(CopyEngine):
 
         def issue() -> None:
             try:
-                failed = [d for d in after if getattr(d, "exception", None) is not None]
-                if failed:
-                    raise CopyError("a dependency failed") from failed[0].exception
+                for d in after:
+                    cause = d.exception if isinstance(d, (CudaHandle, ThreadHandle)) else None
+                    if cause is not None:
+                        raise CopyError("a dependency failed") from cause
                 with torch.cuda.device(self.device):
                     if extra_wait is not None:
                         stream.wait_event(extra_wait)

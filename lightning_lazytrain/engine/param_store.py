@@ -123,6 +123,10 @@ class ParamStore:
         max_block = max(self._groups[i].numel for i in range(len(self.blocks)))
         self._slots = [self._new_slot(max_block, pin) for _ in range(num_slots)]
         self._slots.append(self._new_slot(self._groups[REST].numel, pin))  # REST's own
+        # Fresh device buffers may reuse memory that queued compute still reads
+        # (caching allocator, compute stream); the first H2D into them must wait.
+        for s in self._slots:
+            s.free = self.engine.record_compute()
 
     # ---- construction ----------------------------------------------------
     def _build_groups(self) -> dict[int, _Group]:
@@ -221,6 +225,8 @@ class ParamStore:
         return self._groups[layer]
 
     def _slot(self, layer: int, slot: int | None) -> _Slot:
+        if not self._slots:
+            raise RuntimeError("param store is closed")
         if layer == REST:
             return self._slots[-1]
         if slot is None or not 0 <= slot < self.num_slots:
@@ -270,7 +276,8 @@ class ParamStore:
         """
         g, s = self._group(layer), self._slot(layer, slot)
         if s.gid != layer or s.ready is None:
-            raise RuntimeError(f"layer {layer} is not staged in slot {slot}; call stage({layer}, {slot}) first")
+            where = "its buffer" if layer == REST else f"slot {slot}"
+            raise RuntimeError(f"layer {layer} is not staged in {where}; call stage() first")
         if s.bound:
             raise RuntimeError(f"slot {slot} is already bound")
         want_grads = torch.is_grad_enabled() if grads is None else grads
@@ -350,5 +357,12 @@ class ParamStore:
             self._ensure_host_grads(g)
 
     def close(self) -> None:
+        """Finish copies and drop the device buffers; the module keeps its host masters."""
+        if any(s.bound for s in self._slots):
+            raise RuntimeError("close() inside bind()")
+        self.engine.synchronize()
+        for s in self._slots:
+            s.gid, s.ready, s.free, s.wrappers = None, None, None, []
+        self._slots = []
         if self._own_engine:
             self.engine.close()
