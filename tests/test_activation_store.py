@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lightning_lazytrain.engine import nvme
 from lightning_lazytrain.engine.activation_store import ActivationStore, Tier
@@ -271,3 +273,23 @@ def test_stale_dirs_without_lock_use_pid(tmp_path: Path) -> None:
     removed = remove_stale_spill_dirs(tmp_path)
     assert sorted(removed) == sorted([dead, half, unlocked])
     assert mine.exists() and other.exists()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(0, 3 * nvme.ALIGN + 7) | st.sampled_from([nvme.ALIGN, 2 * nvme.ALIGN]),
+    shift=st.integers(0, 64),
+    direct=st.booleans(),
+)
+def test_spill_io_round_trip_any_size_and_alignment(tmp_path: Path, n: int, shift: int, direct: bool) -> None:
+    base = torch.randint(0, 256, (n + 64 + nvme.ALIGN,), dtype=torch.uint8)
+    x = base[shift : shift + n]
+    out_base = torch.zeros_like(base)
+    out = out_base[64 - shift : 64 - shift + n]  # a different misalignment on the way back
+    p = str(tmp_path / "h.spill")
+    nvme.write_tensor(p, x, direct=direct)
+    assert os.path.getsize(p) == n
+    nvme.read_tensor(p, out, direct=direct)
+    assert torch.equal(out, x)
+    outside = torch.cat([out_base[: 64 - shift], out_base[64 - shift + n :]])
+    assert int(outside.count_nonzero()) == 0  # nothing written outside `out`
