@@ -7,7 +7,7 @@ import pytest
 from lightning_lazytrain.planner import simulate, solve
 from planner_helpers import FAST, G, hardware, workload
 
-STATIC = 2e6
+STATIC = 4e6  # two slots of 1e6 weight bytes + 1e6 grad bytes
 
 
 def test_keep_internals_switch():

@@ -77,7 +77,7 @@ def test_simulator_names_the_violated_resource():
 
 def test_schedule_json_round_trip_and_validation():
     wl = workload([1.0, 1.0, 0.5, 1.0])
-    s = solve(wl, hardware(6 * G + 3e6, cpu=100 * G)).schedule
+    s = solve(wl, hardware(6 * G + 5e6, cpu=100 * G)).schedule
     again = Schedule.loads(json.dumps(s.to_json()))
     assert again == s
     assert again.windows() == s.windows()

@@ -223,7 +223,7 @@ class ScheduleModel:
             expr += A[i] * m.g[i]
             expr += A[i] * sum(self.off(i, ww) for ww in range(w, self.L))
         for j in range(w + 1):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + lay[j].param_bytes * m.r[j]
+            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
         return expr
 
     def gpu_bytes_head(self):
@@ -232,7 +232,7 @@ class ScheduleModel:
         for i in range(L):
             expr += A[i] * m.g[i] + A[i] * self.rel(i, L)
         for j in range(L):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + lay[j].param_bytes * m.r[j]
+            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
         return expr
 
     def gpu_bytes_backward(self, u: int):
@@ -245,7 +245,7 @@ class ScheduleModel:
             if s <= u < e and u > s:
                 expr += sum(A[i] for i in range(s + 1, u + 1)) * m.x[s, e]
         for j in range(u + 1):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + lay[j].param_bytes * m.r[j]
+            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
         expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
         return expr
 
@@ -263,7 +263,7 @@ class ScheduleModel:
         working = max(max(l.internal_bytes + l.bwd_work_bytes for l in lay), self.wl.head_work_bytes)
         budget = self.hw.gpu_memory_cap_bytes - self.wl.static_gpu_bytes - working
         self.add(sum(A[i] * m.g[i] for i in range(L + 1))
-                 + sum((lay[j].internal_bytes - A[j]) * m.k[j] + lay[j].param_bytes * m.r[j] for j in range(L))
+                 + sum((lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j] for j in range(L))
                  <= budget)
 
     def _create_window_times(self) -> None:

@@ -133,7 +133,7 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
         if s.keep_internals[j]:
             out.append((j, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals"))
         if s.resident_weights[j]:
-            out.append((j, 2 * L - j, layer.param_bytes, f"layer {j} resident weights"))
+            out.append((j, 2 * L - j, layer.param_bytes + layer.grad_bytes, f"layer {j} resident weights"))
         out.append((j, j, layer.fwd_work_bytes, f"layer {j} forward work"))
         saved = 0.0 if s.keep_internals[j] else layer.internal_bytes - A[j]
         out.append((2 * L - j, 2 * L - j, saved + layer.bwd_work_bytes, f"layer {j} backward"))

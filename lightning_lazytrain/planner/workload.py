@@ -62,9 +62,14 @@ class Workload:
         return max(layer.param_bytes for layer in self.layers)
 
     @property
+    def max_grad_bytes(self) -> float:
+        return max(layer.grad_bytes for layer in self.layers)
+
+    @property
     def weight_buffer_bytes(self) -> float:
-        """Two device buffers sized to the largest layer (double buffering)."""
-        return 2 * self.max_param_bytes
+        """Two device slots sized to the largest layer (double buffering), each holding the layer's
+        compute weights and the gradients its backward writes before they go to the host."""
+        return 2 * (self.max_param_bytes + self.max_grad_bytes)
 
     @property
     def static_gpu_bytes(self) -> float:
