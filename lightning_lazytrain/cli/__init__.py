@@ -1,0 +1,1 @@
+"""Command-line apps (Hydra): ``lazytrain-plan`` (``cli.plan``)."""

@@ -1,0 +1,217 @@
+"""``lazytrain-plan``: plan one run from the Hydra configs in ``conf/`` and compare it with the baselines.
+
+    lazytrain-plan hardware=h800 model=qwen3.6-27b train.micro_batch_size=72 train.seq_len=1024
+    lazytrain-plan model=qwen2.5-7b train.micro_batch_size=auto          # search the batch first
+    lazytrain-plan -m hardware=h800,rtx3090 model=qwen2.5-3b,qwen2.5-7b,qwen2.5-14b,qwen3.6-27b
+
+Prints a table (this plan vs megatrain / keep_all / recompute_all) and writes into Hydra's output
+directory ``plan.json`` (``PlanResult.to_json()`` plus the resolved config), ``timeline.png`` and
+``summary_row.json``. A multirun also writes one ``sweep.csv`` in the sweep directory (``SweepSummary``,
+registered under ``hydra.callbacks`` in ``conf/plan.yaml``). Infeasible input: the planner's message on
+stderr and exit code 2 (in a multirun the job records the reason in its row and the sweep goes on).
+
+``plan_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from ..config import (CONF_DIR, resolve_micro_batch, to_container, to_hardware, to_milp_options, to_model,
+                      to_train)
+from ..planner import PlannerError, SimResult, make_plan, search_batch
+from ..report import format_table, plot_timeline, write_sweep_csv
+
+GB = 1e9
+ROW_FILE = "summary_row.json"
+EXIT_INFEASIBLE = 2
+
+
+def _params(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _sim_fields(prefix: str, sim: SimResult) -> dict:
+    return {f"{prefix}_iteration_s": sim.iteration_seconds, f"{prefix}_tokens_per_s": sim.tokens_per_second,
+            f"{prefix}_tflops": sim.tflops, f"{prefix}_peak_gpu_gb": sim.peak_gpu_bytes / GB,
+            f"{prefix}_exposed_s": sim.exposed_transfer_seconds}
+
+
+def _base_row(cfg: Any, out_dir: Path, job: int | None) -> dict:
+    row: dict[str, Any] = {"job": job, "hardware": cfg.hardware.name, "model": cfg.model.name,
+                           "seq_len": cfg.train.seq_len, "output_dir": str(out_dir)}
+    try:
+        row["params_b"] = to_model(cfg).total_params / 1e9
+    except PlannerError:
+        pass
+    return row
+
+
+def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: TextIO | None = None) -> dict:
+    """Plan ``cfg`` (a composed ``PlanAppConfig``), print the comparison, write plan.json / timeline.png /
+    summary_row.json into ``out_dir`` and return the summary row. Raises ``PlannerError`` on infeasible input."""
+    out = out or sys.stdout
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hw, model = to_hardware(cfg), to_model(cfg)
+    options = to_milp_options(cfg)
+    batch, batch_source = resolve_micro_batch(cfg)
+    search_json = None
+    if batch == "auto":
+        candidates = list(cfg.plan.batch_candidates) if cfg.plan.batch_candidates else None
+        search = search_batch(model, to_train(cfg, micro_batch_size=1), hw, options=options, candidates=candidates)
+        print(f"micro-batch search for {model.name} on {hw.name}: largest feasible {search.largest_feasible}, "
+              f"best predicted throughput at {search.best_throughput}", file=out)
+        print(format_table(search.table), file=out)
+        print(file=out)
+        batch = search.best_throughput
+        search_json = {"largest_feasible": search.largest_feasible, "best_throughput": search.best_throughput,
+                       "table": search.table}
+    train = to_train(cfg, micro_batch_size=batch)
+    result = make_plan(model, train, hw, policy=cfg.plan.policy, options=options, K=cfg.plan.K)
+
+    # ---- print ------------------------------------------------------------------------------------
+    sim, solver = result.sim, result.solver
+    print(f"lazytrain-plan: {model.name} ({_params(model.total_params)} params) on {hw.name}, micro-batch "
+          f"{train.micro_batch_size} ({batch_source}) x seq {train.seq_len}, grad_accum {train.grad_accum}", file=out)
+    if cfg.plan.policy == "milp":
+        gap = solver.get("mip_gap")
+        print(f"solver: {solver.get('name')} {solver.get('version', '')}, status {result.status}, gap "
+              f"{'-' if gap is None else f'{100 * gap:.3f}%'}, build {solver.get('build_seconds', 0):.2f} s, "
+              f"solve {solver.get('solve_seconds', 0):.2f} s", file=out)
+    else:
+        print(f"policy: {result.schedule.policy} (no solver)", file=out)
+    print(format_table(result.rows()), file=out)
+    mega = result.baselines.get("megatrain")
+    speedup = sim.tokens_per_second / mega.tokens_per_second if isinstance(mega, SimResult) else None
+    if speedup is not None:
+        print(f"speedup over megatrain: {speedup:.3f}x tokens/s", file=out)
+    else:
+        print(f"megatrain baseline infeasible: {mega}", file=out)
+
+    # ---- files ------------------------------------------------------------------------------------
+    data = result.to_json()
+    data["micro_batch"] = {"setting": str(cfg.train.micro_batch_size), "source": batch_source,
+                           "value": train.micro_batch_size}
+    if search_json is not None:
+        data["batch_search"] = search_json
+    data["config"] = to_container(cfg)
+    (out_dir / "plan.json").write_text(json.dumps(data, indent=1, default=str))
+    written = ["plan.json"]
+    if cfg.plan.plot:
+        title = (f"{model.name} on {hw.name}, batch {train.micro_batch_size} x {train.seq_len}: "
+                 f"{result.schedule.policy or 'milp'}, {sim.iteration_seconds:.2f} s/iter")
+        plot_timeline(sim, out_dir / "timeline.png", title, cap_bytes=hw.gpu_memory_cap_bytes)
+        written.append("timeline.png")
+        if cfg.plan.plot_baselines:
+            for name, base in result.baselines.items():
+                if isinstance(base, SimResult):
+                    plot_timeline(base, out_dir / f"timeline_{name}.png",
+                                  f"{model.name} on {hw.name}, batch {train.micro_batch_size}: {name}",
+                                  cap_bytes=hw.gpu_memory_cap_bytes)
+                    written.append(f"timeline_{name}.png")
+
+    homes = result.schedule.count_homes()
+    row = _base_row(cfg, out_dir, job)
+    row.update({"micro_batch_size": train.micro_batch_size, "batch_source": batch_source, "status": "ok",
+                "reason": "", **_sim_fields("plan", sim),
+                "plan_homes": "/".join(str(homes.get(h, 0)) for h in ("gpu", "cpu", "nvme", "recompute")),
+                "speedup": speedup, "solver_status": result.status, "mip_gap": solver.get("mip_gap"),
+                "solve_seconds": solver.get("solve_seconds")})
+    if isinstance(mega, SimResult):
+        row.update(_sim_fields("megatrain", mega))
+    else:
+        row["megatrain_reason"] = mega
+    (out_dir / ROW_FILE).write_text(json.dumps(row, indent=1, default=str))
+    print(f"wrote {', '.join(written)} to {out_dir}", file=out)
+    return row
+
+
+def infeasible_row(cfg: Any, out_dir: str | Path, err: Exception, *, job: int | None = None) -> dict:
+    """The summary row of a job whose input is infeasible (also written to ``out_dir``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    row = _base_row(cfg, out_dir, job)
+    batch = cfg.train.micro_batch_size
+    try:
+        batch = resolve_micro_batch(cfg)[0]
+    except PlannerError:
+        pass
+    row.update({"micro_batch_size": batch, "status": "infeasible", "reason": str(err)})
+    (out_dir / ROW_FILE).write_text(json.dumps(row, indent=1, default=str))
+    return row
+
+
+def _task(cfg: DictConfig) -> dict:
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    job = int(hc.job.num) if multirun and hc.job.get("num") is not None else None
+    try:
+        return plan_job(cfg, out_dir, job=job)
+    except PlannerError as err:
+        print(f"lazytrain-plan: infeasible ({type(err).__name__}): {err}", file=sys.stderr)
+        if multirun:  # record the reason and let the sweep go on
+            return infeasible_row(cfg, out_dir, err, job=job)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(EXIT_INFEASIBLE)
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a multirun, write one CSV (``filename``) in the sweep directory with one row per
+    job, read from each job's ``summary_row.json``. Jobs that left no row get ``status=error``."""
+
+    def __init__(self, filename: str = "sweep.csv") -> None:
+        self.filename = filename
+        self.job_dirs: list[Path] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.job_dirs = []
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        try:
+            self.job_dirs.append(Path(str(config.hydra.runtime.output_dir)))
+        except Exception:  # noqa: BLE001 - a launcher that does not pass the job config: fall back to globbing
+            pass
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = self._sweep_dir(config)
+        dirs = list(self.job_dirs) or sorted(p.parent for p in sweep_dir.glob(f"*/{ROW_FILE}"))
+        rows = []
+        for d in dirs:
+            f = d / ROW_FILE
+            if f.exists():
+                rows.append(json.loads(f.read_text()))
+            else:
+                rows.append({"job": None, "status": "error", "reason": "the job wrote no summary row",
+                             "output_dir": str(d)})
+        rows.sort(key=lambda r: (r.get("job") is None, r.get("job") or 0))
+        path = write_sweep_csv(sweep_dir / self.filename, rows)
+        print(f"sweep summary: {path} ({len(rows)} jobs)")
+
+    def _sweep_dir(self, config: DictConfig) -> Path:
+        if self.job_dirs:
+            parents = {d.parent for d in self.job_dirs}
+            if len(parents) == 1:
+                return parents.pop()
+        return Path(str(config.hydra.sweep.dir))
+
+
+main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")(_task)
+main.__doc__ = "Console script ``lazytrain-plan`` (Hydra app over conf/plan.yaml)."
+
+if __name__ == "__main__":
+    main()

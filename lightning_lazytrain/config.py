@@ -1,0 +1,253 @@
+"""Typed Hydra configs for the planner app (and, later, the trainer), and their conversion into the
+planner's types.
+
+The YAML files live in ``conf/`` at the repository root::
+
+    conf/plan.yaml            the ``lazytrain-plan`` app (defaults + solver options)
+    conf/hardware/*.yaml      -> HardwareConfig -> planner.Hardware   (to_hardware)
+    conf/model/*.yaml         -> ModelConfig    -> planner.ModelSpec  (to_model)
+    conf/train/*.yaml         -> TrainConfig    -> planner.TrainSpec  (to_train)
+
+Every dataclass here is registered in Hydra's ConfigStore (``register_configs``, run on import), so a
+composed config is type-checked: a misspelt key or a string where a number belongs fails at
+composition time, before the planner runs. Units in configs are GB (1e9 bytes), GB/s, TFLOP/s and
+G-params/s; the planner works in bytes and seconds (``Hardware.from_gb`` converts).
+
+``train.micro_batch_size`` is an integer, ``"auto"`` (search the batch with ``planner.search_batch``
+and plan the best-throughput one) or ``"paper"`` (the batch the LazyTrain paper used for this
+(hardware, model) pair, stored in the model YAML under ``paper_micro_batch_size``; ``"auto"`` when
+the pair is not in the paper).
+
+No torch here: this module is imported by the planner CLI and tests on machines without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .planner import Hardware, MilpOptions, ModelSpec, TrainSpec
+from .planner.errors import InvalidInput
+
+#: ``conf/`` at the repository root (this package is installed editable from the repository).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+BATCH_MODES = ("auto", "paper")
+
+
+@dataclass
+class HardwareConfig:
+    """One GPU and its host, in config units. Field names match ``Hardware.from_gb``'s arguments;
+    the fields after ``cpu_adam8_gparams_per_s`` are descriptive only (not used by the planner)."""
+
+    name: str = MISSING
+    gpu_memory_gb: float = MISSING
+    gpu_memory_cap_gb: float = MISSING  # the peak a plan may use
+    peak_tflops: float = MISSING  # dense bf16 (fp32 accumulate), TFLOP/s
+    efficiency: float = MISSING  # achieved fraction of peak_tflops in transformer blocks
+    h2d_gb_per_s: float = MISSING  # achieved pinned host -> device
+    d2h_gb_per_s: float = MISSING  # achieved pinned device -> host
+    nvme_read_gb_per_s: float = 0.0  # 0 = no NVMe tier
+    nvme_write_gb_per_s: float = 0.0
+    nvme_capacity_gb: float = 0.0  # the NVMe budget for activations, not the drive size
+    cpu_memory_gb: float = MISSING  # host memory the run may use
+    cpu_adam_gparams_per_s: float = MISSING  # 32-bit AdamW update rate, whole host
+    cpu_adam8_gparams_per_s: float = MISSING  # 8-bit blockwise AdamW update rate, whole host
+    # ---- descriptive -----------------------------------------------------------------------
+    description: str = ""
+    nvme_drives: int = 0
+    cpu_logical_cores: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only model as the planner sees it (pre-norm GQA + SwiGLU blocks)."""
+
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden: int = MISSING
+    intermediate: int = MISSING
+    heads: int = MISSING
+    kv_heads: int = MISSING
+    head_dim: int = MISSING
+    vocab: int = MISSING
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    source: str = ""
+    # ---- descriptive / lookup ------------------------------------------------------------------
+    hf_id: Optional[str] = None  # Hugging Face model id the shapes come from
+    published_params_b: Optional[float] = None  # published (trainable) parameter count, billions
+    # micro-batch the LazyTrain paper used for this model, by hardware name (train.micro_batch_size=paper)
+    paper_micro_batch_size: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    # int, "auto" or "paper" (OmegaConf 2.3 has no Union of int and str: validated in to_train)
+    micro_batch_size: Any = "paper"
+    seq_len: int = 1024
+    grad_accum: int = 1
+    dtype: str = "bf16"
+    grad_dtype: str = "bf16"
+    eight_bit_fraction: float = 0.02
+    loss_chunk_tokens: int = 4096
+    causal: bool = True
+
+
+@dataclass
+class PlanConfig:
+    """Solver settings. The fields from ``window_memory`` to ``seed`` mirror ``planner.MilpOptions``
+    one to one (``to_milp_options``); a test checks that they stay in step."""
+
+    policy: str = "milp"  # milp | megatrain | keep_all | recompute_all
+    K: int = 4  # MegaTrain's checkpoint interval (megatrain baseline)
+    # ---- MilpOptions -------------------------------------------------------------------------
+    window_memory: bool = True
+    time_objective: bool = True
+    pipelined_optimizer: bool = True
+    keep_internals: bool = True
+    resident_weights: bool = True
+    nvme: bool = True
+    max_block: int = 8
+    reload_slack: int = 2
+    offload_horizon: int = 1
+    mip_gap: float = 1e-3
+    time_limit: float = 60.0
+    threads: Optional[int] = None
+    seed: bool = True
+    # ---- app ---------------------------------------------------------------------------------
+    batch_candidates: Optional[List[int]] = None  # micro_batch_size=auto: batches to solve (None: powers of 2)
+    plot: bool = True  # write timeline.png
+    plot_baselines: bool = False  # also timeline_<baseline>.png for the feasible baselines
+
+
+@dataclass
+class PlanAppConfig:
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas (idempotent). ``conf/plan.yaml`` lists ``plan_app_schema`` first in its
+    defaults, so every group file is merged into the typed node."""
+    cs = ConfigStore.instance()
+    cs.store(name="plan_app_schema", node=PlanAppConfig)
+    cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="train", name="train_schema", node=TrainConfig)
+
+
+register_configs()
+
+
+# ---- conversions -------------------------------------------------------------------------------
+def _get(cfg: Any, key: str) -> Any:
+    return cfg[key] if isinstance(cfg, (dict, DictConfig)) else getattr(cfg, key)
+
+
+def _node(cfg: Any, key: str) -> Any:
+    """``cfg.key`` when ``cfg`` is the whole app config, else ``cfg`` itself."""
+    if isinstance(cfg, (dict, DictConfig)):
+        return cfg[key] if key in cfg else cfg
+    return getattr(cfg, key, cfg)
+
+
+_FROM_GB_KEYS = ("name", "gpu_memory_gb", "gpu_memory_cap_gb", "peak_tflops", "efficiency", "h2d_gb_per_s",
+                 "d2h_gb_per_s", "nvme_read_gb_per_s", "nvme_write_gb_per_s", "nvme_capacity_gb",
+                 "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s")
+
+
+def to_hardware(cfg: Any) -> Hardware:
+    """``HardwareConfig`` (or the app config) -> validated ``planner.Hardware``."""
+    hw = _node(cfg, "hardware")
+    return Hardware.from_gb(**{key: _get(hw, key) for key in _FROM_GB_KEYS})
+
+
+def to_model(cfg: Any) -> ModelSpec:
+    """``ModelConfig`` (or the app config) -> validated ``planner.ModelSpec``."""
+    m = _node(cfg, "model")
+    keys = [f.name for f in dataclasses.fields(ModelSpec)]
+    present = m.keys() if isinstance(m, (dict, DictConfig)) else [k for k in keys if hasattr(m, k)]
+    return ModelSpec(**{k: _get(m, k) for k in keys if k in present}).validate()
+
+
+def micro_batch_setting(cfg: Any) -> int | str:
+    """The raw ``train.micro_batch_size``: an int >= 1, ``"auto"`` or ``"paper"`` (else InvalidInput)."""
+    value = _get(_node(cfg, "train"), "micro_batch_size")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in BATCH_MODES:
+            return text
+        if text.isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInput("train.micro_batch_size", value, "must be an integer >= 1, 'auto' or 'paper'")
+    return value
+
+
+def paper_micro_batch_size(model_cfg: Any, hardware_name: str) -> int | None:
+    """The micro-batch the LazyTrain paper used for this model on ``hardware_name`` (None if absent)."""
+    table = _get(model_cfg, "paper_micro_batch_size") or {}
+    value = table.get(hardware_name) if hasattr(table, "get") else None
+    return None if value is None else int(value)
+
+
+def resolve_micro_batch(cfg: Any) -> tuple[int | str, str]:
+    """(micro-batch or ``"auto"``, where it came from) for the whole app config.
+
+    ``"paper"`` becomes the paper's batch for (hardware.name, model) or, if the paper has none,
+    ``"auto"``."""
+    setting = micro_batch_setting(cfg)
+    if setting == "paper":
+        hw_name = _get(_get(cfg, "hardware"), "name")
+        batch = paper_micro_batch_size(_get(cfg, "model"), hw_name)
+        if batch is None:
+            return "auto", f"paper (no paper batch for {hw_name}: searched)"
+        return batch, "paper"
+    if setting == "auto":
+        return "auto", "auto"
+    return setting, "config"
+
+
+def to_train(cfg: Any, micro_batch_size: int | None = None) -> TrainSpec:
+    """``TrainConfig`` (or the app config) -> validated ``planner.TrainSpec``.
+
+    ``micro_batch_size`` overrides the config's value; it is required when the config says
+    ``"auto"``, and when it says ``"paper"`` unless ``cfg`` is the whole app config (then the
+    paper's batch for the pair is used)."""
+    t = _node(cfg, "train")
+    if micro_batch_size is None:
+        setting = micro_batch_setting(t)
+        if setting == "paper" and t is not cfg:
+            setting, _ = resolve_micro_batch(cfg)
+        if isinstance(setting, str):
+            raise InvalidInput("train.micro_batch_size", setting,
+                               "a symbolic batch needs resolving first (resolve_micro_batch / search_batch)")
+        micro_batch_size = setting
+    keys = [f.name for f in dataclasses.fields(TrainSpec) if f.name != "micro_batch_size"]
+    present = t.keys() if isinstance(t, (dict, DictConfig)) else [k for k in keys if hasattr(t, k)]
+    values = {k: _get(t, k) for k in keys if k in present}
+    return TrainSpec(micro_batch_size=int(micro_batch_size), **values).validate()
+
+
+def to_milp_options(cfg: Any) -> MilpOptions:
+    """``PlanConfig`` (or the app config) -> ``planner.MilpOptions`` (same field names)."""
+    p = _node(cfg, "plan")
+    return MilpOptions(**{f.name: _get(p, f.name) for f in dataclasses.fields(MilpOptions)})
+
+
+def to_container(cfg: Any) -> dict:
+    """Plain-dict copy of a config (for plan.json)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return dict(cfg)
