@@ -34,7 +34,7 @@ from .errors import InfeasibleBudget, InfeasibleSchedule
 from .hardware import Hardware
 from .policies import keep_all, megatrain, recompute_all
 from .schedule import Schedule
-from .simulator import SimResult, simulate
+from .simulator import MEM_TOL, SimResult, simulate
 from .workload import Workload
 
 log = logging.getLogger(__name__)
@@ -211,10 +211,10 @@ class ScheduleModel:
     def _create_host(self) -> None:
         m, A, hw = self.m, self.A, self.hw
         bounce = 2 * max(A)
-        self.add(self.wl.host_static_bytes + sum(A[i] * m.c[i] for i in self.inner) + bounce * m.any_nvme
-                 <= hw.cpu_memory_bytes)
+        self.add(self.fits(self.wl.host_static_bytes + sum(A[i] * m.c[i] for i in self.inner)
+                           + bounce * m.any_nvme, hw.cpu_memory_bytes))
         if self.use_nvme:
-            self.add(sum(A[i] * m.n[i] for i in self.inner) <= hw.nvme_capacity_bytes)
+            self.add(self.fits(sum(A[i] * m.n[i] for i in self.inner), hw.nvme_capacity_bytes))
 
     def gpu_bytes_forward(self, w: int):
         m, A, lay = self.m, self.A, self.lay
@@ -249,22 +249,28 @@ class ScheduleModel:
         expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
         return expr
 
+    def fits(self, nbytes, capacity: float):
+        """``nbytes <= capacity`` with rows in GB: byte-sized coefficients (1e10) leave HiGHS's
+        feasibility tolerance meaningless and make schedules that exactly hit the cap look
+        infeasible. ``MEM_TOL`` matches the simulator's tolerance."""
+        return nbytes * 1e-9 <= (capacity + MEM_TOL) * 1e-9
+
     def _create_gpu_memory(self) -> None:
         cap = self.hw.gpu_memory_cap_bytes
         for w in range(self.L):
-            self.add(self.gpu_bytes_forward(w) <= cap)
-        self.add(self.gpu_bytes_head() <= cap)
+            self.add(self.fits(self.gpu_bytes_forward(w), cap))
+        self.add(self.fits(self.gpu_bytes_head(), cap))
         for u in range(self.L):
-            self.add(self.gpu_bytes_backward(u) <= cap)
+            self.add(self.fits(self.gpu_bytes_backward(u), cap))
 
     def _create_aggregate_memory(self) -> None:
         """The paper's constraint: one sum per tier (GPU-resident activations fit what is left)."""
         m, A, lay, L = self.m, self.A, self.lay, self.L
         working = max(max(l.internal_bytes + l.bwd_work_bytes for l in lay), self.wl.head_work_bytes)
         budget = self.hw.gpu_memory_cap_bytes - self.wl.static_gpu_bytes - working
-        self.add(sum(A[i] * m.g[i] for i in range(L + 1))
-                 + sum((lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j] for j in range(L))
-                 <= budget)
+        self.add(self.fits(sum(A[i] * m.g[i] for i in range(L + 1))
+                           + sum((lay[j].internal_bytes - A[j]) * m.k[j]
+                                 + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j] for j in range(L)), budget))
 
     def _create_window_times(self) -> None:
         m, A, lay, L, hw, wl = self.m, self.A, self.lay, self.L, self.hw, self.wl

@@ -20,8 +20,8 @@ from .hardware import Hardware
 from .schedule import LANES, Op, Schedule, Window
 from .workload import Workload
 
-# Tensors smaller than this are not worth a memory-check failure (float noise).
-_TOL = 1.0
+# Memory checks allow this many bytes over a capacity (float noise; the MILP uses the same).
+MEM_TOL = 1024.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +172,16 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
     peak_index = max(range(len(mem)), key=mem.__getitem__)
     cpu_bytes, nvme_bytes = host_bytes(s, wl)
     if check:
-        if mem[peak_index] > hw.gpu_memory_cap_bytes + _TOL:
+        if mem[peak_index] > hw.gpu_memory_cap_bytes + MEM_TOL:
             raise InfeasibleSchedule(
                 "gpu_memory", f"window {names[peak_index]} needs {mem[peak_index] / 1e9:.2f} GB, "
                 f"cap is {hw.gpu_memory_cap_bytes / 1e9:.2f} GB", window=names[peak_index],
                 need_bytes=mem[peak_index], have_bytes=hw.gpu_memory_cap_bytes)
-        if cpu_bytes > hw.cpu_memory_bytes + _TOL:
+        if cpu_bytes > hw.cpu_memory_bytes + MEM_TOL:
             raise InfeasibleSchedule("cpu_memory", f"needs {cpu_bytes / 1e9:.2f} GB of host memory, "
                                      f"have {hw.cpu_memory_bytes / 1e9:.2f} GB", need_bytes=cpu_bytes,
                                      have_bytes=hw.cpu_memory_bytes)
-        if nvme_bytes > hw.nvme_capacity_bytes + _TOL:
+        if nvme_bytes > hw.nvme_capacity_bytes + MEM_TOL:
             raise InfeasibleSchedule("nvme_capacity", f"needs {nvme_bytes / 1e9:.2f} GB on NVMe, "
                                      f"have {hw.nvme_capacity_bytes / 1e9:.2f} GB", need_bytes=nvme_bytes,
                                      have_bytes=hw.nvme_capacity_bytes)
