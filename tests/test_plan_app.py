@@ -1,0 +1,182 @@
+"""The lazytrain-plan app: in-process (hydra.compose + plan_job) and as a subprocess (exit codes, multirun CSV).
+
+Small inputs only (the tiny model on the cpu profile, short solver time limits) so the file runs in well
+under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lightning_lazytrain.cli.plan import ROW_FILE, plan_job
+from lightning_lazytrain.config import CONF_DIR
+from lightning_lazytrain.planner import InfeasibleBudget, PlannerError
+from lightning_lazytrain.planner.simulator import Segment
+from lightning_lazytrain.report import format_table, plot_timeline, write_sweep_csv
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["hardware=cpu", "model=tiny", "train=cpu", "plan.time_limit=10"]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="plan", overrides=list(overrides))
+
+
+def run_cli(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "lightning_lazytrain.cli.plan", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---- in-process -------------------------------------------------------------------------------------
+def test_plan_job_writes_plan_json_and_timeline(tmp_path, capsys):
+    cfg = compose_cfg(*SMALL)
+    row = plan_job(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    for name in ("plan (milp)", "megatrain", "keep_all", "recompute_all", "tokens/s", "TFLOPS",
+                 "peak GPU [GB]", "exposed [s]", "homes g/c/n/r", "iter [s]"):
+        assert name in printed
+
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert {"status", "solver", "schedule", "predicted", "baselines", "config", "micro_batch"} <= set(data)
+    assert data["status"] in ("optimal", "time_limit", "fallback")
+    assert {"name", "version", "mip_gap", "build_seconds", "solve_seconds"} <= set(data["solver"])
+    assert data["solver"]["name"] == "highs"
+    pred = data["predicted"]
+    for key in ("iteration_seconds", "tokens_per_second", "tflops", "peak_gpu_bytes", "exposed_transfer_seconds"):
+        assert pred[key] >= 0
+    assert pred["peak_gpu_bytes"] <= 3.5e9  # the cpu profile's cap
+    assert set(data["baselines"]) == {"megatrain", "keep_all", "recompute_all"}
+    assert data["schedule"]["num_layers"] == 4
+    assert data["config"]["hardware"]["name"] == "cpu"
+    assert data["micro_batch"] == {"setting": "4", "source": "config", "value": 4}
+
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png[:8] == PNG_MAGIC and len(png) > 10_000
+
+    assert row["status"] == "ok" and row["hardware"] == "cpu" and row["model"] == "tiny"
+    assert row["plan_tokens_per_s"] == pytest.approx(pred["tokens_per_second"])
+    assert row["speedup"] == pytest.approx(pred["tokens_per_second"] / data["baselines"]["megatrain"]["tokens_per_second"])
+    assert json.loads((tmp_path / ROW_FILE).read_text())["status"] == "ok"
+
+
+def test_auto_batch_searches_then_plans_the_best(tmp_path, capsys):
+    cfg = compose_cfg(*SMALL, "train.micro_batch_size=auto", "plan.batch_candidates=[1,2,4]", "plan.plot=false")
+    row = plan_job(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    assert "micro-batch search" in printed and "batch" in printed
+    data = json.loads((tmp_path / "plan.json").read_text())
+    search = data["batch_search"]
+    assert [r["micro_batch_size"] for r in search["table"]] == [1, 2, 4]
+    assert row["micro_batch_size"] == search["best_throughput"] == data["micro_batch"]["value"]
+    assert data["micro_batch"]["source"] == "auto"
+    assert not (tmp_path / "timeline.png").exists()  # plan.plot=false
+
+
+def test_policy_run_and_baseline_plots(tmp_path):
+    cfg = compose_cfg(*SMALL, "plan.policy=megatrain", "plan.plot_baselines=true")
+    row = plan_job(cfg, tmp_path)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["status"] == "policy" and row["solver_status"] == "policy"
+    assert data["schedule"]["policy"].startswith("megatrain")
+    assert row["speedup"] == pytest.approx(1.0)
+    for name in ("timeline.png", "timeline_megatrain.png", "timeline_keep_all.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_infeasible_input_raises_planner_error(tmp_path):
+    cfg = compose_cfg("hardware=cpu", "model=qwen2.5-3b", "train=cpu")  # 3B host state > 16 GB
+    with pytest.raises(InfeasibleBudget, match="host memory"):
+        plan_job(cfg, tmp_path)
+
+
+# ---- subprocess: exit codes and the multirun CSV --------------------------------------------------------
+def test_cli_infeasible_exits_2_with_message(tmp_path):
+    proc = run_cli(tmp_path, "hardware=cpu", "model=qwen2.5-3b", "train=cpu", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2, proc.stderr
+    assert "infeasible" in proc.stderr and "host memory" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_invalid_batch_exits_2(tmp_path):
+    proc = run_cli(tmp_path, *SMALL, "train.micro_batch_size=lots", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2
+    assert "train.micro_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_multirun_writes_one_csv(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(tmp_path, "-m", "hardware=cpu,rtx3090", "model=tiny,qwen2.5-3b", "train=cpu", "plan.time_limit=10",
+                   "plan.plot=false", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(sweep.rglob("*.csv"))
+    assert files == [sweep / "sweep.csv"]
+    with open(sweep / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 4
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    pairs = {(r["hardware"], r["model"]): r for r in rows}
+    assert set(pairs) == {("cpu", "tiny"), ("cpu", "qwen2.5-3b"), ("rtx3090", "tiny"), ("rtx3090", "qwen2.5-3b")}
+    bad = pairs[("cpu", "qwen2.5-3b")]  # 3B's host state does not fit the cpu profile's 16 GB
+    assert bad["status"] == "infeasible" and "host memory" in bad["reason"]
+    for key in pairs.keys() - {("cpu", "qwen2.5-3b")}:
+        row = pairs[key]
+        assert row["status"] == "ok", row
+        assert float(row["plan_tokens_per_s"]) > 0 and float(row["megatrain_tokens_per_s"]) > 0
+        assert float(row["speedup"]) == pytest.approx(
+            float(row["plan_tokens_per_s"]) / float(row["megatrain_tokens_per_s"]))
+        assert row["micro_batch_size"] == "4"
+
+
+# ---- report helpers ----------------------------------------------------------------------------------
+def test_format_table_units_alignment_and_notes():
+    rows = [{"schedule": "plan (milp)", "iteration_s": 30.289, "tokens_per_s": 2434.1, "tflops": 345.8,
+             "peak_gpu_gb": 69.75, "exposed_s": 3.7, "homes": "4/61/0/0"},
+            {"schedule": "keep_all", "infeasible": "gpu_memory: window H needs 983 GB"}]
+    text = format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split("  ")[0].strip() == "schedule"
+    for header in ("iter [s]", "tokens/s", "TFLOPS", "peak GPU [GB]", "exposed [s]", "homes g/c/n/r", "note"):
+        assert header in lines[0]
+    assert "2,434" in lines[2] and "30.289" in lines[2]
+    assert "infeasible: gpu_memory" in lines[3]
+    # right-aligned numbers: each value column ends where its header ends
+    end = lines[0].index("TFLOPS") + len("TFLOPS")
+    assert lines[2][:end].endswith("345.8")
+    assert format_table([]) == "(no rows)"
+
+
+def test_plot_timeline_takes_measured_segments(tmp_path):
+    segs = [Segment("F0", "compute", "forward", 0, 0.0, 1.0), Segment("F0", "h2d", "weights", 1, 0.0, 0.5, 1e9),
+            {"lane": "compute", "kind": "backward", "start": 1.0, "end": 2.5},
+            {"lane": "gpu_to_disk", "kind": "spill", "start": 1.2, "end": 1.4}]  # unknown lane and kind
+    path = plot_timeline(segs, tmp_path / "m.png", "measured", cap_bytes=2e9,
+                         memory_curve=[(0.0, 1.0, 1e9), (1.0, 2.5, 1.5e9)])
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    path = plot_timeline(segs[:2], tmp_path / "no_curve.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_write_sweep_csv_roundtrip(tmp_path):
+    rows = [{"job": 0, "hardware": "h800", "model": "m", "status": "ok", "plan_tokens_per_s": 1.5, "extra": "x"},
+            {"job": 1, "hardware": "rtx3090", "model": "m", "status": "infeasible", "reason": "short, by 2 GB"}]
+    path = write_sweep_csv(tmp_path / "s.csv", rows)
+    with open(path) as fh:
+        back = list(csv.DictReader(fh))
+    assert [r["status"] for r in back] == ["ok", "infeasible"]
+    assert back[1]["reason"] == "short, by 2 GB" and back[0]["extra"] == "x" and back[1]["plan_tokens_per_s"] == ""
+    assert list(back[0])[:3] == ["job", "hardware", "model"]
+
+
+def test_planner_error_is_a_value_error():
+    # the CLI catches PlannerError; keep it a ValueError subclass so callers can catch either
+    assert issubclass(PlannerError, ValueError)
