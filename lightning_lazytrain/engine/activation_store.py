@@ -102,9 +102,11 @@ class _Entry:
     moved: CopyHandle | None = None  # the d2h that reads `src`
     offload: CopyHandle | None = None  # CPU: the d2h; NVMe: the file write
     prefetch: CopyHandle | None = None
+    read: CopyHandle | None = None  # NVMe: the file read of a reload (read_to_host)
+    read_buf: torch.Tensor | None = None
 
     def handles(self) -> list[CopyHandle]:
-        return [h for h in (self.moved, self.offload, self.prefetch) if h is not None]
+        return [h for h in (self.moved, self.offload, self.read, self.prefetch) if h is not None]
 
 
 class ActivationStore:
@@ -231,16 +233,31 @@ class ActivationStore:
             src = _typed(e.host, e.shape, e.dtype, e.nbytes)
             e.prefetch = self.engine.h2d(dst, src, after=[e.offload], tag=tag)
         else:
-            spill = self._require_spill()
-            assert e.path is not None
-            staging = self.pool.get(e.nbytes)
-            e.staging = [*(e.staging or []), staging]
-            read = self.engine.nvme_read(e.path, staging, direct=spill.direct, after=[e.offload], tag=tag)
-            src = _typed(staging, e.shape, e.dtype, e.nbytes)
+            read = self.read_to_host(key)
+            assert e.read_buf is not None
+            src = _typed(e.read_buf, e.shape, e.dtype, e.nbytes)
             e.prefetch = self.engine.h2d(dst, src, after=[read], tag=tag)
         e.device = dst
         self._count(e.nbytes)
         return e.prefetch
+
+    def read_to_host(self, key: Hashable) -> CopyHandle:
+        """NVMe only: start the file read into a host staging buffer (the first leg of a reload);
+        a later ``prefetch`` then only does the H2D. Lets a planner put the two legs in different
+        windows. Idempotent; a no-op handle for other tiers."""
+        self._check_open()
+        e = self._entries[key]
+        if e.tier is not Tier.NVME or e.prefetch is not None:
+            return DoneHandle("nvme_read")
+        if e.read is None:
+            spill = self._require_spill()
+            assert e.path is not None
+            staging = self.pool.get(e.nbytes)
+            e.staging = [*(e.staging or []), staging]
+            e.read_buf = staging
+            e.read = self.engine.nvme_read(e.path, staging, direct=spill.direct, after=[e.offload],
+                                           tag=f"act:{key}")
+        return e.read
 
     def get(self, key: Hashable) -> torch.Tensor:
         """The activation on the device; prefetches if needed and makes compute wait for it."""

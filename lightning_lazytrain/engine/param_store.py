@@ -55,7 +55,7 @@ from torch import nn
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
 
-__all__ = ["REST", "ParamStore"]
+__all__ = ["REST", "ParamStore", "PendingGrads"]
 
 REST: Final[int] = -1  # group id of the non-block parameters
 
@@ -82,14 +82,24 @@ class _Group:
 @dataclass(eq=False)
 class _Slot:
     weights: torch.Tensor  # flat device, compute dtype
-    grads: torch.Tensor  # flat device, compute dtype
+    grads: torch.Tensor | None  # flat device, compute dtype; allocated at the first bind with grads
     cast: torch.Tensor | None  # host compute-dtype staging for the H2D (None when compute is fp32)
-    grad_host: torch.Tensor  # host compute-dtype landing buffer for the grad D2H
+    grad_host: torch.Tensor | None  # host compute-dtype landing buffer for the grad D2H (lazy, as grads)
+    pin: bool = False
     gid: int | None = None  # group currently staged here
     ready: CopyHandle | None = None  # its H2D
     free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
     bound: bool = False
     wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class PendingGrads:
+    """A gradient D2H in flight (``ParamStore.send_grads``); ``finish_grads`` completes it."""
+
+    layer: int
+    slot: _Slot
+    handle: CopyHandle
 
 
 class ParamStore:
@@ -184,14 +194,20 @@ class ParamStore:
                     m._buffers[name] = b.to(self.device)
 
     def _new_slot(self, numel: int, pin: bool) -> _Slot:
+        # Gradient buffers are allocated at the first bind with grads: a slot used only for
+        # no-grad recompute (the executor's third slot) then costs weights only, as planned.
         dt, dev = self.compute_dtype, self.device
         cast = torch.empty(numel, dtype=dt, pin_memory=pin) if dt != torch.float32 else None
-        return _Slot(
-            weights=torch.empty(numel, dtype=dt, device=dev),
-            grads=torch.zeros(numel, dtype=dt, device=dev),
-            cast=cast,
-            grad_host=torch.empty(numel, dtype=dt, pin_memory=pin),
-        )
+        return _Slot(weights=torch.empty(numel, dtype=dt, device=dev), grads=None, cast=cast, grad_host=None,
+                     pin=pin)
+
+    @staticmethod
+    def _ensure_grad_buffers(s: _Slot) -> torch.Tensor:
+        if s.grads is None:
+            n = s.weights.numel()
+            s.grads = torch.zeros(n, dtype=s.weights.dtype, device=s.weights.device)
+            s.grad_host = torch.empty(n, dtype=s.weights.dtype, pin_memory=s.pin)
+        return s.grads
 
     @staticmethod
     def _view(flat: torch.Tensor, info: _Param) -> torch.Tensor:
@@ -217,7 +233,20 @@ class ParamStore:
 
     @property
     def device_bytes(self) -> int:
-        return sum(s.weights.nbytes + s.grads.nbytes for s in self._slots)
+        return sum(s.weights.nbytes + (s.grads.nbytes if s.grads is not None else 0) for s in self._slots)
+
+    def slot_bytes(self, layer: int, slot: int | None = None) -> int:
+        """Device bytes of a slot (weights, plus grads once allocated)."""
+        s = self._slot(layer, slot)
+        return s.weights.nbytes + (s.grads.nbytes if s.grads is not None else 0)
+
+    def slot_weights(self, layer: int, slot: int | None = None) -> torch.Tensor:
+        """The flat device weight buffer of a slot (for re-viewing saved weights, see the executor)."""
+        return self._slot(layer, slot).weights
+
+    def staged(self, layer: int, slot: int | None = None) -> bool:
+        """Is ``layer`` the group staged in ``slot``?"""
+        return self._slot(layer, slot).gid == layer
 
     def _group(self, layer: int) -> _Group:
         if layer not in self._groups:
@@ -283,7 +312,7 @@ class ParamStore:
         want_grads = torch.is_grad_enabled() if grads is None else grads
         s.ready.sync_current_stream()
         if want_grads:
-            s.grads[: g.numel].zero_()
+            self._ensure_grad_buffers(s)[: g.numel].zero_()
         s.wrappers = []
         for info in g.params:
             w = nn.Parameter(self._view(s.weights, info), requires_grad=want_grads and info.param.requires_grad)
@@ -325,16 +354,22 @@ class ParamStore:
         Returns the group's squared grad norm (0-dim fp32, of the accumulated
         host grad) for global-norm clipping, or None with ``norm=False``.
         """
+        return self.finish_grads(self.send_grads(layer, slot), norm=norm)
+
+    def send_grads(self, layer: int, slot: int | None = None) -> PendingGrads:
+        """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``."""
         g, s = self._group(layer), self._slot(layer, slot)
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
         n = g.numel
+        grads = self._ensure_grad_buffers(s)
+        assert s.grad_host is not None
         with torch.no_grad():
             for info, w in s.wrappers:
                 # Grads that did not land in place: create_graph=True makes
                 # AccumulateGrad replace .grad by (old + new); user code may
                 # have set it to None (= zero).
-                view = self._view(s.grads, info)
+                view = self._view(grads, info)
                 if not w.requires_grad or (w.grad is not None and w.grad.data_ptr() == view.data_ptr()):
                     continue
                 if w.grad is None:
@@ -342,8 +377,16 @@ class ParamStore:
                 else:
                     view.copy_(w.grad)
                 w.grad = view
-            h = self.engine.d2h(s.grad_host[:n], s.grads[:n], tag=f"grad:{layer}")
-            h.wait()  # Note: [grad write-back ordering]
+        h = self.engine.d2h(s.grad_host[:n], grads[:n], tag=f"grad:{layer}")  # Note: [grad write-back ordering]
+        return PendingGrads(layer, s, h)
+
+    def finish_grads(self, pending: PendingGrads, *, norm: bool = True) -> torch.Tensor | None:
+        """Wait for a ``send_grads`` copy, accumulate into the host fp32 grads, zero the device grads."""
+        g, s = self._group(pending.layer), pending.slot
+        n = g.numel
+        pending.handle.wait()
+        assert s.grads is not None and s.grad_host is not None
+        with torch.no_grad():
             s.grads[:n].zero_()
             self._ensure_host_grads(g)
             g.grad.add_(s.grad_host[:n])
