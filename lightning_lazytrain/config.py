@@ -136,13 +136,10 @@ class PlanAppConfig:
 
 
 def register_configs() -> None:
-    """Register the schemas (idempotent). ``conf/plan.yaml`` lists ``plan_app_schema`` first in its
-    defaults, so every group file is merged into the typed node."""
-    cs = ConfigStore.instance()
-    cs.store(name="plan_app_schema", node=PlanAppConfig)
-    cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="train", name="train_schema", node=TrainConfig)
+    """Register the app schema (idempotent). ``conf/plan.yaml`` lists ``plan_app_schema`` first in its
+    defaults, so every hardware/model/train file is merged into a typed node (no per-group schema entries:
+    they would show up as bogus options such as ``hardware=hardware_schema``)."""
+    ConfigStore.instance().store(name="plan_app_schema", node=PlanAppConfig)
 
 
 register_configs()
