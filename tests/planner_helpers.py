@@ -17,7 +17,7 @@ def workload(fwd, bwd=None, *, A=1 * G, internal=4 * G, params=1_000_000, param_
         grad_bytes=[param_bytes] * L, boundary_bytes=[A] * (L + 1), internal_bytes=[internal] * L,
         fwd_work_bytes=[fwd_work] * L, bwd_work_bytes=[bwd_work] * L, opt_seconds=[opt] * L,
         head_seconds=head, head_work_bytes=0.0, nonblock_params=0, nonblock_gpu_bytes=0.0,
-        nonblock_grad_bytes=0.0, nonblock_opt_seconds=0.0, host_static_bytes=host_static, tokens=1000,
+        nonblock_param_bytes=0.0, nonblock_grad_bytes=0.0, nonblock_opt_seconds=0.0, host_static_bytes=host_static, tokens=1000,
         grad_accum=grad_accum, name="hand")
 
 

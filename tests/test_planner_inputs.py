@@ -111,8 +111,9 @@ def test_megatrain_policy_moves_weights_three_times():
     wl = Workload.analytic(Q7B, TrainSpec(micro_batch_size=8, seq_len=1024), hw)
     sim = simulate(megatrain(28, 4), wl, hw)
     per_layer = wl.layers[0].param_bytes
-    # forward (28) + block recompute (3 of every 4 layers: 21) + backward (28)
-    assert sim.lane_bytes["h2d"] == pytest.approx((28 + 21 + 28) * per_layer)
+    # forward (28) + block recompute (3 of every 4 layers: 21) + backward (28), and the updated
+    # non-block weights once per step
+    assert sim.lane_bytes["h2d"] == pytest.approx((28 + 21 + 28) * per_layer + wl.nonblock_param_bytes)
 
 
 def test_planner_imports_without_torch():

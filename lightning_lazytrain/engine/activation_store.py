@@ -167,6 +167,14 @@ class ActivationStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def nbytes(self, key: Hashable) -> int:
+        return self._entries[key].nbytes
+
+    def offloaded(self, key: Hashable) -> bool:
+        """True once ``key``'s device copy is no longer needed by its offload (or it is gone)."""
+        e = self._entries.get(key)
+        return e is None or e.moved is None or e.moved.done()
+
     def tier_of(self, key: Hashable) -> Tier:
         return self._entries[key].tier
 

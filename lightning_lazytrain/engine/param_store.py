@@ -240,6 +240,10 @@ class ParamStore:
         s = self._slot(layer, slot)
         return s.weights.nbytes + (s.grads.nbytes if s.grads is not None else 0)
 
+    def slot(self, index: int) -> _Slot:
+        """Block slot ``index`` (identity is what ``PendingGrads.slot`` refers to)."""
+        return self._slot(0, index)
+
     def slot_weights(self, layer: int, slot: int | None = None) -> torch.Tensor:
         """The flat device weight buffer of a slot (for re-viewing saved weights, see the executor)."""
         return self._slot(layer, slot).weights

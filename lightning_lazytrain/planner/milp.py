@@ -310,11 +310,14 @@ class ScheduleModel:
             grads = lay[u + 1].grad_bytes / d2h if u + 1 < L else 0.0
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
             bound(m.tB[u], f"tB[{u}]", [compute, h2d_b / h2d, grads, nvr_b])
+        # T has no decisions: layer 0's and the non-block grads arrive, the non-block update and its
+        # fetch, layer 0's update and its fetch (behind the non-block fetch on the H2D lane)
         grads_t = (lay[0].grad_bytes + wl.nonblock_grad_bytes) / d2h
-        chain = grads_t + wl.nonblock_opt_seconds + lay[0].opt_seconds + lay[0].param_bytes / h2d
-        tail = [chain]
+        after_nb = grads_t + wl.nonblock_opt_seconds
+        tail = [after_nb + wl.nonblock_param_bytes / h2d + lay[0].param_bytes / h2d,
+                after_nb + lay[0].opt_seconds + lay[0].param_bytes / h2d]
         if not pipelined:
-            tail.append(grads_t + wl.nonblock_opt_seconds + sum(l.opt_seconds for l in lay))
+            tail.append(after_nb + sum(l.opt_seconds for l in lay))
         bound(m.tT, "tT", tail)
 
     def iteration_time(self):

@@ -233,13 +233,14 @@ class Schedule:
             ops += self._reload_ops(t)
             out.append(Window(f"B{t}", tuple(ops)))
         if last_microbatch:
-            # grads of layer 0 and of the non-block parameters -> host, then the optimizer; layer 0's
-            # fresh weights go back as soon as its update is done.
+            # grads of layer 0 and of the non-block parameters -> host, then the optimizer; each
+            # group's fresh weights go back to the device as soon as its update is done.
             ops = [Op("d2h", "grads", 0), Op("d2h", "grads", -1)]
             order = [-1, 0] if pipelined else [-1] + list(range(L))
             for j in order:
                 ops.append(Op("cpu", "optimizer", j, after=1))
-            ops.append(Op("h2d", "weights", 0, after=3))  # op 3 is layer 0's update in both orders
+            ops.append(Op("h2d", "weights", -1, after=2))  # op 2: the non-block update
+            ops.append(Op("h2d", "weights", 0, after=3))  # op 3: layer 0's update, in both orders
             out.append(Window("T", tuple(ops)))
         return out
 

@@ -77,7 +77,7 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
     if op.lane == "cpu":
         return (wl.nonblock_opt_seconds if op.index < 0 else layers[op.index].opt_seconds), 0.0
     if op.kind in ("weights", "recompute_weights"):
-        nbytes = layers[op.index].param_bytes
+        nbytes = wl.nonblock_param_bytes if op.index < 0 else layers[op.index].param_bytes
     elif op.kind == "grads":
         nbytes = wl.nonblock_grad_bytes if op.index < 0 else layers[op.index].grad_bytes
     else:  # offload / reload / nvme legs move a boundary

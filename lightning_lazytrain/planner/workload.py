@@ -44,7 +44,8 @@ class Workload:
     head_work_bytes: float  # logits chunk and its grad
     nonblock_params: int
     nonblock_gpu_bytes: float  # resident embedding/norm/head weights + their device grads
-    nonblock_grad_bytes: float  # their grads sent to the host once per micro-batch
+    nonblock_param_bytes: float  # their weights, sent to the device once per step (after the update)
+    nonblock_grad_bytes: float  # their grads, sent to the host once per step
     nonblock_opt_seconds: float
     host_static_bytes: float  # master params, grads and optimizer states on the host
     tokens: int  # per micro-batch
@@ -86,7 +87,7 @@ class Workload:
             for key, value in asdict(layer).items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise InvalidInput(f"workload.layers[{j}].{key}", value, "must be a finite number >= 0")
-        for key in ("head_seconds", "head_work_bytes", "nonblock_gpu_bytes", "nonblock_grad_bytes",
+        for key in ("head_seconds", "head_work_bytes", "nonblock_gpu_bytes", "nonblock_param_bytes", "nonblock_grad_bytes",
                     "nonblock_opt_seconds", "host_static_bytes"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
@@ -114,7 +115,8 @@ class Workload:
                       param_bytes: list[float], grad_bytes: list[float], boundary_bytes: list[float],
                       internal_bytes: list[float], fwd_work_bytes: list[float], bwd_work_bytes: list[float],
                       opt_seconds: list[float], head_seconds: float, head_work_bytes: float,
-                      nonblock_params: int, nonblock_gpu_bytes: float, nonblock_grad_bytes: float,
+                      nonblock_params: int, nonblock_gpu_bytes: float, nonblock_param_bytes: float,
+                      nonblock_grad_bytes: float,
                       nonblock_opt_seconds: float, host_static_bytes: float, tokens: int, grad_accum: int = 1,
                       name: str = "measured") -> Workload:
         """Build from measured per-layer lists (the profiler's output)."""
@@ -133,7 +135,8 @@ class Workload:
             for j in range(n))
         return cls(layers=layers, boundary_bytes=tuple(float(a) for a in boundary_bytes),
                    head_seconds=head_seconds, head_work_bytes=head_work_bytes, nonblock_params=nonblock_params,
-                   nonblock_gpu_bytes=nonblock_gpu_bytes, nonblock_grad_bytes=nonblock_grad_bytes,
+                   nonblock_gpu_bytes=nonblock_gpu_bytes, nonblock_param_bytes=nonblock_param_bytes,
+                   nonblock_grad_bytes=nonblock_grad_bytes,
                    nonblock_opt_seconds=nonblock_opt_seconds, host_static_bytes=host_static_bytes,
                    tokens=tokens, grad_accum=grad_accum, total_params=sum(params) + nonblock_params,
                    name=name).validate()
@@ -170,6 +173,7 @@ class Workload:
             head_work_bytes=float(head_work),
             nonblock_params=nonblock,
             nonblock_gpu_bytes=float(nonblock * (e + ge)),
+            nonblock_param_bytes=float(nonblock * e),
             nonblock_grad_bytes=float(nonblock * ge),
             nonblock_opt_seconds=nonblock / hardware.cpu_adam_params_per_s,
             host_static_bytes=float(host),

@@ -1,0 +1,93 @@
+"""One autograd node per block, and the saved-tensor hooks that keep a block's internals.
+
+``BlockFunction.apply(executor, j, x, anchor, call)`` runs block ``j``'s forward window under the
+executor and returns the new hidden state; its ``backward`` runs the block's backward window.
+``anchor`` is a 0-dim tensor that requires grad, so the node gets a backward even when ``x``
+does not (frozen embeddings): the block's own weights still need gradients.
+
+Note: [kept internals and streamed weights] When a layer keeps its internals, its forward runs
+with grad under ``saved_tensors_hooks``. Saved tensors that live in the layer's weight slot are
+packed as (offset, size, stride) tokens, not kept: the slot is reused by other layers before
+the backward. At ``B{j}`` the executor has re-staged layer j into the same slot, and unpacking
+re-views it. The leaf wrappers created at ``F{j}`` still own the gradient views of that slot,
+so the weight gradients land in the slot's gradient buffer as for any other layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class BlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, executor: Any, j: int, x: torch.Tensor, anchor: torch.Tensor, call: tuple) -> torch.Tensor:
+        ctx.executor, ctx.j = executor, j
+        ctx.kept = None
+        return executor._forward_window(ctx, j, x, call)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        grad_in = ctx.executor._backward_window(ctx, ctx.j, grad_out)
+        ctx.kept = None
+        return None, None, grad_in, None, None
+
+
+def split_output(result: Any) -> tuple[torch.Tensor, tuple | None]:
+    """Blocks return a tensor or a tuple whose first item is the hidden state."""
+    if isinstance(result, torch.Tensor):
+        return result, None
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
+        return result[0], tuple(result[1:])
+    raise TypeError(f"a block must return a tensor or a tuple starting with one, got {type(result).__name__}")
+
+
+class WeightTokenHooks:
+    """Pack hooks for a kept forward: weights of ``slot_buffer()`` become tokens, the rest is kept
+    and its bytes are reported once per storage through ``count``."""
+
+    def __init__(self, slot_buffer: Callable[[], torch.Tensor], count: Callable[[int], None],
+                 skip_storage: int | None = None) -> None:
+        self.slot_buffer = slot_buffer
+        self.count = count
+        self.seen: set[int] = set() if skip_storage is None else {skip_storage}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        buf = self.slot_buffer()
+        ptr = t.untyped_storage().data_ptr()
+        if t.device == buf.device and ptr == buf.untyped_storage().data_ptr():
+            return ("slot", t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if ptr not in self.seen:
+            self.seen.add(ptr)
+            self.count(t.untyped_storage().nbytes())
+        return t
+
+    def unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, tuple):
+            _, offset, size, stride = obj
+            return torch.as_strided(self.slot_buffer(), size, stride, offset)
+        return obj
+
+
+class CountingHooks:
+    """Pack hooks that only measure saved bytes (weights in ``slot_buffer()`` excluded)."""
+
+    def __init__(self, slot_buffer: Callable[[], torch.Tensor] | None, skip_storage: int | None = None) -> None:
+        self.slot_buffer = slot_buffer
+        self.bytes = 0
+        self.seen: set[int] = set() if skip_storage is None else {skip_storage}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if self.slot_buffer is not None and ptr == self.slot_buffer().untyped_storage().data_ptr():
+            return t
+        if ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t

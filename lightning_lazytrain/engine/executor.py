@@ -1,0 +1,390 @@
+"""The executor: runs a planner ``Schedule`` on a module's block stack.
+
+Each block of the stack becomes one autograd node (``block_fn.BlockFunction``); everything else
+(embedding, final norm, head, loss) runs with normal autograd on device-resident weights. The
+executor follows ``Schedule.windows()`` literally, so it moves exactly the bytes and re-runs
+exactly the layers that the simulator counts:
+
+    F{j}   issue the window's transfers (offload boundaries, prefetch layer j+1 into its slot),
+           store the input boundary per its home, run block j (no grad, or with grad keeping its
+           internals), and after the last block issue window H's transfers
+    B{t}   issue the window's transfers (grads of layer t+1 to the host, prefetch layer t-1,
+           reloads, NVMe reads), re-run a recompute block if one ends here, re-run layer t with
+           grad unless it kept its internals, backpropagate, free its input
+    T      (``end_microbatch(last)``) last grads to the host; the caller's optimizer then runs;
+           ``begin_microbatch(first)`` of the next step fetches layer 0 again
+
+Protocol for one optimizer step of ``g`` micro-batches::
+
+    for k in range(g):
+        ex.begin_microbatch(first=k == 0, last=k == g - 1)
+        loss = model(...); loss.backward()
+        ex.end_microbatch()
+    optimizer.step(); optimizer.zero_grad()
+
+Slots: layer j uses slot ``j % 2`` in forward and backward (so kept internals can re-view their
+weights), slot 2 is the recompute buffer (weights only), resident layers get slots 3, 4, ...
+Outside a training micro-batch (``torch.no_grad()`` evaluation) blocks simply stream through the
+two slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lazytrain.blocks import BlockStack, find_blocks
+from lightning_lazytrain.engine.activation_store import ActivationStore
+from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks, split_output
+from lightning_lazytrain.engine.copy_engine import LinkSpec, make_copy_engine
+from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
+from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
+from lightning_lazytrain.planner.schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_SLOT = 2
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did (filled by the executor, read by tests and loggers)."""
+
+    lane_bytes: dict[str, int] = field(default_factory=dict)
+    recomputed_forwards: dict[int, int] = field(default_factory=dict)  # layer -> re-runs (block + local)
+    peak_tracked_bytes: int = 0
+    layer_sq_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # REST = -1 included
+    segments: list = field(default_factory=list)  # measured timeline (planner Segments)
+
+
+class Executor:
+    def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
+                 device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
+                 nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
+                 wait_updated: Callable[[int], None] | None = None, nvme_required_bytes: int = 0) -> None:
+        self.module = module
+        self.stack = blocks if isinstance(blocks, BlockStack) else find_blocks(module, blocks)
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.engine = make_copy_engine(self.device, links)
+        self.wait_updated = wait_updated
+        self.tracker = DeviceTracker()
+        self.stats = StepStats()
+        self._orig: dict[int, Callable] = {}
+        self._micro: tuple[bool, bool] | None = None
+        self._exit = contextlib.ExitStack()
+        self.params: ParamStore | None = None
+        self.acts: ActivationStore | None = None
+        self._nvme_dir = nvme_dir
+        self._nvme_required = nvme_required_bytes
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self.set_schedule(schedule)
+        self._install()
+
+    # ---- setup ---------------------------------------------------------------------------
+    def set_schedule(self, schedule: Schedule) -> None:
+        """(Re)configure for ``schedule`` (between steps)."""
+        L = len(self.stack)
+        if schedule.num_layers != L:
+            raise ValueError(f"schedule has {schedule.num_layers} layers, the block stack {self.stack.path!r} has {L}")
+        if self._micro is not None:
+            raise RuntimeError("set_schedule() inside a micro-batch")
+        self.schedule = schedule
+        residents = [j for j in range(L) if schedule.resident_weights[j]]
+        self.resident_slot = {j: 3 + r for r, j in enumerate(residents)}
+        slots = 3 + len(residents)
+        if self.params is None or self.params.num_slots != slots:
+            if self.params is not None:
+                self.params.close()
+            self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
+                                     num_slots=slots)
+        uses_nvme = "nvme" in schedule.homes
+        if uses_nvme and self._nvme_dir is None:
+            raise ValueError("the schedule puts activations on NVMe: pass nvme_dir= (a directory on the NVMe drive)")
+        if self.acts is None or (uses_nvme and self.acts.spill is None):
+            if self.acts is not None:
+                self.acts.close()
+            self.acts = ActivationStore(self.device, self.engine, self._nvme_dir if uses_nvme else None,
+                                        nvme_required_bytes=self._nvme_required)
+        self.tracker = DeviceTracker()
+        self._static_bytes()
+
+    def _static_bytes(self) -> None:
+        """Device bytes present all step: two block slots (weights + grads) and the rest's buffers."""
+        assert self.params is not None
+        e = torch.empty((), dtype=self.compute_dtype).element_size()
+        largest = max(self.params.group_numel(j) for j in range(len(self.stack)))
+        self.tracker.add("slots", 2 * 2 * largest * e)
+        self.tracker.add("rest", 2 * self.params.group_numel(REST) * e)
+
+    def _install(self) -> None:
+        for j, block in enumerate(self.stack):
+            self._orig[j] = block.forward
+            block.forward = self._make_forward(j)
+
+    def _make_forward(self, j: int) -> Callable:
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return self._block_call(j, x, args, kwargs)
+
+        return forward
+
+    def close(self) -> None:
+        """Restore the blocks, free device buffers, worker threads and spill files."""
+        if self._micro is not None:
+            self._exit.close()
+            self._micro = None
+        for j, block in enumerate(self.stack):
+            if j in self._orig:
+                block.forward = self._orig.pop(j)
+        if self.acts is not None:
+            self.acts.close()
+        if self.params is not None:
+            self.params.close()
+        self.engine.close()
+
+    def slot_of(self, j: int) -> int:
+        return self.resident_slot.get(j, j % 2)
+
+    # ---- micro-batch protocol ----------------------------------------------------------------
+    def begin_microbatch(self, *, first: bool = True, last: bool = True) -> None:
+        assert self.params is not None
+        if self._micro is not None:
+            raise RuntimeError("begin_microbatch() twice without end_microbatch()")
+        self._micro = (first, last)
+        self._windows = {w.name: w for w in self.schedule.windows(first_microbatch=first, last_microbatch=last)}
+        self._saved: dict[int, torch.Tensor] = {}
+        self._recomputed: dict[int, torch.Tensor] = {}
+        self._calls: dict[int, tuple] = {}
+        self._extras: dict[int, tuple] = {}
+        self._pending_offload: dict[int, torch.Tensor] = {}
+        self._pending_grads: list[PendingGrads] = []
+        if first:
+            self.engine.synchronize()
+            self.engine.reset_stats()
+            self.stats = StepStats()
+            self.tracker.reset_peak()
+            self.trace = StepTrace()
+            self.trace.window("T")
+            # T's last op: layer 0's (updated) weights, then the rest stays bound for the step
+            self._stage(0)
+            self.params.stage(REST).wait()
+            self._exit.enter_context(self.params.bind(REST, grads=True))
+
+    def end_microbatch(self) -> StepStats | None:
+        """Finish the micro-batch; on the last one, run T's transfers and return the step's stats."""
+        assert self.params is not None and self.acts is not None
+        if self._micro is None:
+            raise RuntimeError("end_microbatch() without begin_microbatch()")
+        first, last = self._micro
+        if self._saved or self._recomputed or self._pending_offload:
+            raise RuntimeError("the backward did not reach every block; call loss.backward() before end_microbatch()")
+        self._finish_grads()
+        if not last:
+            self._micro = None
+            return None
+        self.trace.window("T")
+        self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
+        self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST)
+        self._exit.close()
+        self.acts.end_step()
+        self.engine.synchronize()
+        self._micro = None
+        self.stats.lane_bytes = self.engine.bytes_moved
+        self.stats.peak_tracked_bytes = self.tracker.peak
+        self.stats.segments = self.trace.segments(self.engine.records())
+        return self.stats
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _block_call(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        if self._micro is None or not torch.is_grad_enabled():
+            return self._stream_only(j, x, args, kwargs)
+        out = BlockFunction.apply(self, j, x, self._anchor, (args, kwargs))
+        extra = self._extras.pop(j, None)
+        return out if extra is None else (out, *extra)
+
+    def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Evaluation: stream the weights through the two slots, keep nothing."""
+        assert self.params is not None
+        if j == 0 or not self.params.staged(j, j % 2):
+            self.params.stage(j, j % 2)
+        if j + 1 < len(self.stack):
+            self.params.stage(j + 1, (j + 1) % 2)
+        with self.params.bind(j, j % 2, grads=False), torch.no_grad():
+            return self._orig[j](x, *args, **kwargs)
+
+    def _stage(self, j: int, slot: int | None = None) -> None:
+        assert self.params is not None
+        slot = self.slot_of(j) if slot is None else slot
+        self._finish_grads(slot=slot)
+        self.params.stage(j, slot)
+
+    def _forward_window(self, ctx: Any, j: int, x: torch.Tensor, call: tuple) -> torch.Tensor:
+        assert self.params is not None and self.acts is not None
+        s, L = self.schedule, len(self.stack)
+        name = f"F{j}"
+        self.trace.window(name)
+        self._calls[j] = call
+        self._reap_offloads()
+        for op in self._windows[name].ops:
+            if op.lane == "d2h" and op.kind == "offload":
+                src = x if op.index == j else self._pending_offload.pop(op.index)
+                self.acts.offload(op.index, src.detach(), s.homes[op.index])
+                self.tracker.add(f"offload{op.index}", self._nbytes(src))
+            elif op.lane == "h2d" and op.kind == "weights":
+                if s.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
+                    self.wait_updated(op.index)
+                self._stage(op.index)
+                if op.index in self.resident_slot:
+                    self.tracker.add(f"resident{op.index}", self.params.slot_bytes(op.index, self.slot_of(op.index)))
+            elif op.lane == "d2h" and op.kind == "grads":
+                self._finish_grads([self.params.send_grads(op.index, self.slot_of(op.index))])
+        home = s.homes[j]
+        if home == "gpu":
+            self._saved[j] = x.detach()
+            self.tracker.add(f"boundary{j}", self._nbytes(x))
+        elif home in ("cpu", "nvme") and s.offload_window[j] > j:
+            self._pending_offload[j] = x.detach()
+        args, kwargs = call
+        slot = self.slot_of(j)
+        keep = s.keep_internals[j]
+        with self.trace.timed(name, "forward", j), self.params.bind(j, slot, grads=keep):
+            if keep:
+                hooks = WeightTokenHooks(lambda: self.params.slot_weights(j, slot),
+                                         lambda n: self.tracker.add(f"internals{j}", n),
+                                         skip_storage=x.untyped_storage().data_ptr())
+                xg = x.detach().requires_grad_()
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                    out, extra = split_output(self._orig[j](xg, *args, **kwargs))
+                ctx.kept = (xg, out)
+                out = out.detach()
+            else:
+                out, extra = split_output(self._orig[j](x, *args, **kwargs))
+        if extra is not None:
+            self._extras[j] = extra
+        if j == L - 1:
+            self._issue_transfers("H")
+        return out
+
+    # ---- backward --------------------------------------------------------------------------
+    def _backward_window(self, ctx: Any, t: int, grad_out: torch.Tensor) -> torch.Tensor:
+        assert self.params is not None
+        s = self.schedule
+        name = f"B{t}"
+        self.trace.window(name)
+        self._reap_offloads()
+        self._issue_transfers(name)
+        block = s.block_ending_at(t + 1)
+        if block is not None:
+            self._recompute_block(name, block[0], t)
+        slot = self.slot_of(t)
+        self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
+        args, kwargs = self._calls.pop(t)
+        with self.params.bind(t, slot, grads=True):
+            if ctx.kept is not None:
+                xg, out = ctx.kept
+                with self.trace.timed(name, "backward", t):
+                    torch.autograd.backward(out, grad_out)
+                self.tracker.drop(f"internals{t}")
+            else:
+                x = self._boundary(t)
+                xg = x.detach().requires_grad_()
+                hooks = CountingHooks(lambda: self.params.slot_weights(t, slot), x.untyped_storage().data_ptr())
+                with self.trace.timed(name, "local_recompute", t), torch.enable_grad(), \
+                        torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                    out, _ = split_output(self._orig[t](xg, *args, **kwargs))
+                self.tracker.add(f"internals{t}", hooks.bytes)
+                self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
+                with self.trace.timed(name, "backward", t):
+                    torch.autograd.backward(out, grad_out)
+                del out
+                self.tracker.drop(f"internals{t}")
+        grad_in = xg.grad
+        self._free_boundary(t)
+        if t in self.resident_slot:
+            self.tracker.drop(f"resident{t}")
+        return grad_in
+
+    def _recompute_block(self, window: str, s: int, t: int) -> None:
+        """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
+        assert self.params is not None
+        x = self._boundary(s)
+        self.tracker.add("recompute_slot", self.params.slot_bytes(s, RECOMPUTE_SLOT))
+        for j in range(s, t):
+            self.params.stage(j, RECOMPUTE_SLOT)
+            args, kwargs = self._calls[j]
+            with self.trace.timed(window, "recompute", j), self.params.bind(j, RECOMPUTE_SLOT, grads=False), \
+                    torch.no_grad():
+                x, _ = split_output(self._orig[j](x, *args, **kwargs))
+            self._recomputed[j + 1] = x
+            self.tracker.add(f"recomputed{j + 1}", self._nbytes(x))
+            self.stats.recomputed_forwards[j] = self.stats.recomputed_forwards.get(j, 0) + 1
+        self.tracker.drop("recompute_slot")
+
+    # ---- transfers ---------------------------------------------------------------------------
+    def _issue_transfers(self, name: str) -> None:
+        """Start a backward-side window's transfers (grads, prefetch, reloads, NVMe reads), in order."""
+        assert self.params is not None and self.acts is not None
+        for op in self._windows[name].ops:
+            if op.lane == "d2h" and op.kind == "grads":
+                self._pending_grads.append(self.params.send_grads(op.index, self.slot_of(op.index)))
+            elif op.lane == "h2d" and op.kind == "weights":
+                self._stage(op.index)
+            elif op.lane == "h2d" and op.kind == "reload":
+                self.acts.prefetch(op.index)
+                self.tracker.add(f"reload{op.index}", self.acts.nbytes(op.index))
+            elif op.lane == "nvme_read":
+                self.acts.read_to_host(op.index)
+
+    def _finish_grads(self, pending: list[PendingGrads] | None = None, *, slot: int | None = None) -> None:
+        """Complete grad D2Hs: the given ones, those from ``slot``, or all pending ones."""
+        assert self.params is not None
+        if pending is None:
+            target = None if slot is None else self.params.slot(slot)
+            pending = [p for p in self._pending_grads if target is None or p.slot is target]
+        last = self._micro is not None and self._micro[1]
+        for p in pending:
+            norm = self.params.finish_grads(p, norm=last)
+            if norm is not None:
+                self.stats.layer_sq_norms[p.layer] = norm
+            if p in self._pending_grads:
+                self._pending_grads.remove(p)
+
+    def _reap_offloads(self) -> None:
+        """Stop counting offloaded boundaries whose D2H has finished."""
+        assert self.acts is not None
+        for owner in [o for o in self.tracker.by_owner if o.startswith("offload")]:
+            if self.acts.offloaded(int(owner[len("offload"):])):
+                self.tracker.drop(owner)
+
+    # ---- boundaries ----------------------------------------------------------------------------
+    def _boundary(self, i: int) -> torch.Tensor:
+        assert self.acts is not None
+        if i in self._saved:
+            return self._saved[i]
+        if i in self._recomputed:
+            return self._recomputed[i]
+        if i in self.acts:
+            return self.acts.get(i)
+        raise RuntimeError(f"boundary {i} is neither stored nor recomputed (schedule {self.schedule.policy!r})")
+
+    def _free_boundary(self, i: int) -> None:
+        assert self.acts is not None
+        if self._saved.pop(i, None) is not None:
+            self.tracker.drop(f"boundary{i}")
+        if self._recomputed.pop(i, None) is not None:
+            self.tracker.drop(f"recomputed{i}")
+        if i in self.acts:
+            self.acts.free(i)
+            self.tracker.drop(f"reload{i}")
+            self.tracker.drop(f"offload{i}")
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
