@@ -42,7 +42,7 @@ def instances(draw):
     return wl, hw
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_milp_schedule_is_feasible_agrees_with_simulator_and_beats_baselines(inst):
     wl, hw = inst
