@@ -110,3 +110,15 @@ def test_milp_agrees_with_simulator_and_beats_baselines_on_hand_instances():
         except Exception:
             continue
         assert res.simulated.iteration_seconds <= t * (1 + 1e-3)
+
+
+def test_warm_start_is_valued_correctly():
+    # Found by the property test: HiGHS valued the warm start 1 s too low (presolve offset) and
+    # returned it as optimal. solve() must detect that and return a correctly valued optimum.
+    wl = workload([1, 1, 1, 0.5, 0.5, 1], A=0.75 * G, internal=2.25 * G, param_bytes=2 * G, fwd_work=0.15 * G,
+                  bwd_work=0.375 * G, head=1.0, opt=0.0)
+    hw = hardware(14.375 * G, cpu=1 * G, h2d=1 * G, d2h=1 * G)
+    res = solve(wl, hw)
+    assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-9)
+    assert res.simulated.iteration_seconds == pytest.approx(33.0, rel=1e-9)
+    assert res.mip_gap is not None and res.mip_gap <= 1e-3
