@@ -62,6 +62,8 @@ class StepStats:
     peak_tracked_bytes: int = 0
     layer_sq_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # REST = -1 included
     segments: list = field(default_factory=list)  # measured timeline (planner Segments)
+    boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
+    internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
 
 
 class Executor:
@@ -231,6 +233,7 @@ class Executor:
         name = f"F{j}"
         self.trace.window(name)
         self._calls[j] = call
+        self.stats.boundary_bytes[j] = self._nbytes(x)
         self._reap_offloads()
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "offload":
@@ -268,7 +271,11 @@ class Executor:
                 out, extra = split_output(self._orig[j](x, *args, **kwargs))
         if extra is not None:
             self._extras[j] = extra
+        if keep:
+            self.stats.internal_bytes[j] = self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x)
         if j == L - 1:
+            self.stats.boundary_bytes[L] = self._nbytes(out)
+            self.trace.window("H")
             self._issue_transfers("H")
         return out
 
@@ -300,6 +307,7 @@ class Executor:
                         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
                     out, _ = split_output(self._orig[t](xg, *args, **kwargs))
                 self.tracker.add(f"internals{t}", hooks.bytes)
+                self.stats.internal_bytes[t] = hooks.bytes + self._nbytes(x)
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
                 with self.trace.timed(name, "backward", t):
                     torch.autograd.backward(out, grad_out)

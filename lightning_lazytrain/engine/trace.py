@@ -31,7 +31,8 @@ class DeviceTracker:
         self.add(owner, -nbytes)
 
     def drop(self, owner: str) -> None:
-        self.sub(owner, self.by_owner.pop(owner, 0))
+        """Forget everything ``owner`` holds."""
+        self.current -= self.by_owner.pop(owner, 0)
 
     def reset_peak(self) -> None:
         self.peak = self.current

@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias, Union
+from typing import Literal, TypeAlias
 
 import torch
 
@@ -34,9 +34,9 @@ STEP_BYTES = 4
 #: Predicate form of the policy: gets the parameter's name and shape.
 StatePredicate: TypeAlias = Callable[[str, tuple[int, ...]], bool]
 #: "none" | "all" | fraction of all parameter elements (0 < f <= 1) | predicate.
-EightBitPolicy: TypeAlias = Union[Literal["none", "all"], float, StatePredicate]
+EightBitPolicy: TypeAlias = Literal["none", "all"] | float | StatePredicate
 #: What the pure functions accept per parameter: a tensor (real or meta) or a shape.
-ParamLike: TypeAlias = Union[torch.Tensor, Sequence[int], torch.Size]
+ParamLike: TypeAlias = torch.Tensor | Sequence[int] | torch.Size
 
 # A name component that denotes a normalisation layer: "norm", "layernorm", "input_layernorm",
 # "rms_norm", "ln", "ln_f", "ln_1", "bn".

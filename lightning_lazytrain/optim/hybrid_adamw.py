@@ -35,7 +35,8 @@ from .assign import (
     assign_state_bits,
     log_assignment,
 )
-from .bnb8bit import adamw_8bit_update, check_8bit_state, init_8bit_state, make_qmaps, validate_block_size
+from .bnb8bit import adamw_8bit_update, init_8bit_state, make_qmaps, validate_block_size
+from .checkpoint import load_param_state
 from .clip import ClipDecision, SqNormInbox, decide_clip, global_grad_norm, norm_from_sq_norms
 from .pipeline import LayerPipeline
 
@@ -362,10 +363,8 @@ class HybridAdamW(Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a :meth:`state_dict`: 8-bit states, qmaps and block scales exactly as saved.
 
-        Tensors move to their parameter's device (CPU <-> CUDA) keeping their dtype (uint8 states
-        stay uint8 -- torch's default loader would cast them to the parameter's float dtype).
-        As with torch, a tensor already on the right device and dtype is adopted, not copied.
-        The 8/32-bit assignment must be the one the state was saved with.
+        Tensors move to their parameter's device (CPU <-> CUDA) keeping their dtype (see
+        checkpoint.py). The 8/32-bit assignment must be the one the state was saved with.
         """
         self._wait_inflight()
         saved_groups = state_dict["param_groups"]
@@ -374,8 +373,9 @@ class HybridAdamW(Optimizer):
         id_map: dict[Any, torch.Tensor] = {}
         for group, saved in zip(self.param_groups, saved_groups):
             if len(group["params"]) != len(saved["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
-            if "param_names" in group and "param_names" in saved and list(group["param_names"]) != list(saved["param_names"]):
+                raise ValueError("loaded state dict has a parameter group of a different size")
+            names, saved_names = group.get("param_names"), saved.get("param_names")
+            if names is not None and saved_names is not None and list(names) != list(saved_names):
                 raise ValueError("loaded state dict names its parameters differently (different model or order)")
             id_map.update(zip(saved["params"], group["params"]))
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
@@ -383,7 +383,7 @@ class HybridAdamW(Optimizer):
             if pid not in id_map:
                 raise ValueError(f"loaded state refers to unknown parameter id {pid}")
             p = id_map[pid]
-            new_state[p] = self._load_param_state(p, saved_state)
+            new_state[p] = load_param_state(p, saved_state, bits=self._bits[p], name=self._names[p], qmaps=self._qmaps)
         for p in self._bits:  # parameters without saved state start fresh (torch: no state)
             if p not in new_state:
                 new_state[p] = self._fresh_state(p)
@@ -392,39 +392,3 @@ class HybridAdamW(Optimizer):
             for key, value in saved.items():
                 if key not in ("params", "param_names", "layer"):
                     group[key] = deepcopy(value)
-
-    def _load_param_state(self, p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
-        saved_bits = 8 if "state1" in saved else 32
-        if saved_bits != self._bits[p]:
-            raise ValueError(
-                f"saved state of {self._names[p]!r} is {saved_bits}-bit but this optimizer assigns it "
-                f"{self._bits[p]}-bit: construct it with the eight_bit policy the checkpoint was made with"
-            )
-        out: dict[str, Any] = {}
-        for key, value in saved.items():
-            if key == "step":
-                # Always a float32 CPU scalar (see adamw32.py), whatever device it was saved from.
-                out[key] = torch.as_tensor(value, dtype=torch.float32).detach().to("cpu").clone().reshape(())
-            elif isinstance(value, torch.Tensor):
-                if saved_bits == 32 and value.is_floating_point():
-                    out[key] = value.detach().to(device=p.device, dtype=p.dtype)
-                else:
-                    out[key] = value.detach().to(device=p.device)
-            else:
-                out[key] = deepcopy(value)
-        if saved_bits == 8:
-            check_8bit_state(p, out)
-            out["qmap1"], out["qmap2"] = self._shared_qmaps(p.device, out["qmap1"], out["qmap2"])
-        elif out["exp_avg"].shape != p.shape or out["exp_avg_sq"].shape != p.shape:
-            raise ValueError(f"saved moments of {self._names[p]!r} do not match its shape {tuple(p.shape)}")
-        return out
-
-    def _shared_qmaps(
-        self, device: torch.device, qmap1: torch.Tensor, qmap2: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Share one copy per device when the loaded maps equal ours; keep the loaded ones if not
-        (the states were quantised with them)."""
-        if device not in self._qmaps:
-            self._qmaps[device] = (qmap1, qmap2)
-        ours1, ours2 = self._qmaps[device]
-        return (ours1 if torch.equal(ours1, qmap1) else qmap1, ours2 if torch.equal(ours2, qmap2) else qmap2)

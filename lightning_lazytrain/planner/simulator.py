@@ -48,6 +48,7 @@ class SimResult:
     compute_seconds: float
     recompute_seconds: float
     lane_bytes: dict[str, float]
+    recomputed_forwards: dict[int, int]  # layer -> extra forward runs per iteration (block + local)
     window_seconds: dict[str, float]  # one micro-batch (the first), plus T
     window_bytes: dict[str, float]  # device bytes per window
     timeline: list[Segment] = field(default_factory=list)
@@ -201,8 +202,14 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
             compute += busy
             exposed += (end - now) - busy
             now = end
-    recompute = g * sum(wl.layers[j].fwd_seconds for s_, e in s.recompute_blocks for j in range(s_, e - 1))
-    recompute += g * sum(wl.layers[j].fwd_seconds for j in range(s.num_layers) if not s.keep_internals[j])
+    reruns = {j: 0 for j in range(s.num_layers)}
+    for start, end in s.recompute_blocks:
+        for j in range(start, end - 1):
+            reruns[j] += g
+    for j in range(s.num_layers):
+        reruns[j] += 0 if s.keep_internals[j] else g
+    reruns = {j: n for j, n in reruns.items() if n}
+    recompute = sum(n * wl.layers[j].fwd_seconds for j, n in reruns.items())
     tokens = wl.tokens * g
     return SimResult(
         iteration_seconds=now,
@@ -216,6 +223,7 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
         compute_seconds=compute,
         recompute_seconds=recompute,
         lane_bytes=lane_bytes,
+        recomputed_forwards=reruns,
         window_seconds=window_seconds,
         window_bytes=dict(zip(names, mem)),
         timeline=timeline,

@@ -1,0 +1,60 @@
+"""Measure a ``planner.Workload`` from the real model on the real device.
+
+Runs one micro-batch under the executor's current schedule (a ``min_memory`` or
+``recompute_all`` schedule is the safe provisional choice) and reads the executor's trace:
+per-layer forward and backward seconds, boundary and saved-internal bytes, parameter and
+gradient bytes of the streamed compute copies, the head's time. On CUDA the transient working
+sets come from ``torch.cuda.max_memory_allocated``; on CPU they are not measured (0), which only
+matters for predicting peaks, not for planning transfers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.param_store import REST
+from lightning_lazytrain.planner.workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, STATE_BYTES_32, Workload
+
+
+def measure_workload(executor: Executor, step: Callable[[], None], *, tokens: int, grad_accum: int = 1,
+                     opt_params_per_s: float = 1e9, state_bytes_per_param: float = STATE_BYTES_32,
+                     warmup: int = 1) -> Workload:
+    """``step()`` runs forward and backward of one micro-batch (``loss.backward()``), nothing else.
+
+    Runs ``warmup`` + 1 micro-batches and measures the last one; gradients it produces are left in
+    the host ``.grad`` (zero them before training)."""
+    assert executor.params is not None
+    for _ in range(warmup + 1):
+        executor.begin_microbatch(first=True, last=True)
+        step()
+        stats = executor.end_microbatch()
+    assert stats is not None
+    L = len(executor.stack)
+    seg = stats.segments
+    fwd = [0.0] * L
+    bwd = [0.0] * L
+    for s in seg:
+        if s.lane == "compute" and s.kind == "forward":
+            fwd[s.index] += s.end - s.start
+        elif s.lane == "compute" and s.kind == "backward":
+            bwd[s.index] += s.end - s.start
+    starts = dict(executor.trace.windows[::-1])  # first start of each window name
+    head = max(0.0, starts.get(f"B{L - 1}", 0.0) - starts.get("H", 0.0))
+    e = torch.empty((), dtype=executor.compute_dtype).element_size()
+    numel = [executor.params.group_numel(j) for j in range(L)]
+    rest = executor.params.group_numel(REST)
+    boundary = [float(stats.boundary_bytes[i]) for i in range(L + 1)]
+    internal = [float(stats.internal_bytes.get(j, boundary[j])) for j in range(L)]
+    total = sum(numel) + rest
+    return Workload.from_measured(
+        fwd_seconds=fwd, bwd_seconds=bwd, params=numel, param_bytes=[n * e for n in numel],
+        grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
+        fwd_work_bytes=[0.0] * L, bwd_work_bytes=[0.0] * L, opt_seconds=[n / opt_params_per_s for n in numel],
+        head_seconds=head, head_work_bytes=0.0, nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e,
+        nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
+        nonblock_opt_seconds=rest / opt_params_per_s,
+        host_static_bytes=total * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + state_bytes_per_param),
+        tokens=tokens, grad_accum=grad_accum, name="measured")

@@ -1,0 +1,241 @@
+"""The executor against plain autograd, and against the simulator's byte and FLOP counts.
+
+Equality is exact (``torch.equal``) in fp32 on CPU: every policy runs the same kernels on the
+same inputs in the same order as plain autograd (a re-run forward is bit-identical on CPU), and
+per-layer gradients are accumulated into the host fp32 ``.grad`` in the same order.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.profiler import measure_workload
+from lightning_lazytrain.models import LlamaLM
+from lightning_lazytrain.planner import Hardware, ModelSpec, Schedule, keep_all, megatrain, recompute_all, simulate, solve
+
+SPEC = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, head_dim=16, vocab=256)
+L = SPEC.num_layers
+
+
+def custom(homes, keep=None, res=None, off=None, rel=None) -> Schedule:
+    return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(keep or [False] * L),
+                    resident_weights=tuple(res or [False] * L), offload_window=tuple(off or [None] * (L + 1)),
+                    reload_window=tuple(rel or [None] * (L + 1)), policy="custom")
+
+
+SCHEDULES = {
+    "keep_all": keep_all(L),
+    "recompute_all": recompute_all(L),
+    "megatrain_K1": megatrain(L, 1),
+    "megatrain_K2": megatrain(L, 2),
+    "megatrain_K4": megatrain(L, 4),
+    "cpu_homes": custom(["gpu", "cpu", "recompute", "cpu", "gpu"], off=[None, 1, None, 3, None],
+                        rel=[None, 3, None, 4, None]),
+    "nvme_homes": custom(["gpu", "nvme", "nvme", "gpu", "gpu"], off=[None, 1, 2, None, None],
+                         rel=[None, 2, 3, None, None]),
+    "kept_internals_resident": custom(["gpu", "gpu", "recompute", "gpu", "gpu"], keep=[True, False, False, True],
+                                      res=[False, False, True, True]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    model = LlamaLM(SPEC)
+    tokens = torch.randint(0, SPEC.vocab, (2, 33))
+    return model, tokens
+
+
+def plain_grads(model, tokens, micro=1):
+    ref = copy.deepcopy(model)
+    losses = []
+    for k in range(micro):
+        loss = ref.loss(tokens[k::micro] if micro > 1 else tokens)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, [p.grad for p in ref.parameters()]
+
+
+def run(model, schedule, tokens, tmp_path, micro=1, **kw):
+    m = copy.deepcopy(model)
+    ex = Executor(m, schedule, nvme_dir=tmp_path, **kw)
+    losses = []
+    try:
+        for k in range(micro):
+            ex.begin_microbatch(first=k == 0, last=k == micro - 1)
+            loss = m.loss(tokens[k::micro] if micro > 1 else tokens)
+            loss.backward()
+            stats = ex.end_microbatch()
+            losses.append(loss.detach())
+    finally:
+        ex.close()
+    return m, losses, stats
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_loss_and_every_gradient_equal_plain_autograd(reference, tmp_path, name):
+    model, tokens = reference
+    want_losses, want_grads = plain_grads(model, tokens)
+    m, losses, _ = run(model, SCHEDULES[name], tokens, tmp_path)
+    assert torch.equal(losses[0], want_losses[0])
+    for (pname, p), g in zip(m.named_parameters(), want_grads):
+        assert torch.equal(p.grad, g), pname
+
+
+def test_gradient_accumulation_equals_plain(reference, tmp_path):
+    model, tokens = reference
+    want_losses, want_grads = plain_grads(model, tokens, micro=2)
+    m, losses, _ = run(model, SCHEDULES["cpu_homes"], tokens, tmp_path, micro=2)
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+    for (pname, p), g in zip(m.named_parameters(), want_grads):
+        assert torch.equal(p.grad, g), pname
+
+
+def test_training_steps_equal_plain_training(reference, tmp_path):
+    model, tokens = reference
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES["megatrain_K2"], nvme_dir=tmp_path)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    try:
+        for _ in range(3):
+            loss_ref = ref.loss(tokens)
+            loss_ref.backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            ex.begin_microbatch()
+            loss = m.loss(tokens)
+            loss.backward()
+            ex.end_microbatch()
+            opt.step()
+            opt.zero_grad()
+            assert torch.equal(loss.detach(), loss_ref.detach())
+        with torch.no_grad():  # evaluation streams through the slots
+            assert torch.equal(m.loss(tokens), ref.loss(tokens))
+    finally:
+        ex.close()
+
+
+def measured(model, tokens, tmp_path):
+    m = copy.deepcopy(model)
+    ex = Executor(m, recompute_all(L), nvme_dir=tmp_path)
+    try:
+        return measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel())
+    finally:
+        ex.close()
+
+
+def big_host(wl) -> Hardware:
+    return Hardware(name="cpu-test", gpu_memory_bytes=1e12, gpu_memory_cap_bytes=1e12, peak_tflops=1, efficiency=1,
+                    h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9,
+                    nvme_capacity_bytes=1e12, cpu_memory_bytes=1e12, cpu_adam_params_per_s=1e9,
+                    cpu_adam8_params_per_s=1e9)
+
+
+def milp_schedule(wl) -> Schedule:
+    # a device budget between the smallest and the keep-all footprint forces a mixed plan
+    hw = big_host(wl)
+    lo = simulate(recompute_all(L), wl, hw).peak_gpu_bytes
+    hi = simulate(keep_all(L), wl, hw).peak_gpu_bytes
+    res = solve(wl, hw.replace(gpu_memory_cap_bytes=(lo + hi) / 2, gpu_memory_bytes=1e12))
+    assert res.status == "optimal"
+    return res.schedule
+
+
+def test_milp_plan_runs_exactly(reference, tmp_path):
+    model, tokens = reference
+    wl = measured(model, tokens, tmp_path)
+    schedule = milp_schedule(wl)
+    want_losses, want_grads = plain_grads(model, tokens)
+    m, losses, _ = run(model, schedule, tokens, tmp_path)
+    assert torch.equal(losses[0], want_losses[0])
+    assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), want_grads))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES) + ["milp"])
+def test_bytes_per_lane_recompute_and_peak_match_the_simulator(reference, tmp_path, name):
+    model, tokens = reference
+    wl = measured(model, tokens, tmp_path)
+    schedule = milp_schedule(wl) if name == "milp" else SCHEDULES[name]
+    sim = simulate(schedule, wl, big_host(wl))
+    _, _, stats = run(model, schedule, tokens, tmp_path)
+    for lane in ("h2d", "d2h", "nvme_read", "nvme_write"):
+        assert stats.lane_bytes[lane] == pytest.approx(sim.lane_bytes.get(lane, 0.0), abs=0), lane
+    assert stats.recomputed_forwards == sim.recomputed_forwards
+    assert 0 < stats.peak_tracked_bytes <= sim.peak_gpu_bytes
+
+
+def block_forward_flops(model, tokens) -> int:
+    from lightning_lazytrain.models.llama import rotary
+
+    block = model.layers[0]
+    x = model.embed_tokens(tokens[:, :-1]).detach()
+    pe = rotary(x.shape[1], SPEC.head_dim, model.rope_theta, x.device, x.dtype)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        block(x, position_embeddings=pe)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["keep_all", "recompute_all", "megatrain_K2", "megatrain_K4", "cpu_homes"])
+def test_recomputed_flops_are_exactly_the_predicted_reruns(reference, tmp_path, name):
+    model, tokens = reference
+    with FlopCounterMode(display=False) as plain:
+        copy.deepcopy(model).loss(tokens).backward()
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES[name], nvme_dir=tmp_path)
+    try:
+        ex.begin_microbatch()
+        with FlopCounterMode(display=False) as ours:
+            m.loss(tokens).backward()
+        ex.end_microbatch()
+    finally:
+        ex.close()
+    reruns = sum(simulate(SCHEDULES[name], measured(model, tokens, tmp_path), big_host(None))
+                 .recomputed_forwards.values())
+    extra = ours.get_total_flops() - plain.get_total_flops()
+    assert extra == reruns * block_forward_flops(model, tokens)
+
+
+def test_block_that_returns_a_tuple_and_takes_kwargs(tmp_path):
+    torch.manual_seed(1)
+
+    class TupleBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, *, scale, mask=None):
+            return torch.tanh(self.lin(x)) * scale + x, {"aux": 1}
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(4, 8)
+            self.layers = torch.nn.ModuleList(TupleBlock() for _ in range(3))
+
+        def forward(self, x):
+            h = self.inp(x)
+            for b in self.layers:
+                h, aux = b(h, scale=torch.tensor(0.5), mask=None)
+                assert aux == {"aux": 1}
+            return h.square().mean()
+
+    net = Net()
+    x = torch.randn(5, 4)
+    ref = copy.deepcopy(net)
+    ref(x).backward()
+    ex = Executor(net, megatrain(3, 2), nvme_dir=tmp_path)
+    try:
+        ex.begin_microbatch()
+        net(x).backward()
+        ex.end_microbatch()
+    finally:
+        ex.close()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
