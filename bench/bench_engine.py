@@ -1,0 +1,112 @@
+"""Engine benchmark on CPU: plan vs actual with an emulated link, MILP plan vs MegaTrain, and the
+executor's overhead over plain PyTorch.
+
+    python bench/bench_engine.py          # ~3 minutes on a 2-core machine
+
+1. Emulated link (H2D/D2H/NVMe worker threads sleep to a set bandwidth) sized so a layer's weight
+   transfer takes about as long as its forward: the measured step time of the MILP plan and of the
+   megatrain policy vs the simulator's prediction for the same schedule on the measured workload.
+2. The same run: measured time of the MILP plan vs the megatrain policy (ratio).
+3. No emulation, a budget that fits everything (keep_all): executor step vs plain PyTorch step.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from lightning_lazytrain.engine.copy_engine import LinkSpec
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.profiler import measure_workload
+from lightning_lazytrain.models import LlamaLM
+from lightning_lazytrain.planner import Hardware, ModelSpec, keep_all, megatrain, recompute_all, simulate, solve
+
+SPEC = ModelSpec(name="bench", num_layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=4, head_dim=64,
+                 vocab=4096)
+BATCH, SEQ = 4, 257
+STEPS = 4
+
+
+def timed_steps(model, executor, tokens, opt, steps=STEPS) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if executor is not None:
+            executor.begin_microbatch()
+        model.loss(tokens).backward()
+        if executor is not None:
+            executor.end_microbatch()
+        out.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad()
+    return out[1:]  # the first step warms up allocators and threads
+
+
+def hardware_for(bandwidth: float) -> Hardware:
+    return Hardware(name="cpu-emulated", gpu_memory_bytes=1e12, gpu_memory_cap_bytes=1e12, peak_tflops=1,
+                    efficiency=1, h2d_bytes_per_s=bandwidth, d2h_bytes_per_s=bandwidth,
+                    nvme_read_bytes_per_s=bandwidth / 2, nvme_write_bytes_per_s=bandwidth / 2,
+                    nvme_capacity_bytes=1e12, cpu_memory_bytes=1e12, cpu_adam_params_per_s=1e15,
+                    cpu_adam8_params_per_s=1e15)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    base = LlamaLM(SPEC)
+    tokens = torch.randint(0, SPEC.vocab, (BATCH, SEQ))
+    print(f"# bench_engine: {SPEC.num_layers} layers, hidden {SPEC.hidden}, batch {BATCH}x{SEQ - 1}, "
+          f"{SPEC.total_params / 1e6:.1f}M params, torch {torch.__version__}, threads {torch.get_num_threads()}")
+
+    # measure the workload once without emulation
+    m = copy.deepcopy(base)
+    ex = Executor(m, recompute_all(SPEC.num_layers))
+    wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=BATCH * (SEQ - 1), warmup=2)
+    ex.close()
+    fwd = statistics.median(layer.fwd_seconds for layer in wl.layers)
+    bandwidth = wl.layers[0].param_bytes / fwd  # a layer's fetch takes one forward
+    print(f"measured: forward {fwd * 1e3:.1f} ms/layer, backward "
+          f"{statistics.median(layer.bwd_seconds for layer in wl.layers) * 1e3:.1f} ms/layer, "
+          f"weights {wl.layers[0].param_bytes / 1e6:.1f} MB/layer -> emulated link {bandwidth / 1e6:.0f} MB/s")
+    hw = hardware_for(bandwidth)
+    lo = simulate(recompute_all(SPEC.num_layers), wl, hw).peak_gpu_bytes
+    hi = simulate(keep_all(SPEC.num_layers), wl, hw).peak_gpu_bytes
+    cap = lo + 0.5 * (hi - lo)
+    plan = solve(wl, hw.replace(gpu_memory_cap_bytes=cap)).schedule
+    links = {lane: LinkSpec(bw, 0.0) for lane, bw in (("h2d", bandwidth), ("d2h", bandwidth),
+                                                       ("nvme_read", bandwidth / 2), ("nvme_write", bandwidth / 2))}
+    print(f"device budget {cap / 1e6:.0f} MB (between recompute_all {lo / 1e6:.0f} and keep_all {hi / 1e6:.0f} MB)")
+    print(f"plan: homes {plan.count_homes()}, kept {sum(plan.keep_internals)}, resident {sum(plan.resident_weights)}, "
+          f"blocks {plan.recompute_blocks}")
+
+    print("\n## 1-2. emulated link: measured vs predicted, plan vs megatrain")
+    measured = {}
+    for name, schedule in (("milp plan", plan), ("megatrain K=4", megatrain(SPEC.num_layers, 4))):
+        predicted = simulate(schedule, wl, hw.replace(gpu_memory_cap_bytes=1e12)).iteration_seconds
+        m = copy.deepcopy(base)
+        ex = Executor(m, schedule, links=links)
+        times = timed_steps(m, ex, tokens, torch.optim.SGD(m.parameters(), lr=1e-3))
+        peak = ex.stats.peak_tracked_bytes
+        ex.close()
+        measured[name] = statistics.median(times)
+        print(f"{name}: measured {measured[name]:.3f} s (steps {', '.join(f'{t:.3f}' for t in times)}), "
+              f"predicted {predicted:.3f} s, measured/predicted {measured[name] / predicted:.3f}, "
+              f"tracked peak {peak / 1e6:.0f} MB")
+    print(f"measured megatrain / plan = {measured['megatrain K=4'] / measured['milp plan']:.3f}")
+
+    print("\n## 3. no emulation, everything fits (keep_all): executor vs plain PyTorch")
+    plain = copy.deepcopy(base)
+    t_plain = timed_steps(plain, None, tokens, torch.optim.SGD(plain.parameters(), lr=1e-3), steps=STEPS + 2)
+    m = copy.deepcopy(base)
+    ex = Executor(m, keep_all(SPEC.num_layers))
+    t_ex = timed_steps(m, ex, tokens, torch.optim.SGD(m.parameters(), lr=1e-3), steps=STEPS + 2)
+    ex.close()
+    a, b = statistics.median(t_plain), statistics.median(t_ex)
+    print(f"plain {a:.3f} s, executor {b:.3f} s: overhead {b / a - 1:+.1%} (target <= +10%)")
+
+
+if __name__ == "__main__":
+    main()
