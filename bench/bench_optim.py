@@ -144,9 +144,12 @@ SETS: list[list[Spec]] = [
     [Spec(row=BASELINE, opt="torch", clip="torch", notes="default CPU implementation (single-tensor)")],
     [Spec(row="torch AdamW fused + clip_grad_norm_", opt="torch_fused", clip="torch", notes="fused=True")],
     [
-        Spec(row="HybridAdamW none, no clip", opt="hybrid_none", clip="none", notes="pure update: reference for the clip cost"),
-        Spec(row="HybridAdamW none, fast clip", opt="hybrid_none", clip="fused", notes="foreach norm pass + clip fused into the update"),
-        Spec(row="HybridAdamW none, handed-over norms", opt="hybrid_none", clip="handed", notes="per-layer squared norms from the executor"),
+        Spec(row="HybridAdamW none, no clip", opt="hybrid_none", clip="none",
+             notes="pure update: reference for the clip cost"),
+        Spec(row="HybridAdamW none, fast clip", opt="hybrid_none", clip="fused",
+             notes="foreach norm pass + clip fused into the update"),
+        Spec(row="HybridAdamW none, handed-over norms", opt="hybrid_none", clip="handed",
+             notes="per-layer squared norms from the executor"),
     ],
     [Spec(row="HybridAdamW 2% 8-bit, fast clip", opt="hybrid_2pct", clip="fused")],
     [
@@ -261,7 +264,8 @@ def markdown(result: dict[str, object]) -> str:
     lines = [
         f"**{result['size']}** ({result['n_params'] / 1e6:.1f}M fp32 parameters)",  # type: ignore[operator]
         "",
-        "| variant | clip call (s) | update (s) | step total (s) | time vs torch AdamW + clip | state B/param | state vs torch AdamW |",
+        "| variant | clip call (s) | update (s) | step total (s) | time vs torch AdamW + clip "
+        "| state B/param | state vs torch AdamW |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -81,7 +81,9 @@ def make_model(bias: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(3):
-        layers.append(torch.nn.Sequential(torch.nn.Linear(64, 128, bias=bias), torch.nn.Tanh(), torch.nn.Linear(128, 64, bias=bias)))
+        layers.append(
+            torch.nn.Sequential(torch.nn.Linear(64, 128, bias=bias), torch.nn.Tanh(), torch.nn.Linear(128, 64, bias=bias))
+        )
     return torch.nn.Sequential(*layers)
 
 
@@ -173,3 +175,26 @@ def test_8bit_loss_curve_tracks_32bit() -> None:
     assert l32[-1] < 0.5 * l32[0]
     assert dev < 0.01, f"max relative loss deviation {dev:.4f}"
     assert not torch.equal(l8, l32)  # the 8-bit path really ran
+
+
+def test_cpu_chunked_update_is_bitwise_identical() -> None:
+    """Block-aligned chunking of the CPU update (memory-bounded temporaries) changes nothing."""
+    from lightning_lazytrain.optim.bnb8bit import adamw_8bit_update, init_8bit_state, make_qmaps
+
+    results = []
+    for chunk in (None, 512, 1024):
+        torch.manual_seed(0)
+        p = torch.randn(37, 81)  # 2997 elements: the last chunk and block are partial
+        state = init_8bit_state(p, *make_qmaps(p.device))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            adamw_8bit_update(
+                p, torch.randn(p.shape, generator=g), state, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.1, gnorm_scale=0.7, chunk_numel=chunk,
+            )
+        results.append([p] + [state[k] for k in ("state1", "state2", "absmax1", "absmax2")])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        adamw_8bit_update(p, p.clone(), state, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                          gnorm_scale=1.0, chunk_numel=1000)

@@ -83,7 +83,7 @@ def test_none_equals_torch_adamw_plus_clip(impl: str, max_norm: float | None) ->
         assert clipped_steps == STEPS  # the clip really was active on every step
     if max_norm == 1e6:
         assert clipped_steps == 0
-    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+    for p, p_ref in zip(model.parameters(), ref_model.parameters()):
         assert_rel_close(p.detach(), p_ref.detach())
         st, st_ref = opt.state[p], ref.state[p_ref]
         assert st["step"].item() == st_ref["step"].item() == STEPS
