@@ -155,6 +155,34 @@ class Executor:
         return self.resident_slot.get(j, j % 2)
 
     # ---- micro-batch protocol ----------------------------------------------------------------
+    @property
+    def in_microbatch(self) -> bool:
+        return self._micro is not None
+
+    def abort_microbatch(self) -> None:
+        """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
+        if self._micro is None:
+            return
+        assert self.acts is not None
+        self._finish_grads()
+        self._exit.close()
+        self.acts.end_step()
+        self.engine.synchronize()
+        self._micro = None
+        self.tracker = DeviceTracker()
+        self._static_bytes()
+
+    @contextlib.contextmanager
+    def inference(self):
+        """Evaluation outside training: the non-block weights are staged and bound (no grads);
+        blocks stream through the slots (``torch.no_grad``/``inference_mode`` forwards)."""
+        assert self.params is not None
+        if self._micro is not None:
+            raise RuntimeError("inference() inside a training micro-batch")
+        self.params.stage(REST).wait()
+        with self.params.bind(REST, grads=False):
+            yield
+
     def begin_microbatch(self, *, first: bool = True, last: bool = True) -> None:
         assert self.params is not None
         if self._micro is not None:

@@ -1,0 +1,159 @@
+"""Plan for the model in hand: measure the link and memory of this machine, profile the blocks on
+the real device, solve (or apply a fixed policy), and describe what was done.
+
+Used by the Lightning strategy; imports the engine and the planner, never Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.profiler import measure_workload
+from lightning_lazytrain.planner import Hardware, Schedule, baseline, simulate, solve
+from lightning_lazytrain.planner.milp import MilpOptions
+from lightning_lazytrain.planner.plan import PlanResult, diagnose, evaluate_baselines
+
+log = logging.getLogger(__name__)
+GB = 1e9
+POLICIES = ("milp", "megatrain", "keep_all", "recompute_all")
+
+
+def _host_memory_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GB
+
+
+def _copy_rate(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """Measured (H2D, D2H) bytes/s: pinned copies on CUDA, memcpy on CPU."""
+    n = nbytes // 4
+    if device.type == "cuda":
+        host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.float32, device=device)
+        rates = []
+        for src, dst in ((host, dev), (dev, host)):
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            rates.append(3 * nbytes / (time.perf_counter() - t0))
+        return rates[0], rates[1]
+    a, b = torch.empty(n), torch.empty(n)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        b.copy_(a)
+    rate = 3 * nbytes / (time.perf_counter() - t0)
+    return rate, rate
+
+
+def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None = None,
+                     nvme_dir: str | os.PathLike[str] | None = None, link_gb_per_s: float | None = None,
+                     nvme_gb_per_s: float = 2.0, opt_params_per_s: float = 1e9) -> Hardware:
+    """A ``Hardware`` for this machine. Compute speed is not needed here: the profile measures it.
+
+    ``link_gb_per_s`` (CPU link emulation) overrides the measured copy rate; NVMe bandwidth is a
+    stated assumption (``nvme_gb_per_s``), its capacity the free space of ``nvme_dir``."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cap = min(free, total) * 0.9
+    else:
+        total = cap = _host_memory_bytes() / 2
+    if gpu_memory_budget_gb is not None:
+        cap = min(gpu_memory_budget_gb * GB, total)
+    h2d, d2h = _copy_rate(device)
+    if link_gb_per_s is not None:
+        h2d = d2h = link_gb_per_s * GB
+    nvme_cap = shutil.disk_usage(nvme_dir).free if nvme_dir is not None and Path(nvme_dir).exists() else 0.0
+    nvme_bw = nvme_gb_per_s * GB if nvme_cap else 0.0
+    return Hardware(name=f"measured-{device.type}", gpu_memory_bytes=float(total), gpu_memory_cap_bytes=float(cap),
+                    peak_tflops=1.0, efficiency=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+                    nvme_read_bytes_per_s=nvme_bw, nvme_write_bytes_per_s=nvme_bw, nvme_capacity_bytes=float(nvme_cap),
+                    cpu_memory_bytes=_host_memory_bytes(), cpu_adam_params_per_s=opt_params_per_s,
+                    cpu_adam8_params_per_s=opt_params_per_s).validate()
+
+
+@dataclass
+class AutoPlan:
+    """What the strategy planned at setup, and how long each part took."""
+
+    result: PlanResult
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.result.schedule
+
+    def write(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """plan.json and timeline.png (predicted) into ``directory``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        data = self.result.to_json()
+        data["setup_seconds"] = self.timings
+        data["workload"] = self.result.workload.to_json()
+        (out / "plan.json").write_text(json.dumps(data, indent=1, default=str))
+        paths = [out / "plan.json"]
+        try:
+            from lightning_lazytrain.report import plot_timeline
+
+            plot_timeline(self.result.sim, out / "timeline.png", title=f"predicted: {self.schedule.policy}",
+                          cap_bytes=self.result.hardware.gpu_memory_cap_bytes)
+            paths.append(out / "timeline.png")
+        except Exception as err:  # a plot must never stop training
+            log.warning("could not draw the predicted timeline: %s", err)
+        return paths
+
+
+def plan_for(executor: Executor, run_microbatch: Callable[[], None], hardware: Hardware, *, policy: str = "milp",
+             tokens: int, grad_accum: int = 1, options: MilpOptions | None = None, K: int = 4) -> AutoPlan:
+    """Profile one micro-batch under the executor's current (provisional) schedule, then plan.
+
+    ``policy``: one of ``POLICIES`` or a path to a ``plan.json`` (its ``schedule`` is used)."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    wl = measure_workload(executor, run_microbatch, tokens=tokens, grad_accum=grad_accum,
+                          opt_params_per_s=hardware.cpu_adam_params_per_s)
+    timings["profile"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    diagnose(wl, hardware)  # an impossible budget: which tier is short, by how much
+    results, schedules = evaluate_baselines(wl, hardware, K)
+    if policy == "milp":
+        sol = solve(wl, hardware, options)
+        schedule, sim, status, solver = sol.schedule, sol.simulated, sol.status, sol.solver_json()
+    else:
+        if policy in POLICIES:
+            schedule = baseline(policy, wl.num_layers, K)
+        else:
+            schedule = load_schedule(policy)
+        sim = simulate(schedule, wl, hardware)
+        status, solver = "policy", {"name": "none", "policy": schedule.policy}
+    timings["solve"] = time.perf_counter() - t0
+    result = PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,
+                        baselines=results, baseline_schedules=schedules)
+    return AutoPlan(result=result, timings=timings)
+
+
+def load_schedule(path: str | os.PathLike[str]) -> Schedule:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"policy {str(path)!r} is neither one of {POLICIES} nor an existing plan.json file")
+    data = json.loads(p.read_text())
+    return Schedule.from_json(data.get("schedule", data))
+

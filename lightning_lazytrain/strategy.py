@@ -1,0 +1,357 @@
+"""``LazyTrainStrategy``: layer-streaming training as a Lightning strategy.
+
+    Trainer(strategy="lazytrain")              # MILP plan (registered name)
+    Trainer(strategy="lazytrain_megatrain")    # MegaTrain's fixed policy, for A/B runs
+    Trainer(strategy=LazyTrainStrategy(gpu_memory_budget_gb=20, nvme_dir="/nvme/spill"))
+
+The strategy is glue: the engine (``engine.Executor``) streams the blocks and places activations;
+the plan comes from ``autoplan`` (profile the first batch on the real device, then solve). The
+module's parameters stay on the host as the master copy, so ``configure_optimizers``, LR
+schedulers and checkpoints work unchanged; optimizer states stay on the host too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_lazytrain.autoplan import POLICIES, AutoPlan, measure_hardware, plan_for
+from lightning_lazytrain.engine.copy_engine import LinkSpec
+from lightning_lazytrain.engine.executor import Executor, StepStats
+from lightning_lazytrain.engine.nvme import check_nvme_dir
+from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
+
+log = logging.getLogger(__name__)
+
+_COMPUTE_DTYPE = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16,
+                  "bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16}
+
+
+class LazyTrainStrategy(SingleDeviceStrategy):
+    """Train on one device with weights streamed from host memory and a planned activation schedule.
+
+    Args:
+        hardware: "measure" (measure this machine's links and memory), a profile name from
+            ``conf/hardware/`` (e.g. "h800"), or a ``planner.Hardware``.
+        gpu_memory_budget_gb: device memory the plan may use (default: 90% of what is free).
+        nvme_dir: a directory on an NVMe drive for activation spill files (enables the NVMe tier).
+        policy: "milp", "megatrain", "keep_all", "recompute_all", or the path of a ``plan.json``.
+        blocks: dotted path of the block stack (default: found automatically).
+        emulate_link_gb_per_s: on CPU, make host<->"device" copies take the time of a link of this
+            speed (to study overlap without a GPU).
+    """
+
+    strategy_name = "lazytrain"
+
+    def __init__(self, hardware: str | Hardware = "measure", gpu_memory_budget_gb: float | None = None,
+                 nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,
+                 emulate_link_gb_per_s: float | None = None, device: str | torch.device | None = None,
+                 accelerator: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None) -> None:
+        super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if policy not in POLICIES and not os.path.isfile(str(policy)):
+            raise ValueError(f"policy={policy!r}: use one of {POLICIES} or the path of a plan.json")
+        self._device_given = device is not None
+        self.hardware = hardware
+        self.gpu_memory_budget_gb = gpu_memory_budget_gb
+        self.nvme_dir = nvme_dir
+        self.policy = policy
+        self.blocks = blocks
+        self.emulate_link_gb_per_s = emulate_link_gb_per_s
+        self.executor: Executor | None = None
+        self.plan: AutoPlan | None = None
+        self.last_stats: StepStats | None = None
+        self._micro_index = 0
+        self._t_step = 0.0
+        self._inference = contextlib.ExitStack()
+
+    # ---- device --------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._device_given:
+            return self._root_device
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        if self.accelerator is None or isinstance(self.accelerator, CPUAccelerator):
+            return torch.device("cpu")
+        raise RuntimeError(f"strategy='lazytrain' runs on a CUDA GPU or the CPU, not on {type(self.accelerator).__name__}; "
+                           "use Trainer(accelerator='gpu') or accelerator='cpu'")
+
+    @override
+    def model_to_device(self) -> None:
+        """Build the executor instead of moving the model: only buffers and the non-block weights
+        live on the device; blocks stream."""
+        assert self.model is not None
+        device = self.root_device
+        if self.nvme_dir is not None:
+            check_nvme_dir(self.nvme_dir)
+        links = None
+        if self.emulate_link_gb_per_s is not None and device.type == "cpu":
+            bw = self.emulate_link_gb_per_s * 1e9
+            links = {"h2d": LinkSpec(bw, 0.0), "d2h": LinkSpec(bw, 0.0)}
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        t0 = time.perf_counter()
+        L_provisional = None
+        module = self.lightning_module
+        from lightning_lazytrain.blocks import find_blocks
+
+        stack = find_blocks(module, self.blocks)
+        L_provisional = len(stack)
+        provisional = min_memory(L_provisional) if device.type == "cuda" else recompute_all(L_provisional)
+        self.executor = Executor(module, provisional, blocks=stack, device=device,
+                                 compute_dtype=_COMPUTE_DTYPE.get(precision, torch.float32), nvme_dir=self.nvme_dir,
+                                 links=links)
+        rank_zero_info(f"lazytrain: {L_provisional} blocks at {stack.path!r}, executor on {device} "
+                       f"({precision}) built in {time.perf_counter() - t0:.2f} s")
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
+        self.setup_precision_plugin()
+        self._route_clipping(trainer)
+
+    def _route_clipping(self, trainer: Any) -> None:
+        """``gradient_clip_val`` (norm) with HybridAdamW: the clip is fused into its update and its
+        global norm comes from the executor's per-layer squared norms (no separate pass)."""
+        from lightning_lazytrain.optim import HybridAdamW
+
+        plugin = self.precision_plugin
+        original = plugin.clip_gradients
+
+        def clip_gradients(optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if isinstance(inner, HybridAdamW) and str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)) == "norm":
+                inner.max_grad_norm = float(clip_val) if clip_val and clip_val > 0 else None
+                return
+            original(optimizer, clip_val, gradient_clip_algorithm)
+
+        plugin.clip_gradients = clip_gradients
+
+    # ---- training -----------------------------------------------------------------------------
+    def _last_microbatch(self) -> bool:
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization:
+            return True
+        return not module.trainer.fit_loop.epoch_loop._should_accumulate()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        ex = self.executor
+        assert ex is not None
+        if ex.in_microbatch:  # the previous training_step returned None: no backward ran
+            ex.abort_microbatch()
+            self._micro_index = 0
+        if self.plan is None:
+            self._make_plan(args, kwargs)
+        first, last = self._micro_index == 0, self._last_microbatch()
+        if first:
+            self._t_step = time.perf_counter()
+        ex.begin_microbatch(first=first, last=last)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        ex = self.executor
+        if ex is None or not ex.in_microbatch:
+            return
+        stats = ex.end_microbatch()
+        if stats is None:
+            self._micro_index += 1
+            return
+        self._micro_index = 0
+        self.last_stats = stats
+        self._hand_over_norms(stats)
+        self._log_step(stats, time.perf_counter() - self._t_step)
+
+    def _hand_over_norms(self, stats: StepStats) -> None:
+        from lightning_lazytrain.optim import HybridAdamW
+
+        for opt in self.optimizers:
+            inner = getattr(opt, "optimizer", opt)
+            if isinstance(inner, HybridAdamW) and inner.max_grad_norm is not None and stats.layer_sq_norms:
+                total = torch.stack([n.float() for n in stats.layer_sq_norms.values()]).sum()
+                layers = inner.layers
+                inner.set_grad_sq_norms({layer: (total if i == 0 else 0.0) for i, layer in enumerate(layers)})
+
+    def _log_step(self, stats: StepStats, seconds: float) -> None:
+        trainer = self.lightning_module.trainer
+        compute = sum(s.end - s.start for s in stats.segments if s.lane == "compute")
+        metrics = {
+            "lazytrain/step_seconds": seconds,
+            "lazytrain/predicted_step_seconds": self.plan.result.sim.iteration_seconds if self.plan else float("nan"),
+            "lazytrain/stall_seconds": max(0.0, seconds - compute),
+            "lazytrain/peak_tracked_gb": stats.peak_tracked_bytes / 1e9,
+        }
+        for lane, nbytes in stats.lane_bytes.items():
+            metrics[f"lazytrain/{lane}_gb"] = nbytes / 1e9
+        if self.root_device.type == "cuda":
+            metrics["lazytrain/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.root_device) / 1e9
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _make_plan(self, args: tuple, kwargs: dict) -> None:
+        """Profile this first batch under the provisional schedule, solve, switch to the plan."""
+        ex, module = self.executor, self.lightning_module
+        assert ex is not None and module is not None
+        trainer = module.trainer
+        t0 = time.perf_counter()
+        hardware = self._hardware()
+        t_hw = time.perf_counter() - t0
+
+        def run_microbatch() -> None:
+            with self.precision_plugin.train_step_context(), _silenced(module):
+                out = module.training_step(*args, **kwargs)
+            loss = out["loss"] if isinstance(out, dict) else out
+            loss.backward()
+
+        batch = args[0] if args else kwargs.get("batch")
+        tokens = _count_tokens(batch)
+        plan = plan_for(ex, run_microbatch, hardware, policy=self.policy, tokens=tokens,
+                        grad_accum=trainer.accumulate_grad_batches)
+        plan.timings["hardware"] = t_hw
+        assert ex.params is not None
+        ex.params.zero_grad()  # the profiling micro-batch's gradients are not training
+        nvme = int(plan.result.sim.nvme_bytes)
+        if nvme:
+            check_nvme_dir(self.nvme_dir, nvme)  # before the first real step
+            ex._nvme_required = nvme
+        t0 = time.perf_counter()
+        ex.set_schedule(plan.schedule)
+        plan.timings["executor"] = time.perf_counter() - t0
+        self.plan = plan
+        from lightning_lazytrain.report import format_table
+
+        rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
+                       f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
+        out = trainer.log_dir or trainer.default_root_dir
+        if out and trainer.is_global_zero:
+            plan.write(out)
+
+    def _hardware(self) -> Hardware:
+        if isinstance(self.hardware, Hardware):
+            return self.hardware
+        if self.hardware == "measure":
+            return measure_hardware(self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
+                                    nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
+        from hydra import compose, initialize_config_dir
+
+        from lightning_lazytrain.config import CONF_DIR, to_hardware
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="plan", overrides=[f"hardware={self.hardware}"])
+        hw = to_hardware(cfg)
+        if self.gpu_memory_budget_gb is not None:
+            hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
+        return hw
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def _begin_inference(self) -> None:
+        if self.executor is not None and not self.executor.in_microbatch:
+            self._inference.enter_context(self.executor.inference())
+
+    def _end_inference(self) -> None:
+        self._inference.close()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._begin_inference()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_inference()
+
+    @override
+    def on_test_start(self) -> None:
+        self._begin_inference()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_inference()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._begin_inference()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_inference()
+
+    # ---- end ----------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        self._end_inference()
+        if self.executor is not None:
+            module = self.lightning_module
+            if self.last_stats is not None and module is not None and getattr(module, "_trainer", None) is not None:
+                _write_measured_timeline(self.last_stats, module.trainer.log_dir or module.trainer.default_root_dir)
+            self.executor.close()
+            self.executor = None
+        self.plan = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        strategy_registry.register("lazytrain", cls, description="layer streaming with a MILP plan",
+                                   override=True)
+        strategy_registry.register("lazytrain_megatrain", cls, description="layer streaming, MegaTrain's policy",
+                                   policy="megatrain", override=True)
+
+
+@contextlib.contextmanager
+def _silenced(module: Any):
+    """No self.log() while profiling: the profiling micro-batch is not a training step."""
+    saved = module.log, module.log_dict
+    module.log = lambda *a, **k: None
+    module.log_dict = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        module.log, module.log_dict = saved
+
+
+def _count_tokens(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.numel())
+    if isinstance(batch, dict):
+        for key in ("input_ids", "tokens"):
+            if key in batch and isinstance(batch[key], torch.Tensor):
+                return int(batch[key].numel())
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            if isinstance(item, torch.Tensor):
+                return int(item.numel())
+    return 1
+
+
+def _write_measured_timeline(stats: StepStats, directory: str | None) -> None:
+    if not directory or not stats.segments:
+        return
+    try:
+        from lightning_lazytrain.report import plot_timeline
+
+        os.makedirs(directory, exist_ok=True)
+        plot_timeline(stats.segments, os.path.join(directory, "timeline_measured.png"), title="measured: last step")
+    except Exception as err:  # a plot must never fail a run
+        log.warning("could not draw the measured timeline: %s", err)
+
+
+LazyTrainStrategy.register_strategies(StrategyRegistry)
