@@ -51,6 +51,20 @@ from lightning_lazytrain.planner.schedule import Schedule
 log = logging.getLogger(__name__)
 
 RECOMPUTE_SLOT = 2
+# Keyword arguments through which a block appends to a KV cache (Hugging Face: ``cache`` in
+# transformers 5, ``past_key_values`` / ``past_key_value`` before, GPT-2's ``layer_past``). A
+# re-run of a block must not append a second time, and training needs no cache.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def rerun_kwargs(kwargs: dict) -> dict:
+    """The keyword arguments for re-running a block: caches off, everything else as called."""
+    if not any(k in kwargs for k in _CACHE_KWARGS + ("use_cache",)):
+        return kwargs
+    out = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
 
 
 @dataclass
@@ -260,7 +274,7 @@ class Executor:
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
         self.trace.window(name)
-        self._calls[j] = call
+        self._calls[j] = (call[0], rerun_kwargs(call[1]))
         self.stats.boundary_bytes[j] = self._nbytes(x)
         self._reap_offloads()
         for op in self._windows[name].ops:

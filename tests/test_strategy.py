@@ -1,0 +1,257 @@
+"""The Lightning strategy: same losses as strategy='auto', accumulation, precision, checkpoints,
+resume in a new process, clear errors, clean teardown."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_lazytrain
+from lightning_lazytrain.blocks import BlockDiscoveryError
+from lightning_lazytrain.planner import InfeasibleBudget, Schedule
+from lightning_lazytrain.strategy import LazyTrainStrategy
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 4
+
+
+class HFModule(L.LightningModule):
+    """A tiny Hugging Face LlamaForCausalLM built from a config (no download)."""
+
+    def __init__(self, lr: float = 1e-3, seed: int = 0):
+        super().__init__()
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64, attn_implementation="eager")
+        torch.manual_seed(seed)
+        self.model = transformers.LlamaForCausalLM(cfg)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def batches(n=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (4, 32), generator=g) for _ in range(n)]
+
+
+def offload_and_recompute_plan(path) -> str:
+    """A plan with a CPU home, a recomputed boundary and a kept layer (written as plan.json)."""
+    s = Schedule(num_layers=LAYERS, homes=("gpu", "cpu", "recompute", "gpu", "gpu"),
+                 keep_internals=(True, False, False, False), resident_weights=(False,) * LAYERS,
+                 offload_window=(None, 1, None, None, None), reload_window=(None, 3, None, None, None),
+                 policy="test-cpu-recompute")
+    path.write_text(json.dumps({"schedule": s.to_json()}))
+    return str(path)
+
+
+class Losses(L.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.values.append(outputs["loss"].item())
+
+
+def fit(strategy, data, *, accumulate=1, steps=8, precision="32-true", **kw):
+    module = HFModule()
+    losses = Losses()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate,
+                        precision=precision, logger=False, enable_checkpointing=False, callbacks=[losses],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, **kw)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    return module, losses.values, trainer
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_same_losses_as_auto_with_offload_and_recompute(tmp_path, accumulate):
+    data = batches(8 * accumulate)
+    _, want, _ = fit("auto", data, accumulate=accumulate)
+    plan = offload_and_recompute_plan(tmp_path / "plan.json")
+    _, got, trainer = fit(LazyTrainStrategy(policy=plan), data, accumulate=accumulate)
+    assert len(got) == len(want) == 8 * accumulate
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
+    assert trainer.strategy.executor is None  # torn down
+
+
+def test_registered_names_and_megatrain_preset(tmp_path):
+    importlib.reload(importlib.import_module("lightning_lazytrain.strategy"))  # registering twice is fine
+    data = batches(2)
+    _, got, trainer = fit("lazytrain_megatrain", data, steps=2, default_root_dir=tmp_path)
+    assert isinstance(trainer.strategy, lightning_lazytrain.strategy.LazyTrainStrategy)
+    assert trainer.strategy.policy == "megatrain"
+    assert len(got) == 2
+
+
+def test_plan_files_and_step_metrics(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    data = batches(4)
+    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=4, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(HFModule(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    plan = json.loads((tmp_path / "lightning_logs" / "version_0" / "plan.json").read_text())
+    assert plan["status"] in ("optimal", "time_limit") and "predicted" in plan and "setup_seconds" in plan
+    for name in ("timeline.png", "timeline_measured.png", "metrics.csv"):
+        assert (tmp_path / "lightning_logs" / "version_0" / name).exists(), name
+    header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    for key in ("lazytrain/step_seconds", "lazytrain/predicted_step_seconds", "lazytrain/stall_seconds",
+                "lazytrain/peak_tracked_gb", "lazytrain/h2d_gb", "lazytrain/d2h_gb"):
+        assert key in header, key
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_train(precision):
+    data = batches(4)
+    _, want, _ = fit("auto", data, steps=4, precision=precision)
+    _, got, _ = fit("lazytrain", data, steps=4, precision=precision)
+    assert all(torch.isfinite(torch.tensor(got)))
+    assert max(abs(a - b) for a, b in zip(got, want)) < 5e-2  # bf16 rounding differs (streamed bf16 weights)
+
+
+def test_validation_and_predict_loops(tmp_path):
+    data = batches(4)
+    module = HFModule()
+    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=2, val_check_interval=2)
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
+    ref = HFModule()
+    ref.load_state_dict(module.state_dict())
+    (val,) = L.Trainer(strategy="lazytrain", accelerator="cpu", logger=False, enable_progress_bar=False).validate(
+        module, loader, verbose=False)
+    with torch.no_grad():
+        want = sum(ref.model(input_ids=b, labels=b).loss for b in data) / len(data)
+    assert val["val_loss"] == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_fast_dev_run_and_no_leaked_threads():
+    before = threading.active_count()
+    for _ in range(3):
+        trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", fast_dev_run=True, logger=False,
+                            enable_progress_bar=False)
+        trainer.fit(HFModule(), train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None))
+    assert threading.active_count() <= before + 1
+
+
+def test_checkpoint_weights_load_without_this_package(tmp_path):
+    _, _, trainer = fit("lazytrain", batches(2), steps=2, default_root_dir=tmp_path)
+    trainer.save_checkpoint(tmp_path / "w.ckpt")
+    code = textwrap.dedent(f"""
+        import sys, torch, transformers
+        sys.modules["lightning_lazytrain"] = None  # prove the weights need nothing of ours
+        ckpt = torch.load({str(tmp_path / 'w.ckpt')!r}, weights_only=False)
+        sd = {{k[len("model."):]: v for k, v in ckpt["state_dict"].items()}}
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        m = transformers.LlamaForCausalLM(cfg)
+        missing, unexpected = m.load_state_dict(sd, strict=False)
+        assert not unexpected and set(missing) <= {{"lm_head.weight"}}, (missing, unexpected)
+        assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in sd.values())
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("ok"), out.stderr
+
+
+RESUME = textwrap.dedent("""
+    import json, sys, torch, lightning as L
+    sys.path.insert(0, {tests!r})
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_strategy import HFModule, Losses, batches
+    import lightning_lazytrain
+    root, resume, steps = sys.argv[1], (sys.argv[2] or None), int(sys.argv[3])
+    losses = Losses()
+    ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{{step}}")
+    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=steps, logger=False, callbacks=[losses, ckpt],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(HFModule(), train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None),
+                ckpt_path=resume)
+    print(json.dumps(losses.values))
+""")
+
+
+def test_resumed_run_continues_with_the_same_losses(tmp_path):
+    import os
+
+    script = tmp_path / "run.py"
+    script.write_text(RESUME.format(tests=os.path.dirname(__file__)))
+
+    def run(root, resume, steps):
+        out = subprocess.run([sys.executable, str(script), str(root), resume, str(steps)], capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    full = run(tmp_path / "a", "", 6)
+    first = run(tmp_path / "b", "", 2)
+    rest = run(tmp_path / "c", str(tmp_path / "b" / "step=2.ckpt"), 6)
+    assert len(full) == 6 and len(first) == 2 and len(rest) == 4
+    assert first == full[:2]
+    assert rest == full[2:]  # bit-identical continuation: weights and AdamW state restored exactly
+
+
+class NoStack(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
+
+    def training_step(self, batch, batch_idx):
+        return self.a(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_model_without_block_stack_lists_candidates():
+    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(BlockDiscoveryError, match="heads"):
+        trainer.fit(NoStack(), train_dataloaders=torch.utils.data.DataLoader([torch.randn(2, 4)], batch_size=None))
+
+
+def test_budget_too_small_gives_the_planners_message():
+    trainer = L.Trainer(strategy=LazyTrainStrategy(gpu_memory_budget_gb=1e-6), accelerator="cpu", max_steps=1,
+                        logger=False, enable_progress_bar=False)
+    with pytest.raises(InfeasibleBudget, match="gpu memory short by"):
+        trainer.fit(HFModule(), train_dataloaders=torch.utils.data.DataLoader(batches(1), batch_size=None))
+
+
+def test_unusable_accelerator_is_a_clear_error():
+    from lightning.pytorch.accelerators import Accelerator
+
+    # stands for MPS / XLA / any accelerator the engine cannot drive
+    Weird = type("Weird", (Accelerator,), {m: (lambda *a, **k: None) for m in Accelerator.__abstractmethods__})
+    s = LazyTrainStrategy()
+    s._accelerator = Weird()
+    with pytest.raises(RuntimeError, match="CUDA GPU or the CPU"):
+        s.root_device
+
+
+def test_gpu_accelerator_by_name_uses_cuda0():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy="lazytrain", logger=False)
+    assert trainer.strategy.root_device == torch.device("cuda", 0)
