@@ -240,9 +240,8 @@ class LazyTrainStrategy(SingleDeviceStrategy):
 
         rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
                        f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
-        out = trainer.log_dir or trainer.default_root_dir
-        if out and trainer.is_global_zero:
-            plan.write(out)
+        if trainer.log_dir and trainer.is_global_zero:  # no logger, no log directory: nothing written
+            plan.write(trainer.log_dir)
 
     def _hardware(self) -> Hardware:
         if isinstance(self.hardware, Hardware):
@@ -300,7 +299,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         if self.executor is not None:
             module = self.lightning_module
             if self.last_stats is not None and module is not None and getattr(module, "_trainer", None) is not None:
-                _write_measured_timeline(self.last_stats, module.trainer.log_dir or module.trainer.default_root_dir)
+                _write_measured_timeline(self.last_stats, module.trainer.log_dir)
             self.executor.close()
             self.executor = None
         self.plan = None
