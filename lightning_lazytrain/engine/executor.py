@@ -264,10 +264,10 @@ class Executor:
             return self._orig[j](x, *args, **kwargs)
 
     def _stage(self, j: int, slot: int | None = None) -> None:
+        # Staging writes the slot's weights only; a gradient D2H still reading the slot's grad
+        # buffer may continue (it is finished before the next bind with grads zeroes that buffer).
         assert self.params is not None
-        slot = self.slot_of(j) if slot is None else slot
-        self._finish_grads(slot=slot)
-        self.params.stage(j, slot)
+        self.params.stage(j, self.slot_of(j) if slot is None else slot)
 
     def _forward_window(self, ctx: Any, j: int, x: torch.Tensor, call: tuple) -> torch.Tensor:
         assert self.params is not None and self.acts is not None
@@ -299,6 +299,8 @@ class Executor:
         args, kwargs = call
         slot = self.slot_of(j)
         keep = s.keep_internals[j]
+        if keep:
+            self._finish_grads(slot=slot)  # bind with grads zeroes the slot's grad buffer
         with self.trace.timed(name, "forward", j), self.params.bind(j, slot, grads=keep):
             if keep:
                 hooks = WeightTokenHooks(lambda: self.params.slot_weights(j, slot),
