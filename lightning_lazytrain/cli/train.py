@@ -1,0 +1,405 @@
+"""``lazytrain-train``: train a language model with ``Trainer(strategy="lazytrain")`` from the Hydra configs in
+``conf/`` (``conf/train_app.yaml``: ``hardware`` x ``model`` x ``data`` x ``trainer`` groups).
+
+    lazytrain-train                                   # the main job: tiny Llama, CPU, stdlib text, ~300 steps
+    lazytrain-train trainer.max_steps=600 optim.lr=2e-3 model.num_layers=6
+    lazytrain-train strategy.name=auto                # plain Lightning (no layer streaming), for comparison
+    lazytrain-train -m optim.lr=1e-3,3e-3             # a sweep: jobs run one after another in this process
+
+The default job trains the byte-level ``tiny`` Llama-style model (``conf/model/tiny.yaml``, built as
+``models.llama.LlamaLM``) on the Python standard library's source (``data.StdlibTextDataModule``: every
+20th file held out) on the CPU, fp32, with the lazytrain strategy planned for ``conf/hardware/cpu.yaml``
+(the strategy prints its plan at setup). Validation runs before training (Lightning's sanity check over
+the whole held-out set: the "before" loss), every ``trainer.val_check_interval`` steps and after the last
+step. Into Hydra's output directory it writes ``logs/metrics.csv`` / ``logs/hparams.yaml`` (CSVLogger),
+``loss_curve.png`` (train loss per step, val loss per validation), ``losses.json`` (every step's loss) and
+``result.json`` (final val loss, how far the losses went down, wall time, tokens/s), and prints the result.
+
+``train_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``). Each
+job seeds its own RNGs and restores torch's intra-op thread count afterwards, so jobs of a multirun do not
+see each other's settings. Nothing here imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, TextIO
+
+import hydra
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import CONF_DIR, HardwareConfig, ModelConfig, to_container, to_hardware, to_model
+from ..data import VOCAB_SIZE, StdlibTextDataModule
+from ..planner import ModelSpec, PlannerError
+
+EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
+STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
+
+
+class TrainConfigError(ValueError):
+    """The config cannot be turned into data, model and strategy."""
+
+
+# ---- typed config ------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    """``StdlibTextDataModule``'s arguments (``conf/data/stdlib.yaml``)."""
+
+    seq_len: int = 128
+    batch_size: int = 8
+    max_bytes: Optional[int] = 4_000_000
+    val_every: int = 20
+    train_windows: Optional[int] = None
+    val_windows: Optional[int] = 128
+    seed: int = 0
+    num_workers: int = 0
+    root: Optional[str] = None
+
+
+@dataclass
+class TrainerConfig:
+    """``lightning.Trainer`` arguments (``conf/trainer/*.yaml``), plus ``threads``."""
+
+    accelerator: str = "cpu"
+    devices: int = 1
+    precision: str = "32-true"
+    max_steps: int = 300
+    val_check_interval: int = 100  # optimizer steps between validations (a last one runs after the last step)
+    limit_val_batches: Optional[int] = None
+    num_sanity_val_steps: int = -1  # -1: the whole held-out set before training (the "before" val loss)
+    log_every_n_steps: int = 1
+    gradient_clip_val: Optional[float] = 1.0
+    accumulate_grad_batches: int = 1
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = False
+    enable_model_summary: bool = True
+    threads: Optional[int] = None  # torch intra-op threads for this job (restored after); None: leave as is
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "lazytrain"  # lazytrain | lazytrain_megatrain | auto (plain Lightning, no streaming)
+    hardware: str = "profile"  # profile: the composed hardware group; measure (or a profile name): as given
+    policy: str = "milp"
+    gpu_memory_budget_gb: Optional[float] = None
+    nvme_dir: Optional[str] = None
+    blocks: Optional[str] = None
+    emulate_link_gb_per_s: Optional[float] = None
+
+
+@dataclass
+class OptimConfig:
+    """``CausalLMModule``'s optimizer arguments."""
+
+    optimizer: str = "adamw"  # adamw | hybrid_adamw
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    lr_schedule: str = "cosine"  # cosine | constant (both after a linear warmup)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    eight_bit: Any = "none"  # hybrid_adamw: none | all | fraction
+    max_grad_norm: Optional[float] = None  # hybrid_adamw: clip inside the optimizer
+
+
+@dataclass
+class TrainAppConfig:
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 0
+    smooth_steps: int = 20  # window of the "first" / "last" train-loss means and of the plotted moving average
+
+
+def register_configs() -> None:
+    """Register the app schema (idempotent); ``conf/train_app.yaml`` lists ``train_app_schema`` first."""
+    ConfigStore.instance().store(name="train_app_schema", node=TrainAppConfig)
+
+
+register_configs()
+
+
+# ---- callbacks ----------------------------------------------------------------------------------
+class LossHistory(Callback):
+    """Records every optimizer step's train loss and every validation's mean loss (the sanity check as step 0).
+
+    ``train``: ``[(step, loss)]`` (``step`` = ``trainer.global_step`` after the update, 1-based);
+    ``val``: ``[(step, loss)]``, batch-size weighted mean over the validation run."""
+
+    def __init__(self) -> None:
+        self.train: list[tuple[int, float]] = []
+        self.val: list[tuple[int, float]] = []
+        self._sum = 0.0
+        self._n = 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is None:
+            return
+        value = float(loss.detach())
+        step = int(trainer.global_step)
+        if self.train and self.train[-1][0] == step:  # gradient accumulation: mean over the micro-batches
+            self.train[-1] = (step, 0.5 * (self.train[-1][1] + value))
+        else:
+            self.train.append((step, value))
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sum, self._n = 0.0, 0
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if isinstance(outputs, torch.Tensor):
+            n = int(batch.shape[0]) if isinstance(batch, torch.Tensor) else 1
+            self._sum += float(outputs.detach()) * n
+            self._n += n
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._n:
+            step = 0 if trainer.sanity_checking else int(trainer.global_step)
+            self.val.append((step, self._sum / self._n))
+
+
+class ValidateAfterLastStep(Callback):
+    """Makes the fit loop validate after the ``max_steps``-th step even when it is not a multiple of
+    ``val_check_interval`` (Lightning validates on ``should_stop``; at ``max_steps`` it would just stop)."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def torch_threads(n: Optional[int]) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (None: unchanged) and put the old count back afterwards."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def model_spec(cfg: Any) -> ModelSpec:
+    spec = to_model(cfg)
+    if spec.vocab < VOCAB_SIZE:
+        raise ValueError(f"model.vocab={spec.vocab} is smaller than the byte vocabulary ({VOCAB_SIZE})")
+    return spec
+
+
+def build_module(cfg: Any) -> Any:
+    """``CausalLMModule`` with ``LlamaLM(to_model(cfg))`` and the ``optim`` settings."""
+    from ..lit_module import CausalLMModule
+
+    spec = model_spec(cfg)
+    o = cfg.optim
+    return CausalLMModule(model_name=None, model_overrides=dataclasses.asdict(spec), optimizer=o.optimizer,
+                          lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                          lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+                          eight_bit=o.eight_bit, max_grad_norm=o.max_grad_norm)
+
+
+def build_strategy(cfg: Any) -> Any:
+    """The ``strategy=`` argument for the Trainer: ``"auto"`` or a ``LazyTrainStrategy`` constructed with the
+    ``strategy`` settings (``hardware: profile`` passes the composed hardware group as a ``Hardware``)."""
+    s = cfg.strategy
+    if s.name not in STRATEGY_NAMES:
+        return s.name  # "auto" or any other registered Lightning strategy name
+    import lightning_lazytrain  # noqa: F401  (registers the strategy names)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if s.name not in StrategyRegistry:
+        raise ValueError(f"strategy {s.name!r} is not registered: lightning_lazytrain.strategy is missing or "
+                           f"failed to import (use strategy.name=auto for plain Lightning)")
+    entry = StrategyRegistry[s.name]
+    hardware: Any = to_hardware(cfg) if s.hardware == "profile" else s.hardware
+    kwargs: Dict[str, Any] = dict(entry.get("init_params", {}))
+    kwargs["hardware"] = hardware
+    if s.policy != "milp" or "policy" not in kwargs:  # keep a registered alias's own policy unless asked
+        kwargs["policy"] = s.policy
+    for key in ("gpu_memory_budget_gb", "nvme_dir", "blocks", "emulate_link_gb_per_s"):
+        if s[key] is not None:
+            kwargs[key] = s[key]
+    return entry["strategy"](**kwargs)
+
+
+def plot_loss_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], path: str | Path,
+                    title: str = "", smooth: int = 20) -> Path:
+    """Train loss per step (thin), its moving average (``smooth`` steps) and val loss per validation (dots).
+    Uses matplotlib's object API (no pyplot state shared between jobs)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if train:
+        steps, losses = zip(*train)
+        ax.plot(steps, losses, color="#4c72b0", alpha=0.35, linewidth=0.8, label="train loss (per step)")
+        if smooth > 1 and len(losses) >= smooth:
+            avg = [sum(losses[max(0, i - smooth + 1): i + 1]) / len(losses[max(0, i - smooth + 1): i + 1])
+                   for i in range(len(losses))]
+            ax.plot(steps, avg, color="#4c72b0", linewidth=1.6, label=f"train loss ({smooth}-step mean)")
+    if val:
+        vs, vl = zip(*val)
+        ax.plot(vs, vl, "o-", color="#c44e52", linewidth=1.4, markersize=5, label="val loss (held-out files)")
+    ax.axhline(math.log(VOCAB_SIZE), color="#7f7f7f", linestyle=":", linewidth=1, label="ln 256 (uniform bytes)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy [nats / byte]")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path
+
+
+def summarize(history: LossHistory, smooth: int) -> Dict[str, Any]:
+    """First vs last losses. Train: mean of the first / last ``smooth`` steps (step 1 alone too); val: the
+    sanity check before training (``initial``) vs the last validation (``final``)."""
+    out: Dict[str, Any] = {"steps": history.train[-1][0] if history.train else 0}
+    losses = [v for _, v in history.train]
+    if losses:
+        k = max(1, min(smooth, len(losses) // 2 or 1))
+        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        out.update(first_train_loss=losses[0], first_train_loss_mean=first, last_train_loss_mean=last,
+                   train_loss_mean_window=k, train_loss_drop=first - last)
+    if history.val:
+        initial = history.val[0][1] if history.val[0][0] == 0 else None
+        final_step, final = history.val[-1]
+        out.update(final_val_loss=final, final_val_step=final_step, val_history=history.val)
+        if initial is not None:
+            out.update(initial_val_loss=initial, val_loss_drop=initial - final,
+                       val_loss_drop_fraction=(initial - final) / initial if initial else None)
+    return out
+
+
+def _params(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# ---- the job --------------------------------------------------------------------------------------
+def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None) -> Dict[str, Any]:
+    """Train ``cfg`` (a composed ``TrainAppConfig``), write the logs, ``loss_curve.png``, ``losses.json`` and
+    ``result.json`` into ``out_dir`` and return the result dict."""
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    out = out or sys.stdout
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t = cfg.trainer
+    with torch_threads(t.threads):
+        L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+        try:
+            dm = StdlibTextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
+            info = dm.describe()
+            module = build_module(cfg)
+            strategy = build_strategy(cfg)
+        except (ValueError, PlannerError, FileNotFoundError) as err:
+            raise TrainConfigError(str(err)) from err
+        where = ""
+        if cfg.strategy.name in STRATEGY_NAMES:
+            hw_name = cfg.hardware.name if cfg.strategy.hardware == "profile" else cfg.strategy.hardware
+            where = f" (policy {cfg.strategy.policy}, hardware {hw_name})"
+        print(f"lazytrain-train: {cfg.model.name} ({_params(module.num_parameters)} params) on {t.accelerator} "
+              f"x{t.devices}, {t.precision}, strategy {cfg.strategy.name}{where}, torch threads "
+              f"{torch.get_num_threads()}", file=out)
+        print(f"data: Python {sys.version_info.major}.{sys.version_info.minor} stdlib .py source, "
+              f"train {info['train_files']} files / {info['train_bytes'] / 1e6:.2f} MB, held-out "
+              f"{info['val_files']} files / {info['val_bytes'] / 1e6:.2f} MB ({info['val_windows']} val windows); "
+              f"batch {info['batch_size']} x seq {info['seq_len']}, {t.max_steps} steps, validation every "
+              f"{t.val_check_interval}", file=out)
+        out.flush()
+
+        history = LossHistory()
+        logger = CSVLogger(save_dir=str(out_dir), name="logs", version="")  # -> logs/metrics.csv, logs/hparams.yaml
+        per_epoch = max(1, info["train_windows"] // info["batch_size"])  # finite epochs: a readable progress bar
+        max_epochs = math.ceil(t.max_steps * t.accumulate_grad_batches / per_epoch)
+        trainer = L.Trainer(
+            accelerator=t.accelerator, devices=t.devices, precision=t.precision, strategy=strategy,
+            max_steps=t.max_steps, max_epochs=max_epochs, val_check_interval=min(t.val_check_interval, t.max_steps),
+            check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
+            num_sanity_val_steps=t.num_sanity_val_steps, log_every_n_steps=t.log_every_n_steps,
+            gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=t.enable_checkpointing,
+            enable_model_summary=t.enable_model_summary, default_root_dir=str(out_dir), logger=logger,
+            callbacks=[history, ValidateAfterLastStep(), LearningRateMonitor(logging_interval="step")],
+        )
+        start = time.perf_counter()
+        trainer.fit(module, datamodule=dm)
+        wall = time.perf_counter() - start
+
+    result = summarize(history, int(cfg.smooth_steps))
+    tokens = result["steps"] * t.accumulate_grad_batches * info["batch_size"] * info["seq_len"]
+    result.update(model=cfg.model.name, params=module.num_parameters, strategy=cfg.strategy.name,
+                  accelerator=t.accelerator, precision=t.precision, seed=int(cfg.seed), fit_seconds=wall,
+                  train_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None, data=info,
+                  output_dir=str(out_dir))
+    title = (f"{cfg.model.name} ({_params(module.num_parameters)}) on stdlib bytes, strategy {cfg.strategy.name}: "
+             f"batch {info['batch_size']} x {info['seq_len']}, lr {cfg.optim.lr:g}")
+    plot_loss_curve(history.train, history.val, out_dir / "loss_curve.png", title, smooth=int(cfg.smooth_steps))
+    (out_dir / "losses.json").write_text(json.dumps({"train": history.train, "val": history.val}))
+    (out_dir / "result.json").write_text(json.dumps({**result, "config": to_container(cfg)}, indent=1, default=str))
+
+    # ---- print ------------------------------------------------------------------------------------
+    lines = [f"lazytrain-train: {result['steps']} steps in {wall:.1f} s ({result['tokens_per_s'] or 0:,.0f} tokens/s)"]
+    if "final_val_loss" in result:
+        line = f"final val loss {result['final_val_loss']:.4f} (held-out files, step {result['final_val_step']})"
+        if "initial_val_loss" in result:
+            line += (f"; before training {result['initial_val_loss']:.4f}: down {result['val_loss_drop']:.4f} "
+                     f"({100 * result['val_loss_drop_fraction']:.1f}%)")
+        lines.append(line)
+    if "first_train_loss_mean" in result:
+        k = result["train_loss_mean_window"]
+        lines.append(f"train loss: first {k} steps {result['first_train_loss_mean']:.4f} -> last {k} steps "
+                     f"{result['last_train_loss_mean']:.4f} (down {result['train_loss_drop']:.4f})")
+    lines.append(f"wrote loss_curve.png, result.json, losses.json, logs/metrics.csv to {out_dir}")
+    print("\n".join(lines), file=out)
+    out.flush()
+    return result
+
+
+def _task(cfg: DictConfig) -> Optional[float]:
+    hc = HydraConfig.get()
+    try:
+        result = train_job(cfg, Path(hc.runtime.output_dir))
+    except (TrainConfigError, PlannerError) as err:
+        if hc.mode == RunMode.MULTIRUN:
+            raise
+        print(f"lazytrain-train: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(EXIT_BAD_CONFIG)
+    return result.get("final_val_loss")  # the value a Hydra sweeper would minimise
+
+
+main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train_app")(_task)
+main.__doc__ = "Console script ``lazytrain-train`` (Hydra app over conf/train_app.yaml)."
+
+if __name__ == "__main__":
+    main()
