@@ -127,3 +127,38 @@ def test_planner_imports_without_torch():
                          cwd=__file__.rsplit("/", 1)[0], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "optimal"
+
+
+def test_time_limit_keeps_the_incumbent_or_falls_back_with_a_warning():
+    hw = Hardware.from_gb(**H800)
+    m27 = ModelSpec(name="27b", num_layers=64, hidden=5120, intermediate=16720, heads=24, kv_heads=4, head_dim=256,
+                    vocab=248320, qk_norm=True)
+    wl = Workload.analytic(m27, TrainSpec(micro_batch_size=72, seq_len=1024), hw)
+    seeded = solve(wl, hw, time_limit=1e-3)  # the warm start is an incumbent from the first node
+    assert seeded.status in ("time_limit", "optimal")
+    simulate(seeded.schedule, wl, hw)
+    with pytest.warns(UserWarning, match="falling back"):
+        cold = solve(wl, hw, time_limit=1e-3, seed=False)
+    assert cold.status == "fallback"
+    assert cold.schedule.policy.split("(")[0] in ("megatrain", "keep_all", "recompute_all")
+    simulate(cold.schedule, wl, hw)
+
+
+def test_batch_search_finds_largest_and_best_throughput():
+    from lightning_lazytrain.planner import search_batch
+
+    hw = Hardware.from_gb(**{**H800, "gpu_memory_gb": 24, "gpu_memory_cap_gb": 22})
+    res = search_batch(Q7B, TrainSpec(micro_batch_size=1, seq_len=1024), hw)
+    assert res.largest_feasible == largest_batch(Q7B, TrainSpec(micro_batch_size=1, seq_len=1024), hw)
+    assert not make_plan_fits(res.largest_feasible + 1, hw)
+    best = max(res.table, key=lambda r: r["tokens_per_s"])
+    assert res.best_throughput == best["micro_batch_size"]
+    assert {r["micro_batch_size"] for r in res.table} >= {1, 2, 4, res.largest_feasible}
+
+
+def make_plan_fits(batch: int, hw) -> bool:
+    try:
+        make_plan(Q7B, TrainSpec(micro_batch_size=batch, seq_len=1024), hw)
+        return True
+    except InfeasibleBudget:
+        return False

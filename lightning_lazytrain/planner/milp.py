@@ -435,8 +435,8 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **over
     hw.validate()
     t0 = time.perf_counter()
     model = ScheduleModel(wl, hw, opt)
-    seed = best_baseline(wl, hw, opt) if opt.seed else None
-    if seed is not None:
+    seed = best_baseline(wl, hw, opt)  # the warm start (if opt.seed) and the fallback
+    if seed is not None and opt.seed:
         model.seed_from(seed[0])
     build = time.perf_counter() - t0
 
@@ -453,9 +453,10 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **over
         result = solver.solve(model.m)
         return result, time.perf_counter() - t
 
-    res, solve_s = run(seed is not None)
+    warm = seed is not None and opt.seed
+    res, solve_s = run(warm)
     restarted = False
-    if seed is not None and res.best_feasible_objective is not None:
+    if warm and res.best_feasible_objective is not None:
         # Note: [warm start and presolve] HiGHS 1.16 values a MIP start in the presolved space
         # without the objective offset of the columns presolve removed, so a start that survives
         # as the answer is misvalued (seen: reported 32 s, true 33 s) and B&B may have pruned on
@@ -470,7 +471,7 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **over
             solve_s += again
             restarted = True
     info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs",
-            "warm_start": seed is not None and not restarted}
+            "warm_start": warm and not restarted}
     tc = res.termination_condition
     has_incumbent = res.best_feasible_objective is not None
     bound = res.best_objective_bound
