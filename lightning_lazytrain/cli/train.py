@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -359,7 +360,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None) -> Di
     result.update(model=cfg.model.name, params=module.num_parameters, strategy=cfg.strategy.name,
                   accelerator=t.accelerator, precision=t.precision, seed=int(cfg.seed), fit_seconds=wall,
                   train_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None, data=info,
-                  output_dir=str(out_dir))
+                  output_dir=str(out_dir), pid=os.getpid())
     title = (f"{cfg.model.name} ({_params(module.num_parameters)}) on stdlib bytes, strategy {cfg.strategy.name}: "
              f"batch {info['batch_size']} x {info['seq_len']}, lr {cfg.optim.lr:g}")
     plot_loss_curve(history.train, history.val, out_dir / "loss_curve.png", title, smooth=int(cfg.smooth_steps))

@@ -1,0 +1,119 @@
+"""The lazytrain-train app: end to end in-process (hydra.compose + train_job) with a few steps, and a 2-job
+multirun in one subprocess (both jobs in one process, nothing leaking from one job into the next)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from lightning_lazytrain.cli.train import LossHistory, TrainConfigError, summarize, train_job
+from lightning_lazytrain.config import CONF_DIR
+
+try:
+    import lightning_lazytrain.strategy  # noqa: F401
+
+    HAVE_STRATEGY = True
+except ImportError:  # pragma: no cover - the strategy ships with the package
+    HAVE_STRATEGY = False
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# a few steps on a small slice of the stdlib; validation before, at step 3 and after the last step
+FAST = ["trainer.max_steps=5", "trainer.val_check_interval=3", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false", "data.max_bytes=400000", "data.val_every=5", "data.val_windows=16",
+        "optim.warmup_steps=2"]
+STRATEGIES = (["lazytrain"] if HAVE_STRATEGY else []) + ["auto"]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train_app", overrides=list(overrides))
+
+
+def test_defaults_are_the_main_job():
+    cfg = compose_cfg()
+    assert cfg.strategy.name == "lazytrain" and cfg.hardware.name == "cpu" and cfg.model.name == "tiny"
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.precision) == ("cpu", 1, "32-true")
+    assert (cfg.data.seq_len, cfg.data.batch_size, cfg.trainer.max_steps, cfg.trainer.val_check_interval) == \
+        (128, 8, 300, 100)
+    gpu = compose_cfg("trainer=gpu")
+    assert gpu.trainer.accelerator == "gpu" and gpu.trainer.precision == "bf16-mixed"
+
+
+def test_misspelt_key_fails_at_composition():
+    with pytest.raises(Exception, match="trainer.max_stepz|max_stepz"):
+        compose_cfg("trainer.max_stepz=3")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)  # the main path is lazytrain; auto is plain Lightning
+def test_app_trains_and_writes_loss_png_and_final_val_loss(tmp_path, capsys, strategy):
+    torch_threads = torch.get_num_threads()
+    cfg = compose_cfg(*FAST, f"strategy.name={strategy}")
+    result = train_job(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    assert torch.get_num_threads() == torch_threads  # trainer.threads=1 is restored after the job
+
+    assert result["steps"] == 5
+    steps = [s for s, _ in result["val_history"]]
+    assert steps == [0, 3, 5]  # before training (sanity check over all val windows), interval, after last step
+    assert result["final_val_step"] == 5 and result["final_val_loss"] == result["val_history"][-1][1]
+    assert 5.3 < result["initial_val_loss"] < 5.8  # ~ln 256 for an untrained byte model
+    assert result["val_loss_drop"] > 0.3 and result["train_loss_drop"] > 0
+    assert "final val loss" in printed and "before training" in printed and "train loss: first" in printed
+    assert f"strategy {strategy}" in printed
+
+    png = (tmp_path / "loss_curve.png").read_bytes()
+    assert png[:8] == PNG_MAGIC and len(png) > 10_000
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["final_val_loss"] == pytest.approx(result["final_val_loss"])
+    assert saved["config"]["strategy"]["name"] == strategy
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert [s for s, _ in losses["train"]] == [1, 2, 3, 4, 5]
+    rows = list(csv.DictReader((tmp_path / "logs" / "metrics.csv").open()))
+    assert sum(1 for r in rows if r.get("train_loss")) == 5 and sum(1 for r in rows if r.get("val_loss")) == 2
+    if strategy == "lazytrain":  # the strategy wrote its plan next to the logs
+        assert (tmp_path / "logs" / "plan.json").exists()
+
+
+def test_summary_of_a_history():
+    h = LossHistory()
+    h.train = [(i + 1, 5.0 - 0.1 * i) for i in range(10)]
+    h.val = [(0, 5.5), (10, 4.0)]
+    s = summarize(h, smooth=2)
+    assert s["first_train_loss_mean"] == pytest.approx(4.95) and s["last_train_loss_mean"] == pytest.approx(4.15)
+    assert s["val_loss_drop"] == pytest.approx(1.5) and s["final_val_loss"] == 4.0 and s["steps"] == 10
+
+
+def test_bad_config_is_a_config_error(tmp_path):
+    """(The Hydra entry point turns TrainConfigError into a message on stderr and exit code 2.)"""
+    with pytest.raises(TrainConfigError, match="vocab"):
+        train_job(compose_cfg(*FAST, "model.vocab=100"), tmp_path)
+    with pytest.raises(TrainConfigError, match="optimizer"):
+        train_job(compose_cfg(*FAST, "optim.optimizer=sgd"), tmp_path)
+
+
+def test_multirun_two_jobs_in_one_process(tmp_path):
+    """Two jobs with the same settings in one process: the same losses (the second job sees nothing the
+    first one left behind: RNGs, thread count, strategy state)."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONWARNINGS="ignore")
+    strategy = STRATEGIES[0]
+    proc = subprocess.run([sys.executable, "-m", "lightning_lazytrain.cli.train", "-m", *FAST,
+                           "trainer.max_steps=3", f"strategy.name={strategy}", "seed=0,0",
+                           f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/result.json"))]
+    assert len(results) == 2
+    assert results[0]["pid"] == results[1]["pid"]  # Hydra's basic launcher: one process
+    assert results[0]["output_dir"] != results[1]["output_dir"]
+    for r in results:
+        assert (Path(r["output_dir"]) / "loss_curve.png").exists() and r["steps"] == 3
+    a, b = (json.loads((Path(r["output_dir"]) / "losses.json").read_text()) for r in results)
+    assert a == b
