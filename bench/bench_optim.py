@@ -20,7 +20,7 @@ before (torch: ``clip_grad_norm_`` = norm pass + rescale pass, also timed apart)
 (HybridAdamW: update with fast clip minus the same optimizer's update without clipping; and with
 per-layer squared norms handed over, as the executor does while gradients arrive).
 
-    python bench/bench_optim.py --sizes 100M,1B --json optim_bench.json
+    python bench/bench_optim.py --sizes 100M,1B --threads 1 --json optim_bench.json
 """
 
 from __future__ import annotations
@@ -296,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=0, help="untimed steps per variant (default: 2 at 100M, 1 at 1B)")
     ap.add_argument("--only", default="", help="comma-separated substrings of variant names to run")
     ap.add_argument("--json", default="", help="write raw results here")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (default: torch's). 1 is the stable choice on a shared box: with 2 "
+                         "threads every parallel op waits for whichever thread another process has descheduled")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import bitsandbytes
 
     env = {

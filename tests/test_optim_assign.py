@@ -178,3 +178,14 @@ def test_works_without_bitsandbytes() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "IMPORT-ERROR 8-bit optimizer states need bitsandbytes" in out.stdout
+
+
+def test_config_builds_and_estimates_the_same_bytes() -> None:
+    from lightning_lazytrain.optim import HybridAdamWConfig
+
+    cfg = HybridAdamWConfig(lr=3e-4, eight_bit="none", max_grad_norm=1.0, impl="foreach")
+    model = _named_model()
+    estimate = cfg.state_bytes([(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()])
+    opt = cfg.build(model.named_parameters())
+    assert opt.max_grad_norm == 1.0 and opt.impl == "foreach" and opt.param_groups[0]["lr"] == 3e-4
+    assert opt.state_bytes().total == estimate.total

@@ -16,7 +16,14 @@ from .assign import (
     param_state_bytes,
 )
 from .bnb8bit import bnb_available
-from .clip import ClipDecision, clip_coefficient, decide_clip, global_grad_norm, norm_from_sq_norms
+from .clip import (
+    ClipDecision,
+    clip_coefficient,
+    decide_clip,
+    global_grad_norm,
+    norm_from_sq_norms,
+)
+from .config import HybridAdamWConfig
 from .hybrid_adamw import HybridAdamW
 from .pipeline import LayerPipeline, group_by_layer
 
@@ -26,6 +33,7 @@ __all__ = [
     "ClipDecision",
     "EightBitPolicy",
     "HybridAdamW",
+    "HybridAdamWConfig",
     "LayerPipeline",
     "StateBytes",
     "assign_state_bits",
