@@ -330,10 +330,19 @@ class Executor:
         name = f"B{t}"
         self.trace.window(name)
         self._reap_offloads()
-        self._issue_transfers(name)
         block = s.block_ending_at(t + 1)
+        # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
+        # last user, B{t+1}, is done; only its grad buffer is still being read), so the recompute
+        # streams through it and the recompute slot alternately, and layer t-1's prefetch is issued
+        # once the recompute is done: three weight buffers, as the plan counts, and the recompute's
+        # fetches overlap its compute.
+        spare = t - 1 if block is not None and t >= 1 and (t - 1) not in self.resident_slot else None
+        self._issue_transfers(name, defer_weights=spare)
         if block is not None:
-            self._recompute_block(name, block[0], t)
+            self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
+            if spare is not None and any(op.kind == "weights" and op.index == spare
+                                         for op in self._windows[name].ops):
+                self._stage(spare)
         slot = self.slot_of(t)
         self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
         args, kwargs = self._calls.pop(t)
@@ -363,31 +372,39 @@ class Executor:
             self.tracker.drop(f"resident{t}")
         return grad_in
 
-    def _recompute_block(self, window: str, s: int, t: int) -> None:
+    def _recompute_block(self, window: str, s: int, t: int, spare: int | None = None) -> None:
         """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
         assert self.params is not None
         x = self._boundary(s)
         self.tracker.add("recompute_slot", self.params.slot_bytes(s, RECOMPUTE_SLOT))
-        for j in range(s, t):
-            self.params.stage(j, RECOMPUTE_SLOT)
+        bufs = [RECOMPUTE_SLOT] if spare is None else [RECOMPUTE_SLOT, spare]
+        self.params.stage(s, bufs[0])
+        for k, j in enumerate(range(s, t)):
+            slot = bufs[k % len(bufs)]
+            if j + 1 < t and len(bufs) == 2:
+                self.params.stage(j + 1, bufs[(k + 1) % 2])  # fetch the next while this one computes
             args, kwargs = self._calls[j]
-            with self.trace.timed(window, "recompute", j), self.params.bind(j, RECOMPUTE_SLOT, grads=False), \
+            with self.trace.timed(window, "recompute", j), self.params.bind(j, slot, grads=False), \
                     torch.no_grad():
                 x, _ = split_output(self._orig[j](x, *args, **kwargs))
+            if j + 1 < t and len(bufs) == 1:
+                self.params.stage(j + 1, slot)
             self._recomputed[j + 1] = x
             self.tracker.add(f"recomputed{j + 1}", self._nbytes(x))
             self.stats.recomputed_forwards[j] = self.stats.recomputed_forwards.get(j, 0) + 1
         self.tracker.drop("recompute_slot")
 
     # ---- transfers ---------------------------------------------------------------------------
-    def _issue_transfers(self, name: str) -> None:
-        """Start a backward-side window's transfers (grads, prefetch, reloads, NVMe reads), in order."""
+    def _issue_transfers(self, name: str, defer_weights: int | None = None) -> None:
+        """Start a backward-side window's transfers (grads, prefetch, reloads, NVMe reads), in order;
+        the weight fetch of layer ``defer_weights`` is left to the caller."""
         assert self.params is not None and self.acts is not None
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "grads":
                 self._pending_grads.append(self.params.send_grads(op.index, self.slot_of(op.index)))
             elif op.lane == "h2d" and op.kind == "weights":
-                self._stage(op.index)
+                if op.index != defer_weights:
+                    self._stage(op.index)
             elif op.lane == "h2d" and op.kind == "reload":
                 self.acts.prefetch(op.index)
                 self.tracker.add(f"reload{op.index}", self.acts.nbytes(op.index))
