@@ -106,7 +106,7 @@ class CausalLMModule(LightningModule):
         model_name: Optional[str] = "tiny",
         model_overrides: Optional[Dict[str, Any]] = None,
         hf_config: Optional[Dict[str, Any]] = None,
-        model: Optional[nn.Module] = None,
+        model: Any = None,  # an nn.Module (Python use); typed Any so LightningCLI does not list every Module
         optimizer: str = "adamw",
         lr: float = 3e-3,
         weight_decay: float = 0.1,
@@ -131,11 +131,12 @@ class CausalLMModule(LightningModule):
                                    "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps,
                                    "lr_schedule": lr_schedule, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "eight_bit": eight_bit,
-                                   "max_grad_norm": max_grad_norm,
-                                   "custom_model": None if model is None else type(model).__name__})
+                                   "max_grad_norm": max_grad_norm})
         #: the planner's view of the model (None for Hugging Face / custom modules)
         self.model_spec: Optional[ModelSpec] = None
         if model is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
             self.model = model
             self.model_kind = "custom"
         elif hf_config is not None:

@@ -117,3 +117,39 @@ def test_multirun_two_jobs_in_one_process(tmp_path):
         assert (Path(r["output_dir"]) / "loss_curve.png").exists() and r["steps"] == 3
     a, b = (json.loads((Path(r["output_dir"]) / "losses.json").read_text()) for r in results)
     assert a == b
+
+
+def test_checkpoint_of_the_app_reloads_without_the_app(tmp_path):
+    """enable_checkpointing=true: the checkpoint rebuilds the same LlamaLM from its saved hyper-parameters."""
+    from lightning_lazytrain.data import StdlibTextDataModule
+    from lightning_lazytrain.lit_module import CausalLMModule
+
+    cfg = compose_cfg(*FAST, "trainer.max_steps=2", "trainer.enable_checkpointing=true",
+                      f"strategy.name={STRATEGIES[0]}", "model.num_layers=2")
+    result = train_job(cfg, tmp_path)
+    (ckpt,) = tmp_path.glob("logs/checkpoints/*.ckpt")
+    module = CausalLMModule.load_from_checkpoint(ckpt, map_location="cpu")
+    assert module.model_spec.num_layers == 2 and module.model_spec.name == "tiny"
+    dm = StdlibTextDataModule(**{k: v for k, v in cfg.data.items()})
+    dm.setup()
+    module.eval()
+    with torch.no_grad():
+        losses = [(module._nll(b).item(), b.shape[0]) for b in dm.val_dataloader()]
+    val = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+    assert val == pytest.approx(result["final_val_loss"], rel=1e-4)
+
+
+def test_app_sources_do_not_import_transformers():
+    """transformers is optional: only lit_module's Hugging Face builder imports it, inside a function.
+    (``import lightning`` itself may load parts of transformers through torchmetrics when it is installed.)"""
+    import ast
+
+    import lightning_lazytrain
+
+    root = Path(lightning_lazytrain.__file__).parent
+    for rel in ("data.py", "lit_module.py", "cli/train.py", "cli/lightning_cli.py"):
+        tree = ast.parse((root / rel).read_text())
+        for node in tree.body:  # module level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "transformers" for n in names), rel

@@ -326,7 +326,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None) -> Di
         where = ""
         if cfg.strategy.name in STRATEGY_NAMES:
             hw_name = cfg.hardware.name if cfg.strategy.hardware == "profile" else cfg.strategy.hardware
-            where = f" (policy {cfg.strategy.policy}, hardware {hw_name})"
+            where = f" (policy {getattr(strategy, 'policy', cfg.strategy.policy)}, hardware {hw_name})"
         print(f"lazytrain-train: {cfg.model.name} ({_params(module.num_parameters)} params) on {t.accelerator} "
               f"x{t.devices}, {t.precision}, strategy {cfg.strategy.name}{where}, torch threads "
               f"{torch.get_num_threads()}", file=out)
