@@ -89,3 +89,16 @@ def test_hugging_face_model_from_a_config_dict(tmp_path):
 def _loader(dm):
     dm.setup("fit")
     return dm.train_dataloader()
+
+
+@needs_strategy
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_test_and_predict_subcommands(tmp_path, subcommand):
+    cli = main([subcommand, "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.strategy=lazytrain",
+                "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}", *DATA])
+    assert cli.trainer.state.finished
+    if subcommand == "test":
+        assert 5.0 < float(cli.trainer.callback_metrics["test_loss"]) < 6.5  # untrained: ~ln 256
+    else:
+        (out,) = cli.trainer.predict_loop.predictions
+        assert out["nll"].shape == (2,) and out["next_token"].shape == (2, 32)
