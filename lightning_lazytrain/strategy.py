@@ -240,8 +240,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
 
         rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
                        f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
-        if trainer.log_dir and trainer.is_global_zero:  # no logger, no log directory: nothing written
-            plan.write(trainer.log_dir)
+        out = _artifact_dir(trainer)
+        if out and trainer.is_global_zero:
+            plan.write(out)
 
     def _hardware(self) -> Hardware:
         if isinstance(self.hardware, Hardware):
@@ -299,7 +300,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         if self.executor is not None:
             module = self.lightning_module
             if self.last_stats is not None and module is not None and getattr(module, "_trainer", None) is not None:
-                _write_measured_timeline(self.last_stats, module.trainer.log_dir)
+                _write_measured_timeline(self.last_stats, _artifact_dir(module.trainer))
             self.executor.close()
             self.executor = None
         self.plan = None
@@ -324,6 +325,15 @@ def _silenced(module: Any):
         yield
     finally:
         module.log, module.log_dict = saved
+
+
+def _artifact_dir(trainer: Any) -> str | None:
+    """The logger's directory; None without a real logger (no files in the working directory)."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    if not trainer.loggers or all(isinstance(lg, DummyLogger) for lg in trainer.loggers):
+        return None
+    return trainer.log_dir
 
 
 def _count_tokens(batch: Any) -> int:
