@@ -27,6 +27,7 @@ def test_quickstart_cpu(tmp_path):
     assert "quickstart: 3 steps with strategy='lazytrain', held-out val loss" in out
     val = float(out.split("held-out val loss ")[1].split()[0])
     assert 0 < val < 5.545  # below an untrained byte model (ln 256) after 3 steps
+    assert not list(tmp_path.iterdir())  # logger=False: nothing written into the working directory
 
 
 def test_plan_example(tmp_path):
