@@ -1,7 +1,7 @@
 """Engine benchmark on CPU: plan vs actual with an emulated link, MILP plan vs MegaTrain, and the
 executor's overhead over plain PyTorch.
 
-    python bench/bench_engine.py          # ~3 minutes on a 2-core machine
+    python bench/bench_engine.py [torch threads, default 1]   # ~2 minutes on a 2-core machine
 
 1. Emulated link (H2D/D2H/NVMe worker threads sleep to a set bandwidth) sized so a layer's weight
    transfer takes about as long as its forward: the measured step time of the MILP plan and of the
@@ -13,6 +13,7 @@ executor's overhead over plain PyTorch.
 from __future__ import annotations
 
 import copy
+import sys
 import statistics
 import time
 
@@ -55,7 +56,7 @@ def hardware_for(bandwidth: float) -> Hardware:
 
 def main() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)  # 1: the copy threads need the other core
     base = LlamaLM(SPEC)
     tokens = torch.randint(0, SPEC.vocab, (BATCH, SEQ))
     print(f"# bench_engine: {SPEC.num_layers} layers, hidden {SPEC.hidden}, batch {BATCH}x{SEQ - 1}, "
@@ -74,17 +75,20 @@ def main() -> None:
     hw = hardware_for(bandwidth)
     lo = simulate(recompute_all(SPEC.num_layers), wl, hw).peak_gpu_bytes
     hi = simulate(keep_all(SPEC.num_layers), wl, hw).peak_gpu_bytes
-    cap = lo + 0.5 * (hi - lo)
-    plan = solve(wl, hw.replace(gpu_memory_cap_bytes=cap)).schedule
+    plans = {}
+    for frac in (0.5, 0.05):
+        cap = lo + frac * (hi - lo)
+        plans[f"milp plan @{cap / 1e6:.0f} MB"] = solve(wl, hw.replace(gpu_memory_cap_bytes=cap)).schedule
     links = {lane: LinkSpec(bw, 0.0) for lane, bw in (("h2d", bandwidth), ("d2h", bandwidth),
                                                        ("nvme_read", bandwidth / 2), ("nvme_write", bandwidth / 2))}
-    print(f"device budget {cap / 1e6:.0f} MB (between recompute_all {lo / 1e6:.0f} and keep_all {hi / 1e6:.0f} MB)")
-    print(f"plan: homes {plan.count_homes()}, kept {sum(plan.keep_internals)}, resident {sum(plan.resident_weights)}, "
-          f"blocks {plan.recompute_blocks}")
+    print(f"device budgets between recompute_all {lo / 1e6:.0f} MB and keep_all {hi / 1e6:.0f} MB:")
+    for name, plan in plans.items():
+        print(f"  {name}: homes {plan.count_homes()}, kept {sum(plan.keep_internals)}, "
+              f"resident {sum(plan.resident_weights)}, blocks {plan.recompute_blocks}")
 
     print("\n## 1-2. emulated link: measured vs predicted, plan vs megatrain")
     measured = {}
-    for name, schedule in (("milp plan", plan), ("megatrain K=4", megatrain(SPEC.num_layers, 4))):
+    for name, schedule in [*plans.items(), ("megatrain K=4", megatrain(SPEC.num_layers, 4))]:
         predicted = simulate(schedule, wl, hw.replace(gpu_memory_cap_bytes=1e12)).iteration_seconds
         m = copy.deepcopy(base)
         ex = Executor(m, schedule, links=links)
@@ -95,7 +99,8 @@ def main() -> None:
         print(f"{name}: measured {measured[name]:.3f} s (steps {', '.join(f'{t:.3f}' for t in times)}), "
               f"predicted {predicted:.3f} s, measured/predicted {measured[name] / predicted:.3f}, "
               f"tracked peak {peak / 1e6:.0f} MB")
-    print(f"measured megatrain / plan = {measured['megatrain K=4'] / measured['milp plan']:.3f}")
+    for name in plans:
+        print(f"measured megatrain / {name} = {measured['megatrain K=4'] / measured[name]:.3f}")
 
     print("\n## 3. no emulation, everything fits (keep_all): executor vs plain PyTorch")
     plain = copy.deepcopy(base)
