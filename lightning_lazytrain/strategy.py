@@ -181,11 +181,16 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self._log_step(stats, time.perf_counter() - self._t_step)
 
     def _hand_over_norms(self, stats: StepStats) -> None:
+        """Give HybridAdamW the global squared norm from the executor's per-layer norms, so its
+        clip needs no pass over the gradients (the step runs after this, inside the closure)."""
         from lightning_lazytrain.optim import HybridAdamW
 
+        clip = self.lightning_module.trainer.gradient_clip_val
         for opt in self.optimizers:
             inner = getattr(opt, "optimizer", opt)
-            if isinstance(inner, HybridAdamW) and inner.max_grad_norm is not None and stats.layer_sq_norms:
+            if not isinstance(inner, HybridAdamW) or not stats.layer_sq_norms:
+                continue
+            if clip or inner.max_grad_norm is not None:
                 total = torch.stack([n.float() for n in stats.layer_sq_norms.values()]).sum()
                 layers = inner.layers
                 inner.set_grad_sq_norms({layer: (total if i == 0 else 0.0) for i, layer in enumerate(layers)})

@@ -213,6 +213,36 @@ def test_resumed_run_continues_with_the_same_losses(tmp_path):
     assert rest == full[2:]  # bit-identical continuation: weights and AdamW state restored exactly
 
 
+class HybridModule(HFModule):
+    def configure_optimizers(self):
+        from lightning_lazytrain.optim import HybridAdamW
+
+        return HybridAdamW(self.parameters(), lr=self.lr, eight_bit="none")  # torch AdamW's defaults
+
+
+def test_gradient_clip_val_is_fused_into_hybrid_adamw(monkeypatch):
+    data = batches(6)
+    _, want, _ = fit("auto", data, steps=6, gradient_clip_val=0.05)  # torch AdamW + clip_grad_norm_
+    passes = []
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: passes.append(1) or real(*a, **k))
+    import lightning_lazytrain.optim.hybrid_adamw as hybrid
+
+    def no_norm_pass(*a, **k):
+        raise AssertionError("the global norm must come from the executor's per-layer norms")
+
+    monkeypatch.setattr(hybrid, "global_grad_norm", no_norm_pass)
+    module, losses = HybridModule(), Losses()
+    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=6, gradient_clip_val=0.05, logger=False,
+                        enable_checkpointing=False, callbacks=[losses], enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    opt = trainer.optimizers[0]
+    assert passes == []  # no separate clip pass over the gradients
+    assert opt.max_grad_norm == 0.05 and opt.last_grad_norm > 0.05  # the clip was active
+    assert max(abs(a - b) for a, b in zip(losses.values, want)) <= 1e-5
+
+
 class NoStack(L.LightningModule):
     def __init__(self):
         super().__init__()
