@@ -179,29 +179,41 @@ RESUME = textwrap.dedent("""
     import json, sys, torch, lightning as L
     sys.path.insert(0, {tests!r})
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_strategy import HFModule, Losses, batches
+    from test_strategy import HFModule, Hybrid8Module, Losses, batches
     import lightning_lazytrain
     root, resume, steps = sys.argv[1], (sys.argv[2] or None), int(sys.argv[3])
+    module = {{"adamw": HFModule, "hybrid8": Hybrid8Module}}[sys.argv[4]]()
     losses = Losses()
     ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{{step}}")
     trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=steps, logger=False, callbacks=[losses, ckpt],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
-    trainer.fit(HFModule(), train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None),
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None),
                 ckpt_path=resume)
     print(json.dumps(losses.values))
 """)
 
 
-def test_resumed_run_continues_with_the_same_losses(tmp_path):
+class Hybrid8Module(HFModule):
+    def configure_optimizers(self):
+        from lightning_lazytrain.optim import HybridAdamW
+
+        return HybridAdamW(self.parameters(), lr=self.lr, eight_bit="all")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8"])
+def test_resumed_run_continues_with_the_same_losses(tmp_path, optimizer):
     import os
+
+    if optimizer == "hybrid8":
+        pytest.importorskip("bitsandbytes")
 
     script = tmp_path / "run.py"
     script.write_text(RESUME.format(tests=os.path.dirname(__file__)))
 
     def run(root, resume, steps):
-        out = subprocess.run([sys.executable, str(script), str(root), resume, str(steps)], capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run([sys.executable, str(script), str(root), resume, str(steps), optimizer],
+                             capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -210,7 +222,7 @@ def test_resumed_run_continues_with_the_same_losses(tmp_path):
     rest = run(tmp_path / "c", str(tmp_path / "b" / "step=2.ckpt"), 6)
     assert len(full) == 6 and len(first) == 2 and len(rest) == 4
     assert first == full[:2]
-    assert rest == full[2:]  # bit-identical continuation: weights and AdamW state restored exactly
+    assert rest == full[2:]  # bit-identical continuation: weights and optimizer state (8-bit too) restored exactly
 
 
 class HybridModule(HFModule):
