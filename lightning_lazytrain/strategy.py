@@ -206,8 +206,8 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         }
         for lane, nbytes in stats.lane_bytes.items():
             metrics[f"lazytrain/{lane}_gb"] = nbytes / 1e9
-        if self.root_device.type == "cuda":
-            metrics["lazytrain/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.root_device) / 1e9
+        if stats.max_memory_allocated is not None:
+            metrics["lazytrain/max_memory_allocated_gb"] = stats.max_memory_allocated / 1e9
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -102,6 +102,15 @@ def test_registered_names_and_megatrain_preset(tmp_path):
     assert len(got) == 2
 
 
+def test_strategy_as_hydra_target():
+    from hydra.utils import instantiate
+
+    strategy = instantiate({"_target_": "lightning_lazytrain.strategy.LazyTrainStrategy", "policy": "keep_all"})
+    assert isinstance(strategy, LazyTrainStrategy) and strategy.policy == "keep_all"
+    _, got, trainer = fit(strategy, batches(2), steps=2)
+    assert len(got) == 2 and trainer.strategy.plan is None  # torn down after fit
+
+
 def test_plan_files_and_step_metrics(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

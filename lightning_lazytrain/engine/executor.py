@@ -78,6 +78,7 @@ class StepStats:
     segments: list = field(default_factory=list)  # measured timeline (planner Segments)
     boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
     internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
+    max_memory_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
 
 
 class Executor:
@@ -216,6 +217,8 @@ class Executor:
             self.tracker.reset_peak()
             self.trace = StepTrace()
             self.trace.window("T")
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             # T's last op: layer 0's (updated) weights, then the rest stays bound for the step
             self._stage(0)
             self.params.stage(REST).wait()
@@ -242,6 +245,8 @@ class Executor:
         self._micro = None
         self.stats.lane_bytes = self.engine.bytes_moved
         self.stats.peak_tracked_bytes = self.tracker.peak
+        if self.device.type == "cuda":
+            self.stats.max_memory_allocated = torch.cuda.max_memory_allocated(self.device)
         self.stats.segments = self.trace.segments(self.engine.records())
         return self.stats
 
