@@ -31,15 +31,6 @@ SHAPES: list[tuple[str, tuple[int, ...]]] = [
 TOTAL = sum(torch.Size(s).numel() for _, s in SHAPES)
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: intra-op threading only adds synchronisation, and on a loaded 2-core box
-    it made these tests 50x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def test_none_and_all() -> None:
     assert set(assign_state_bits(SHAPES, "none").values()) == {32}

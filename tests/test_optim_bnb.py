@@ -11,15 +11,6 @@ from lightning_lazytrain.optim import HybridAdamW, group_by_layer  # noqa: E402
 from lightning_lazytrain.optim.bnb8bit import dequantized_moments  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: intra-op threading only adds synchronisation, and on a loaded 2-core box
-    it made these tests 50x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _bnb_adam(n: int, grad_mult: float, gnorm_scale: float, steps: int = 3) -> list[torch.Tensor]:
     torch.manual_seed(0)

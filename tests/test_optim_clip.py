@@ -13,15 +13,6 @@ LR = 1e-3
 WD = 0.1
 STEPS = 20
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: intra-op threading only adds synchronisation, and on a loaded 2-core box
-    it made these tests 50x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)

@@ -12,14 +12,6 @@ from lightning_lazytrain.optim import HybridAdamW, LayerPipeline, group_by_layer
 N_LAYERS = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: intra-op threading only adds synchronisation (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)

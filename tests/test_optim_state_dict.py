@@ -10,14 +10,6 @@ import torch
 from lightning_lazytrain.optim import HybridAdamW, group_by_layer
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: intra-op threading only adds synchronisation (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_model(device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)

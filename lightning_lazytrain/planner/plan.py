@@ -77,8 +77,7 @@ def evaluate_baselines(wl: Workload, hw: Hardware, K: int = 4) -> tuple[dict, di
     return results, schedules
 
 
-def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: TrainSpec | None = None,
-             options: MilpOptions | None = None) -> None:
+def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: TrainSpec | None = None) -> None:
     """Raise ``InfeasibleBudget`` naming the short tier if no schedule can fit; return otherwise."""
     if wl.host_static_bytes > hw.cpu_memory_bytes:
         short = wl.host_static_bytes - hw.cpu_memory_bytes
@@ -105,17 +104,13 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             f"even with every activation on the host the peak is {tight.peak_gpu_bytes / GB:.2f} GB "
             f"(window {tight.peak_window}), the cap is {hw.gpu_memory_cap_bytes / GB:.2f} GB",
             hint + f"smallest GPU budget for this batch: {tight.peak_gpu_bytes / GB:.2f} GB")
-    cpu_need = tight.peak_cpu_bytes
-    if cpu_need > hw.cpu_memory_bytes and not hw.has_nvme:
-        # the min-memory schedule puts every boundary on the host; maybe recompute fits instead
-        return
 
 
 def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy: str = "milp",
               options: MilpOptions | None = None, K: int = 4, workload: Workload | None = None) -> PlanResult:
     """Plan one run. ``policy``: milp | megatrain | keep_all | recompute_all."""
     wl = workload or Workload.analytic(model, train, hardware)
-    diagnose(wl, hardware, model, train, options)
+    diagnose(wl, hardware, model, train)
     results, schedules = evaluate_baselines(wl, hardware, K)
     if policy == "milp":
         sol: SolveResult = solve(wl, hardware, options)
@@ -137,19 +132,21 @@ def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
     return tight.peak_gpu_bytes <= hw.gpu_memory_cap_bytes and tight.peak_cpu_bytes <= hw.cpu_memory_bytes
 
 
-def largest_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
-    """Largest micro-batch for which some schedule fits (0 if none). Memory grows with the batch."""
+def _largest(ok, upper: int) -> int:
+    """Largest b in [1, upper] with ok(b) (0 if none), for a predicate that is monotone in b."""
     lo, hi = 0, 1
-    while hi <= upper and fits(model, train.replace(micro_batch_size=hi), hw):
+    while hi <= upper and ok(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, upper + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(model, train.replace(micro_batch_size=mid), hw):
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def largest_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
+    """Largest micro-batch for which some schedule fits (0 if none). Memory grows with the batch."""
+    return _largest(lambda b: fits(model, train.replace(micro_batch_size=b), hw), upper)
 
 
 def largest_batch_for(schedule_fn, model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
@@ -161,14 +158,8 @@ def largest_batch_for(schedule_fn, model: ModelSpec, train: TrainSpec, hw: Hardw
             return True
         except InfeasibleSchedule:
             return False
-    lo, hi = 0, 1
-    while hi <= upper and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, upper + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+
+    return _largest(ok, upper)
 
 
 @dataclass(kw_only=True)
