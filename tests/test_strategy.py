@@ -43,6 +43,12 @@ class HFModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
 
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(input_ids=batch).logits.argmax(-1)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
@@ -140,7 +146,7 @@ def test_bf16_precisions_train(precision):
     assert max(abs(a - b) for a, b in zip(got, want)) < 5e-2  # bf16 rounding differs (streamed bf16 weights)
 
 
-def test_validation_and_predict_loops(tmp_path):
+def test_validation_test_and_predict_loops(tmp_path):
     data = batches(4)
     module = HFModule()
     trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
@@ -154,7 +160,14 @@ def test_validation_and_predict_loops(tmp_path):
         module, loader, verbose=False)
     with torch.no_grad():
         want = sum(ref.model(input_ids=b, labels=b).loss for b in data) / len(data)
+        want_pred = [ref.model(input_ids=b).logits.argmax(-1) for b in data]
     assert val["val_loss"] == pytest.approx(want.item(), rel=1e-5)
+    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", logger=False, enable_progress_bar=False)
+    (test,) = trainer.test(module, loader, verbose=False)
+    assert test["test_loss"] == pytest.approx(want.item(), rel=1e-5)
+    preds = L.Trainer(strategy="lazytrain", accelerator="cpu", logger=False, enable_progress_bar=False).predict(
+        module, loader)
+    assert all(torch.equal(p, q) for p, q in zip(preds, want_pred))
 
 
 def test_fast_dev_run_and_no_leaked_threads():
