@@ -4,7 +4,8 @@ simulator and the MILP. Pure Python (stdlib, pyomo, highspy) - it never imports 
 from .errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput, PlannerError
 from .hardware import Hardware
 from .model import BlockCost, ModelSpec, TrainSpec, block_cost
-from .milp import MilpOptions, SolveResult, solve
+from .milp import MilpOptions
+from .solve import SolveResult, solve
 from .plan import BatchSearch, PlanResult, diagnose, largest_batch, make_plan, search_batch
 from .policies import BASELINES, baseline, keep_all, megatrain, min_memory, recompute_all
 from .schedule import Op, Schedule, Window, window_index

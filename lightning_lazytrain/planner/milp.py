@@ -19,25 +19,18 @@ Constraint groups (each a named method so an ablation is one switch):
     _create_window_times tau_w >= each lane's load in w; chains (optimizer -> fetch) are summed
     _create_objective    iteration time = T + sum tF1 + (g-1) sum tF + g (tH + sum tB) (+ tie-breaks);
                          ablated: LazyTrain's objective (recompute time + exposed transfer)
-The simulator re-derives everything from the returned ``Schedule``; the two agree by construction
+``solve.py`` runs it. The simulator re-derives everything from the returned ``Schedule``; the two agree by construction
 of the timing rule, which a test checks to 1%.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .errors import InfeasibleBudget, InfeasibleSchedule
 from .hardware import Hardware
-from .policies import keep_all, megatrain, recompute_all
 from .schedule import Schedule
-from .simulator import MEM_TOL, SimResult, simulate
+from .simulator import MEM_TOL
 from .workload import Workload
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,33 +50,6 @@ class MilpOptions:
     time_limit: float = 60.0
     threads: int | None = None
     seed: bool = True  # warm-start HiGHS from the best feasible baseline (see solve())
-
-
-@dataclass(kw_only=True)
-class SolveResult:
-    schedule: Schedule
-    status: str  # optimal | time_limit | fallback
-    objective: float | None
-    bound: float | None
-    mip_gap: float | None
-    build_seconds: float
-    solve_seconds: float
-    solver: dict = field(default_factory=dict)
-    simulated: SimResult | None = None
-    seed_policy: str | None = None
-    violation: str | None = None  # what the simulator rejects (only possible with window_memory=False)
-
-    def solver_json(self) -> dict:
-        return {**self.solver, "mip_gap": self.mip_gap, "build_seconds": self.build_seconds,
-                "solve_seconds": self.solve_seconds, "objective": self.objective, "bound": self.bound,
-                "seed": self.seed_policy}
-
-
-def solver_version() -> str:
-    import highspy
-
-    h = highspy.Highs()
-    return f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
 
 
 class ScheduleModel:
@@ -378,7 +344,7 @@ class ScheduleModel:
                 m.slack[u].set_value(max(0.0, pyo.value(exprs[1]) - pyo.value(exprs[0])))
 
     def extract(self, policy: str = "milp") -> Schedule:
-        pyo, m, L = self.pyo, self.m, self.L
+        m, L = self.m, self.L
         on = lambda v: v.value is not None and v.value > 0.5  # noqa: E731
         homes, off, rel = [], [None] * (L + 1), [None] * (L + 1)
         for i in range(L + 1):
@@ -394,114 +360,3 @@ class ScheduleModel:
                         resident_weights=tuple(on(m.r[j]) for j in range(L)), offload_window=tuple(off),
                         reload_window=tuple(rel), backward_prefetch=True,
                         optimizer="pipelined" if self.opt.pipelined_optimizer else "serial", policy=policy)
-
-
-def in_space(s: Schedule, opt: MilpOptions) -> Schedule:
-    """The nearest schedule in the MILP's space (backward prefetch on, optimizer per the options)."""
-    return Schedule(num_layers=s.num_layers, homes=s.homes, keep_internals=s.keep_internals,
-                    resident_weights=s.resident_weights, offload_window=s.offload_window,
-                    reload_window=s.reload_window, backward_prefetch=True,
-                    optimizer="pipelined" if opt.pipelined_optimizer else "serial", policy=s.policy)
-
-
-def best_baseline(wl: Workload, hw: Hardware, opt: MilpOptions, K: int = 4) -> tuple[Schedule, SimResult] | None:
-    """The fastest feasible baseline, mapped into the MILP's space (None if none fits)."""
-    L = wl.num_layers
-    candidates = [recompute_all(L), megatrain(L, min(K, opt.max_block, L))]
-    if opt.keep_internals:
-        candidates.append(keep_all(L))
-    best = None
-    for cand in candidates:
-        cand = in_space(cand, opt)
-        try:
-            sim = simulate(cand, wl, hw)
-        except InfeasibleSchedule:
-            continue
-        if best is None or sim.iteration_seconds < best[1].iteration_seconds:
-            best = (cand, sim)
-    return best
-
-
-def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **overrides) -> SolveResult:
-    """Solve for the fastest schedule. See the module docstring for the model."""
-    import pyomo.environ as pyo
-    from pyomo.contrib.appsi.base import TerminationCondition
-    from pyomo.contrib.appsi.solvers import Highs
-
-    opt = options or MilpOptions()
-    if overrides:
-        opt = MilpOptions(**{**{f: getattr(opt, f) for f in opt.__slots__}, **overrides})
-    wl.validate()
-    hw.validate()
-    t0 = time.perf_counter()
-    model = ScheduleModel(wl, hw, opt)
-    seed = best_baseline(wl, hw, opt)  # the warm start (if opt.seed) and the fallback
-    if seed is not None and opt.seed:
-        model.seed_from(seed[0])
-    build = time.perf_counter() - t0
-
-    def run(warm: bool):
-        solver = Highs()
-        solver.config.mip_gap = opt.mip_gap
-        solver.config.time_limit = opt.time_limit
-        solver.config.load_solution = False
-        solver.config.stream_solver = False
-        solver.config.warmstart = warm
-        if opt.threads:
-            solver.highs_options = {"threads": opt.threads}
-        t = time.perf_counter()
-        result = solver.solve(model.m)
-        return result, time.perf_counter() - t
-
-    warm = seed is not None and opt.seed
-    res, solve_s = run(warm)
-    restarted = False
-    if warm and res.best_feasible_objective is not None:
-        # Note: [warm start and presolve] HiGHS 1.16 values a MIP start in the presolved space
-        # without the objective offset of the columns presolve removed, so a start that survives
-        # as the answer is misvalued (seen: reported 32 s, true 33 s) and B&B may have pruned on
-        # it. Presolve is too valuable to switch off (grad-accumulation models: 1.5 s vs 60 s),
-        # so check the answer and, when it is the misvalued start, solve again without it.
-        res.solution_loader.load_vars()
-        true_value = pyo.value(model.m.obj)
-        if abs(true_value - res.best_feasible_objective) > 1e-6 * max(1.0, abs(true_value)):
-            log.info("HiGHS misvalued the MIP start (%.6g vs %.6g); solving again without it",
-                     res.best_feasible_objective, true_value)
-            res, again = run(False)
-            solve_s += again
-            restarted = True
-    info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs",
-            "warm_start": warm and not restarted}
-    tc = res.termination_condition
-    has_incumbent = res.best_feasible_objective is not None
-    bound = res.best_objective_bound
-    objective = res.best_feasible_objective
-    gap = None
-    if has_incumbent and bound is not None and objective:
-        gap = abs(objective - bound) / max(abs(objective), 1e-12)
-    if has_incumbent and tc in (TerminationCondition.optimal, TerminationCondition.maxTimeLimit,
-                                TerminationCondition.maxIterations, TerminationCondition.interrupted):
-        res.solution_loader.load_vars()
-        objective = pyo.value(model.m.obj)  # recomputed: never trust a reported incumbent value
-        if bound is not None:
-            gap = max(0.0, objective - bound) / max(abs(objective), 1e-12)
-        status = "optimal" if tc == TerminationCondition.optimal else "time_limit"
-        schedule = model.extract()
-        sim = simulate(schedule, wl, hw, check=False)
-        violation = None
-        try:
-            simulate(schedule, wl, hw)
-        except InfeasibleSchedule as err:
-            if opt.window_memory:
-                raise  # the full model's constraints mirror the simulator's: this is a bug
-            violation = str(err)
-        return SolveResult(schedule=schedule, status=status, objective=objective, bound=bound, mip_gap=gap,
-                           build_seconds=build, solve_seconds=solve_s, solver=info, simulated=sim,
-                           seed_policy=seed[0].policy if seed else None, violation=violation)
-    if seed is not None:
-        warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {seed[0].policy}", stacklevel=2)
-        return SolveResult(schedule=seed[0], status="fallback", objective=None, bound=bound, mip_gap=None,
-                           build_seconds=build, solve_seconds=solve_s, solver=info, simulated=seed[1],
-                           seed_policy=seed[0].policy)
-    raise InfeasibleBudget("gpu", 0.0, f"the MILP found no schedule ({tc.name}) and no baseline fits",
-                           "run lightning_lazytrain.planner.diagnose() for the shortfall")

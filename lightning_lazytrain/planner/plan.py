@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from .errors import InfeasibleBudget, InfeasibleSchedule
 from .hardware import Hardware
-from .milp import MilpOptions, SolveResult, solve
+from .milp import MilpOptions
+from .solve import SolveResult, solve
 from .model import ModelSpec, TrainSpec
 from .policies import BASELINES, baseline, min_memory
 from .schedule import Schedule
