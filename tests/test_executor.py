@@ -221,8 +221,8 @@ def test_block_that_returns_a_tuple_and_takes_kwargs(tmp_path):
 
         def forward(self, x):
             h = self.inp(x)
-            for b in self.layers:
-                h, aux = b(h, scale=torch.tensor(0.5), mask=None)
+            for i, b in enumerate(self.layers):  # hidden state by position and by keyword
+                h, aux = b(h, scale=torch.tensor(0.5), mask=None) if i % 2 else b(x=h, scale=torch.tensor(0.5))
                 assert aux == {"aux": 1}
             return h.square().mean()
 

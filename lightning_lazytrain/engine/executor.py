@@ -31,6 +31,7 @@ two slots.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -147,8 +148,18 @@ class Executor:
             block.forward = self._make_forward(j)
 
     def _make_forward(self, j: int) -> Callable:
-        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            return self._block_call(j, x, args, kwargs)
+        # The hidden state is the block's first parameter; callers may pass it by keyword
+        # (``block(hidden_states=h, ...)``), the original forward then gets it positionally.
+        params = list(inspect.signature(self._orig[j]).parameters)
+        first = params[0] if params else None
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if args:
+                return self._block_call(j, args[0], args[1:], kwargs)
+            if first is None or first not in kwargs:
+                raise TypeError(f"block {j} was called without its hidden state (first parameter {first!r})")
+            x = kwargs.pop(first)
+            return self._block_call(j, x, (), kwargs)
 
         return forward
 
