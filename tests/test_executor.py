@@ -239,3 +239,42 @@ def test_block_that_returns_a_tuple_and_takes_kwargs(tmp_path):
         ex.close()
     for p, q in zip(net.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+HF_CONFIGS = {
+    # GPT-2 passes its KV cache positionally and has dropout: re-runs must drop the cache and
+    # replay the forward's random state
+    "gpt2-dropout": dict(cls="GPT2Config", vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64),
+    "gpt-neox": dict(cls="GPTNeoXConfig", vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=64),
+    "qwen2": dict(cls="Qwen2Config", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+@pytest.mark.parametrize("policy", ["megatrain_K2", "cpu_homes", "kept_internals_resident"])
+def test_hugging_face_models_equal_plain_autograd(tmp_path, name, policy):
+    transformers = pytest.importorskip("transformers")
+    spec = dict(HF_CONFIGS[name])
+    cfg = getattr(transformers, spec.pop("cls"))(**spec)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    x = torch.randint(0, 256, (2, 16))
+    ref = copy.deepcopy(model)
+    torch.manual_seed(7)
+    want = ref(input_ids=x, labels=x).loss
+    want.backward()
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES[policy], nvme_dir=tmp_path)
+    try:
+        torch.manual_seed(7)
+        ex.begin_microbatch()
+        loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        ex.end_microbatch()
+    finally:
+        ex.close()
+    assert torch.equal(loss, want)
+    for (pname, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), pname

@@ -58,14 +58,28 @@ RECOMPUTE_SLOT = 2
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def rerun_kwargs(kwargs: dict) -> dict:
-    """The keyword arguments for re-running a block: caches off, everything else as called."""
-    if not any(k in kwargs for k in _CACHE_KWARGS + ("use_cache",)):
-        return kwargs
+def rerun_call(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments (after the hidden state) for re-running a block: every KV cache, passed by
+    keyword or by position (GPT-2 passes it second), replaced by None, ``use_cache`` False."""
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(None, *args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            changed = False
+            for name in list(bound.arguments):
+                if name in _CACHE_KWARGS and bound.arguments[name] is not None:
+                    bound.arguments[name], changed = None, True
+                elif name == "use_cache" and bound.arguments[name]:
+                    bound.arguments[name], changed = False, True
+            if changed:
+                return tuple(bound.args[1:]), dict(bound.kwargs)
+            return args, kwargs
     out = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
     if "use_cache" in out:
         out["use_cache"] = False
-    return out
+    return args, out
 
 
 @dataclass
@@ -143,15 +157,20 @@ class Executor:
         self.tracker.add("rest", 2 * self.params.group_numel(REST) * e)
 
     def _install(self) -> None:
+        self._signatures: dict[int, inspect.Signature | None] = {}
         for j, block in enumerate(self.stack):
             self._orig[j] = block.forward
+            try:
+                self._signatures[j] = inspect.signature(block.forward)
+            except (TypeError, ValueError):
+                self._signatures[j] = None
             block.forward = self._make_forward(j)
 
     def _make_forward(self, j: int) -> Callable:
         # The hidden state is the block's first parameter; callers may pass it by keyword
         # (``block(hidden_states=h, ...)``), the original forward then gets it positionally.
-        params = list(inspect.signature(self._orig[j]).parameters)
-        first = params[0] if params else None
+        sig = self._signatures[j]
+        first = next(iter(sig.parameters), None) if sig is not None else None
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if args:
@@ -221,6 +240,7 @@ class Executor:
         self._extras: dict[int, tuple] = {}
         self._pending_offload: dict[int, torch.Tensor] = {}
         self._pending_grads: list[PendingGrads] = []
+        self._rng: dict[int, tuple] = {}
         if first:
             self.engine.synchronize()
             self.engine.reset_stats()
@@ -290,7 +310,7 @@ class Executor:
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
         self.trace.window(name)
-        self._calls[j] = (call[0], rerun_kwargs(call[1]))
+        self._calls[j] = rerun_call(self._signatures.get(j), *call)
         self.stats.boundary_bytes[j] = self._nbytes(x)
         self._reap_offloads()
         for op in self._windows[name].ops:
@@ -317,6 +337,7 @@ class Executor:
         keep = s.keep_internals[j]
         if keep:
             self._finish_grads(slot=slot)  # bind with grads zeroes the slot's grad buffer
+        self._rng[j] = self._rng_state()
         with self.trace.timed(name, "forward", j), self.params.bind(j, slot, grads=keep):
             if keep:
                 hooks = WeightTokenHooks(lambda: self.params.slot_weights(j, slot),
@@ -372,7 +393,7 @@ class Executor:
                 x = self._boundary(t)
                 xg = x.detach().requires_grad_()
                 hooks = CountingHooks(lambda: self.params.slot_weights(t, slot), x.untyped_storage().data_ptr())
-                with self.trace.timed(name, "local_recompute", t), torch.enable_grad(), \
+                with self.trace.timed(name, "local_recompute", t), self._replay_rng(t), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
                     out, _ = split_output(self._orig[t](xg, *args, **kwargs))
                 self.tracker.add(f"internals{t}", hooks.bytes)
@@ -401,7 +422,7 @@ class Executor:
                 self.params.stage(j + 1, bufs[(k + 1) % 2])  # fetch the next while this one computes
             args, kwargs = self._calls[j]
             with self.trace.timed(window, "recompute", j), self.params.bind(j, slot, grads=False), \
-                    torch.no_grad():
+                    self._replay_rng(j), torch.no_grad():
                 x, _ = split_output(self._orig[j](x, *args, **kwargs))
             if j + 1 < t and len(bufs) == 1:
                 self.params.stage(j + 1, slot)
@@ -447,6 +468,26 @@ class Executor:
         for owner in [o for o in self.tracker.by_owner if o.startswith("offload")]:
             if self.acts.offloaded(int(owner[len("offload"):])):
                 self.tracker.drop(owner)
+
+    # ---- random state ----------------------------------------------------------------------------
+    # Note: [re-runs replay the forward's randomness] A re-run block (recompute or local recompute)
+    # must draw the same dropout masks as its first forward, or its gradients belong to another
+    # function; and it must not advance the random streams, or later layers would draw different
+    # masks than in plain autograd. As torch.utils.checkpoint: keep the state each block's forward
+    # started from, replay it inside fork_rng.
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def _replay_rng(self, j: int):
+        cpu, cuda = self._rng[j]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+            yield
 
     # ---- boundaries ----------------------------------------------------------------------------
     def _boundary(self, i: int) -> torch.Tensor:
