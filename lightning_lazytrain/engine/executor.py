@@ -117,6 +117,7 @@ class Executor:
         self._nvme_dir = nvme_dir
         self._nvme_required = nvme_required_bytes
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self.profiling = False  # True: the trace synchronises the device at every mark (exact CUDA times)
         self.set_schedule(schedule)
         self._install()
 
@@ -246,7 +247,8 @@ class Executor:
             self.engine.reset_stats()
             self.stats = StepStats()
             self.tracker.reset_peak()
-            self.trace = StepTrace()
+            sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
+            self.trace = StepTrace(sync=sync)
             self.trace.window("T")
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)

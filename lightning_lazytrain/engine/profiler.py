@@ -27,10 +27,14 @@ def measure_workload(executor: Executor, step: Callable[[], None], *, tokens: in
     Runs ``warmup`` + 1 micro-batches and measures the last one; gradients it produces are left in
     the host ``.grad`` (zero them before training)."""
     assert executor.params is not None
-    for _ in range(warmup + 1):
-        executor.begin_microbatch(first=True, last=True)
-        step()
-        stats = executor.end_microbatch()
+    executor.profiling = True
+    try:
+        for _ in range(warmup + 1):
+            executor.begin_microbatch(first=True, last=True)
+            step()
+            stats = executor.end_microbatch()
+    finally:
+        executor.profiling = False
     assert stats is not None
     L = len(executor.stack)
     seg = stats.segments

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_lazytrain.engine.copy_engine import CopyRecord
@@ -40,13 +41,19 @@ class DeviceTracker:
 
 @dataclass
 class StepTrace:
-    """Compute segments of one step plus the copy records, as ``Segment``s."""
+    """Compute segments of one step plus the copy records, as ``Segment``s.
+
+    ``sync`` (``torch.cuda.synchronize`` when profiling on CUDA) is called at every mark, so that
+    host timestamps bound the device work; without it CUDA segments show launch times only."""
 
     t0: float = field(default_factory=time.perf_counter)
     compute: list[Segment] = field(default_factory=list)
     windows: list[tuple[str, float]] = field(default_factory=list)  # (name, start)
+    sync: Callable[[], None] | None = None
 
     def window(self, name: str) -> None:
+        if self.sync is not None:
+            self.sync()
         self.windows.append((name, time.perf_counter() - self.t0))
 
     def timed(self, window: str, kind: str, index: int):
@@ -54,9 +61,13 @@ class StepTrace:
 
         class _Timer:
             def __enter__(self):
+                if trace.sync is not None:
+                    trace.sync()
                 self.start = time.perf_counter()
 
             def __exit__(self, *exc):
+                if trace.sync is not None:
+                    trace.sync()
                 end = time.perf_counter()
                 trace.compute.append(Segment(window, "compute", kind, index, self.start - trace.t0, end - trace.t0))
 
