@@ -102,7 +102,6 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             links = {"h2d": LinkSpec(bw, 0.0), "d2h": LinkSpec(bw, 0.0)}
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         t0 = time.perf_counter()
-        L_provisional = None
         module = self.lightning_module
         from lightning_lazytrain.blocks import find_blocks
 
@@ -112,6 +111,8 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self.executor = Executor(module, provisional, blocks=stack, device=device,
                                  compute_dtype=_COMPUTE_DTYPE.get(precision, torch.float32), nvme_dir=self.nvme_dir,
                                  links=links)
+        if hasattr(module, "_device"):  # LightningModule.device: where its computation runs
+            module._device = device
         rank_zero_info(f"lazytrain: {L_provisional} blocks at {stack.path!r}, executor on {device} "
                        f"({precision}) built in {time.perf_counter() - t0:.2f} s")
 
