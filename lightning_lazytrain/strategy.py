@@ -29,6 +29,7 @@ from lightning_lazytrain.autoplan import POLICIES, AutoPlan, measure_hardware, p
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
+from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,65 @@ class LazyTrainStrategy(SingleDeviceStrategy):
 
         plugin.clip_gradients = clip_gradients
 
+    def _pipeline_optimizer_steps(self) -> None:
+        """With a HybridAdamW whose layers follow the blocks, ``optimizer.step`` starts a
+        layer-pipelined update in forward order and returns: the next forward stages block j as soon
+        as block j is updated (the plan's ``pipelined`` optimizer). Otherwise steps stay serial."""
+        from lightning_lazytrain.optim import HybridAdamW
+
+        self._pending_steps: list[Any] = []
+        pipelined = False
+        ex = self.executor
+        if ex is None or ex.params is None or ex.schedule.optimizer != "pipelined":
+            return
+        for opt in self.optimizers:
+            inner = getattr(opt, "optimizer", opt)
+            if not isinstance(inner, HybridAdamW):
+                continue
+            layer_of = {id(p): g["layer"] for g in inner.param_groups for p in g["params"]}
+            groups: dict[int, set] = {}
+            for j in [REST_GROUP, *range(len(ex.stack))]:
+                groups[j] = {layer_of.get(id(p)) for p in ex.params.group_parameters(j)} - {None}
+            blocks = [groups[j] for j in range(len(ex.stack))]
+            if any(len(g) != 1 for g in blocks) or len({next(iter(g)) for g in blocks}) != len(blocks):
+                continue  # the optimizer's layers do not follow the blocks: keep the serial step
+            block_layer = {j: next(iter(groups[j])) for j in range(len(ex.stack))}
+            first = [layer for layer in inner.layers if layer in groups[REST_GROUP]]
+            rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
+            order = first + [block_layer[j] for j in range(len(ex.stack))] + rest
+
+            def step(closure: Any = None, inner: Any = inner, order: list = order, block_layer: dict = block_layer,
+                     first: list = first) -> Any:
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                pipe = inner.step_pipelined(order)
+                self._pending_steps.append((pipe, block_layer, first))
+                return loss
+
+            inner.step = step
+            pipelined = True
+        if pipelined:
+            ex.wait_updated = self._wait_updated
+
+    def _wait_updated(self, j: int) -> None:
+        """The executor is about to stage block j (or, for REST_GROUP, the non-block weights)."""
+        for pipe, block_layer, first in self._pending_steps:
+            for layer in (first if j == REST_GROUP else [block_layer[j]]):
+                pipe.wait_updated(layer)
+
+    def _finish_optimizer_steps(self) -> None:
+        """Wait for pipelined updates still running (before evaluation, checkpoints, teardown)."""
+        for pipe, _, _ in getattr(self, "_pending_steps", []):
+            pipe.wait_all()
+        self._pending_steps = []
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._finish_optimizer_steps()  # the host masters may still be being updated
+        return super().lightning_module_state_dict()
+
     # ---- training -----------------------------------------------------------------------------
     def _last_microbatch(self) -> bool:
         module = self.lightning_module
@@ -164,6 +224,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         first, last = self._micro_index == 0, self._last_microbatch()
         if first:
             self._t_step = time.perf_counter()
+            self._pending_steps = [p for p in getattr(self, "_pending_steps", []) if not p[0].done]
         ex.begin_microbatch(first=first, last=last)
         return super().training_step(*args, **kwargs)
 
@@ -242,6 +303,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         ex.set_schedule(plan.schedule)
         plan.timings["executor"] = time.perf_counter() - t0
         self.plan = plan
+        self._pipeline_optimizer_steps()  # the plan decides: serial or pipelined optimizer
         from lightning_lazytrain.report import format_table
 
         rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
@@ -269,6 +331,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _begin_inference(self) -> None:
+        self._finish_optimizer_steps()
         if self.executor is not None and not self.executor.in_microbatch:
             self._inference.enter_context(self.executor.inference())
 
@@ -302,6 +365,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
     # ---- end ----------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        self._finish_optimizer_steps()
         self._end_inference()
         if self.executor is not None:
             module = self.lightning_module

@@ -252,7 +252,10 @@ class Executor:
             self.trace.window("T")
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            # T's last op: layer 0's (updated) weights, then the rest stays bound for the step
+            # T's last ops: the updated non-block weights and layer 0's; the rest stays bound for the step
+            if self.wait_updated is not None:
+                self.wait_updated(REST)
+                self.wait_updated(0)
             self._stage(0)
             self.params.stage(REST).wait()
             self._exit.enter_context(self.params.bind(REST, grads=True))

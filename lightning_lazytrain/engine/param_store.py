@@ -221,6 +221,10 @@ class ParamStore:
     def group_numel(self, layer: int) -> int:
         return self._group(layer).numel
 
+    def group_parameters(self, layer: int) -> list[nn.Parameter]:
+        """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
+        return [p.param for p in self._group(layer).params]
+
     def param_names(self, layer: int) -> list[str]:
         return [p.name for p in self._group(layer).params]
 
