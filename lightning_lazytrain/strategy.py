@@ -187,6 +187,16 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             pipelined = True
         if pipelined:
             ex.wait_updated = self._wait_updated
+            # Lightning zeroes the module's grads itself (e.g. before validation) while the update
+            # may still be reading them on the worker thread: make that wait for the update.
+            module = self.lightning_module
+            original_zero_grad = module.zero_grad
+
+            def zero_grad(*args: Any, **kwargs: Any) -> None:
+                self._finish_optimizer_steps()
+                original_zero_grad(*args, **kwargs)
+
+            module.zero_grad = zero_grad  # removed again at teardown
 
     def _wait_updated(self, j: int) -> None:
         """The executor is about to stage block j (or, for REST_GROUP, the non-block weights)."""
@@ -366,6 +376,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         self._finish_optimizer_steps()
+        module = self.lightning_module
+        if module is not None and "zero_grad" in vars(module):
+            del module.zero_grad  # the wrapper installed by _pipeline_optimizer_steps
         self._end_inference()
         if self.executor is not None:
             module = self.lightning_module

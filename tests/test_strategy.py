@@ -334,16 +334,20 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
         module = CausalLMModule(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
         losses = Losses()
         strategy = LazyTrainStrategy(policy=policy)
+        # validation every 2 steps: Lightning zeroes the grads before it, while the update may
+        # still run (this crashed before the strategy made that zero_grad wait)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=5, logger=False,
                             enable_checkpointing=False, callbacks=[losses], enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                            gradient_clip_val=0.5)
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
+                            val_check_interval=2, gradient_clip_val=0.5)
         g = torch.Generator().manual_seed(3)
         data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(5)]
         seen = []
         original = LazyTrainStrategy._wait_updated
         strategy._wait_updated = lambda j: (seen.append(j), original(strategy, j))[1]
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
+                    val_dataloaders=torch.utils.data.DataLoader(data[:1], batch_size=None))
+        assert "zero_grad" not in vars(module)  # the wrapper is gone after teardown
         return losses.values, seen
 
     serial, seen_serial = run("megatrain")  # MegaTrain's policy: serial optimizer

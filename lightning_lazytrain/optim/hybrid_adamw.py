@@ -261,17 +261,18 @@ class HybridAdamW(Optimizer):
             hp = plan.hyper[gi]
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in self.param_groups[gi]["params"]:
-                if p.grad is None:
+                grad = p.grad  # read once: another thread may set it to None meanwhile
+                if grad is None:
                     continue
                 state = self.state[p]
                 if self._bits[p] == 8:
                     adamw_8bit_update(
-                        p, p.grad, state, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                        p, grad, state, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                         weight_decay=hp.weight_decay, gnorm_scale=scale,
                     )
                 else:
                     params.append(p)
-                    grads.append(p.grad)
+                    grads.append(grad)
                     exp_avgs.append(state["exp_avg"])
                     exp_avg_sqs.append(state["exp_avg_sq"])
                     steps.append(state["step"])
