@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from lightning_lazytrain.config import CONF_DIR, paper_micro_batch_size, to_hardware, to_model, to_train
 from lightning_lazytrain.planner import (
-    Hardware, InfeasibleSchedule, ModelSpec, TrainSpec, Workload, megatrain, simulate, solve,
+    Hardware, ModelSpec, TrainSpec, Workload, megatrain, simulate, solve,
 )
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.plan import largest_batch, largest_batch_for

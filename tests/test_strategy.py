@@ -327,7 +327,6 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
     """With HybridAdamW grouped per block, optimizer.step starts a layer-pipelined update and the
     next forward waits per block; the losses are exactly those of the serial step."""
     from lightning_lazytrain.lit_module import CausalLMModule
-    from lightning_lazytrain.planner import recompute_all
 
     def run(policy):
         torch.manual_seed(0)
