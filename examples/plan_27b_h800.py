@@ -15,7 +15,7 @@ import argparse
 
 from omegaconf import OmegaConf
 
-from lightning_lazytrain.config import CONF_DIR, to_hardware, to_model, to_train
+from lightning_lazytrain.config import CONF_DIR, load_hardware, to_model, to_train
 from lightning_lazytrain.planner import MilpOptions, SimResult, make_plan
 from lightning_lazytrain.report import format_table
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # The same YAML files lazytrain-plan composes; to_* turn them into the planner's validated types.
     model = to_model(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml"))
-    hardware = to_hardware(OmegaConf.load(CONF_DIR / "hardware" / f"{args.hardware}.yaml"))
+    hardware = load_hardware(args.hardware)
     train = to_train(OmegaConf.load(CONF_DIR / "train" / "default.yaml"), micro_batch_size=args.batch)
     train = train.replace(seq_len=args.seq_len)
 

@@ -168,6 +168,16 @@ def to_hardware(cfg: Any) -> Hardware:
     return Hardware.from_gb(**{key: _get(hw, key) for key in _FROM_GB_KEYS})
 
 
+def load_hardware(name: str) -> Hardware:
+    """The profile ``conf/hardware/<name>.yaml`` as a ``Hardware`` (no Hydra composition, so it also
+    works inside a running Hydra app)."""
+    path = CONF_DIR / "hardware" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml"))
+        raise InvalidInput("hardware", name, f"no profile {path}; known: {', '.join(known)}, or 'measure'")
+    return to_hardware(OmegaConf.load(path))
+
+
 def to_model(cfg: Any) -> ModelSpec:
     """``ModelConfig`` (or the app config) -> validated ``planner.ModelSpec``."""
     m = _node(cfg, "model")

@@ -328,13 +328,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         if self.hardware == "measure":
             return measure_hardware(self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
                                     nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
-        from hydra import compose, initialize_config_dir
+        from lightning_lazytrain.config import load_hardware
 
-        from lightning_lazytrain.config import CONF_DIR, to_hardware
-
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name="plan", overrides=[f"hardware={self.hardware}"])
-        hw = to_hardware(cfg)
+        hw = load_hardware(self.hardware)
         if self.gpu_memory_budget_gb is not None:
             hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
         return hw

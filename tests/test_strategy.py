@@ -15,7 +15,7 @@ import torch
 
 import lightning_lazytrain
 from lightning_lazytrain.blocks import BlockDiscoveryError
-from lightning_lazytrain.planner import InfeasibleBudget, Schedule
+from lightning_lazytrain.planner import InfeasibleBudget, InvalidInput, Schedule
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
 transformers = pytest.importorskip("transformers")
@@ -353,3 +353,13 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
     pipelined, seen = run("recompute_all")  # our executor: pipelined optimizer
     assert seen_serial == [] and set(seen) >= {-1, 0, 1, 2, 3}
     assert pipelined == serial
+
+
+def test_named_hardware_profile_and_unknown_name():
+    from lightning_lazytrain.config import load_hardware
+
+    hw = LazyTrainStrategy(hardware="h800", gpu_memory_budget_gb=20)._hardware()
+    assert hw.name == "h800" and hw.gpu_memory_cap_bytes == 20e9
+    assert load_hardware("rtx3090").gpu_memory_bytes == 24e9
+    with pytest.raises(InvalidInput, match="known: .*h800"):
+        load_hardware("h900")
