@@ -19,7 +19,7 @@ import torch
 
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
-from lightning_lazytrain.planner import Hardware, Schedule, baseline, simulate, solve
+from lightning_lazytrain.planner import Hardware, Schedule, Workload, baseline, simulate, solve
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.plan import PlanResult, diagnose, evaluate_baselines
 
@@ -125,12 +125,19 @@ def plan_for(executor: Executor, run_microbatch: Callable[[], None], hardware: H
              tokens: int, grad_accum: int = 1, options: MilpOptions | None = None, K: int = 4) -> AutoPlan:
     """Profile one micro-batch under the executor's current (provisional) schedule, then plan.
 
-    ``policy``: one of ``POLICIES`` or a path to a ``plan.json`` (its ``schedule`` is used)."""
-    timings: dict[str, float] = {}
+    (Runs ``run_microbatch`` twice; the strategies profile their first real step instead, see
+    ``plan_from_workload``.) ``policy``: one of ``POLICIES`` or a path to a ``plan.json``."""
     t0 = time.perf_counter()
     wl = measure_workload(executor, run_microbatch, tokens=tokens, grad_accum=grad_accum,
                           opt_params_per_s=hardware.cpu_adam_params_per_s)
-    timings["profile"] = time.perf_counter() - t0
+    plan = plan_from_workload(wl, hardware, policy=policy, options=options, K=K)
+    plan.timings["profile"] = time.perf_counter() - t0 - plan.timings["solve"]
+    return plan
+
+
+def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp", options: MilpOptions | None = None,
+                       K: int = 4) -> AutoPlan:
+    """Diagnose, evaluate the baselines and solve (or apply ``policy``) for a measured workload."""
     t0 = time.perf_counter()
     diagnose(wl, hardware)  # an impossible budget: which tier is short, by how much
     results, schedules = evaluate_baselines(wl, hardware, K)
@@ -144,10 +151,9 @@ def plan_for(executor: Executor, run_microbatch: Callable[[], None], hardware: H
             schedule = load_schedule(policy)
         sim = simulate(schedule, wl, hardware)
         status, solver = "policy", {"name": "none", "policy": schedule.policy}
-    timings["solve"] = time.perf_counter() - t0
     result = PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,
                         baselines=results, baseline_schedules=schedules)
-    return AutoPlan(result=result, timings=timings)
+    return AutoPlan(result=result, timings={"solve": time.perf_counter() - t0})
 
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:

@@ -1,7 +1,9 @@
 """One autograd node per block, and the saved-tensor hooks that keep a block's internals.
 
-``BlockFunction.apply(executor, j, x, anchor, call)`` runs block ``j``'s forward window under the
-executor and returns the new hidden state; its ``backward`` runs the block's backward window.
+``BlockFunction.apply(executor, j, call, adhoc, x, anchor, *routed)`` runs block ``j``'s forward
+window under the executor (or, for a further forward pass in the same micro-batch, an ad-hoc
+self-contained forward) and returns the node's outputs; its ``backward`` runs the block's backward
+window.
 ``anchor`` is a 0-dim tensor that requires grad, so the node gets a backward even when ``x``
 does not (frozen embeddings): the block's own weights still need gradients.
 
@@ -22,26 +24,27 @@ import torch
 
 
 class BlockFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, executor: Any, j: int, x: torch.Tensor, anchor: torch.Tensor, call: tuple) -> torch.Tensor:
-        ctx.executor, ctx.j = executor, j
-        ctx.kept = None
-        return executor._forward_window(ctx, j, x, call)
+    """Inputs: the hidden state ``x``, ``anchor`` and the call's routed tensors (those that require
+    grad, ``block_io.BlockCall``). Outputs: the hidden state, the routed output tensors and the
+    tensors forward hooks saw (``block_io``); the backward returns gradients for every input."""
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        grad_in = ctx.executor._backward_window(ctx, ctx.j, grad_out)
+    def forward(ctx: Any, executor: Any, j: int, call: Any, adhoc: bool, x: torch.Tensor, anchor: torch.Tensor,
+                *routed: torch.Tensor) -> tuple:
+        ctx.executor, ctx.j, ctx.kept, ctx.adhoc = executor, j, None, None
+        ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
+        if adhoc:
+            return executor._adhoc_forward(ctx, j, call, x, list(routed))
+        return executor._forward_window(ctx, j, call, x, list(routed))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        if ctx.adhoc is not None:
+            grad_in, grad_routed = ctx.executor._adhoc_backward(ctx, ctx.j, grads)
+        else:
+            grad_in, grad_routed = ctx.executor._backward_window(ctx, ctx.j, grads)
         ctx.kept = None
-        return None, None, grad_in, None, None
-
-
-def split_output(result: Any) -> tuple[torch.Tensor, tuple | None]:
-    """Blocks return a tensor or a tuple whose first item is the hidden state."""
-    if isinstance(result, torch.Tensor):
-        return result, None
-    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
-        return result[0], tuple(result[1:])
-    raise TypeError(f"a block must return a tensor or a tuple starting with one, got {type(result).__name__}")
+        return (None, None, None, None, grad_in, None, *grad_routed)
 
 
 class WeightTokenHooks:

@@ -43,7 +43,8 @@ from torch import nn
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
-from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks, split_output
+from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks
+from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardState, HookCapture, UnsupportedBlockPattern
 from lightning_lazytrain.engine.copy_engine import LinkSpec, make_copy_engine
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
@@ -117,6 +118,7 @@ class Executor:
         self._nvme_dir = nvme_dir
         self._nvme_required = nvme_required_bytes
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._adhoc_used = False
         self.profiling = False  # True: the trace synchronises the device at every mark (exact CUDA times)
         self.set_schedule(schedule)
         self._install()
@@ -159,6 +161,8 @@ class Executor:
 
     def _install(self) -> None:
         self._signatures: dict[int, inspect.Signature | None] = {}
+        self._own_forward = {j: "forward" in vars(block) for j, block in enumerate(self.stack)}
+        self._mutable_buffers: dict[int, dict] = {}  # block -> {train/eval key: buffers its forward changes}
         for j, block in enumerate(self.stack):
             self._orig[j] = block.forward
             try:
@@ -190,7 +194,11 @@ class Executor:
             self._micro = None
         for j, block in enumerate(self.stack):
             if j in self._orig:
-                block.forward = self._orig.pop(j)
+                original = self._orig.pop(j)
+                if self._own_forward.get(j):
+                    block.forward = original  # the block had an instance-level forward of its own
+                else:
+                    del block.forward  # the class's forward again (a later class-level patch is seen)
         if self.acts is not None:
             self.acts.close()
         if self.params is not None:
@@ -238,10 +246,12 @@ class Executor:
         self._saved: dict[int, torch.Tensor] = {}
         self._recomputed: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
-        self._extras: dict[int, tuple] = {}
+        self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
+        if first:
+            self._adhoc_used = False
         self._pending_offload: dict[int, torch.Tensor] = {}
         self._pending_grads: list[PendingGrads] = []
-        self._rng: dict[int, tuple] = {}
+        self._states: dict[int, ForwardState] = {}
         if first:
             self.engine.synchronize()
             self.engine.reset_stats()
@@ -284,15 +294,47 @@ class Executor:
         if self.device.type == "cuda":
             self.stats.max_memory_allocated = torch.cuda.max_memory_allocated(self.device)
         self.stats.segments = self.trace.segments(self.engine.records())
+        if self._adhoc_used:  # ad-hoc backwards added to the host grads after some norms were taken
+            self.stats.layer_sq_norms = {}
         return self.stats
 
     # ---- forward ---------------------------------------------------------------------------
     def _block_call(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self._micro is None or not torch.is_grad_enabled():
             return self._stream_only(j, x, args, kwargs)
-        out = BlockFunction.apply(self, j, x, self._anchor, (args, kwargs))
-        extra = self._extras.pop(j, None)
-        return out if extra is None else (out, *extra)
+        call, routed = BlockCall.pack(args, kwargs)
+        # A block the planned pass already ran in this micro-batch (a second forward before the
+        # backward: manual optimization, several losses) runs ad hoc: self-contained, exact, unplanned.
+        adhoc = j in self._forwarded
+        self._forwarded.add(j)
+        outs = BlockFunction.apply(self, j, call, adhoc, x, self._anchor, *routed)
+        spec, n_out = self._last_output
+        return spec.build(outs[0], outs[1:1 + n_out])
+
+    def _run_block(self, j: int, x: torch.Tensor, call: BlockCall, routed: list, *, first: bool,
+                   rerun: bool = True) -> tuple[BlockOutput, list[torch.Tensor]]:
+        """Run block j's own forward on ``x``; returns its output structure and the node's outputs:
+        hidden state, routed output tensors, tensors captured by hooks (deduplicated).
+        ``first``: the block's forward (hooks fire), else a re-run (hooks silenced); ``rerun``: the
+        forward will be re-run later (so hooks that change values are refused)."""
+        args, kwargs = call.build(routed)
+        capture = HookCapture(self.stack[j], f"{self.stack.path}.{j}", first=first, refuse_changes=rerun)
+        with capture():
+            result = self._orig[j](x, *args, **kwargs)
+        spec, hidden, outs = BlockOutput.split(result)
+        seen = {id(t) for t in (x, hidden, *outs, *routed)}
+        captured = []
+        for t in capture.captured:
+            if id(t) not in seen:
+                seen.add(id(t))
+                captured.append(t)
+        return spec, [hidden, *outs, *captured]
+
+    def _store_call(self, j: int, call: BlockCall, routed: list) -> None:
+        """Keep the call for re-runs: KV caches dropped, routed tensors detached."""
+        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed))
+        rcall, rrouted = BlockCall.pack(args, kwargs)
+        self._calls[j] = (rcall, [t.detach() for t in rrouted])
 
     def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """Evaluation: stream the weights through the two slots, keep nothing."""
@@ -310,12 +352,12 @@ class Executor:
         assert self.params is not None
         self.params.stage(j, self.slot_of(j) if slot is None else slot)
 
-    def _forward_window(self, ctx: Any, j: int, x: torch.Tensor, call: tuple) -> torch.Tensor:
+    def _forward_window(self, ctx: Any, j: int, call: BlockCall, x: torch.Tensor, routed: list) -> tuple:
         assert self.params is not None and self.acts is not None
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
         self.trace.window(name)
-        self._calls[j] = rerun_call(self._signatures.get(j), *call)
+        self._store_call(j, call, routed)
         self.stats.boundary_bytes[j] = self._nbytes(x)
         self._reap_offloads()
         for op in self._windows[name].ops:
@@ -337,36 +379,86 @@ class Executor:
             self.tracker.add(f"boundary{j}", self._nbytes(x))
         elif home in ("cpu", "nvme") and s.offload_window[j] > j:
             self._pending_offload[j] = x.detach()
-        args, kwargs = call
         slot = self.slot_of(j)
         keep = s.keep_internals[j]
         if keep:
             self._finish_grads(slot=slot)  # bind with grads zeroes the slot's grad buffer
-        self._rng[j] = self._rng_state()
-        with self.trace.timed(name, "forward", j), self.params.bind(j, slot, grads=keep):
+        state = self._states[j] = ForwardState.capture(self.device)
+        with self.trace.timed(name, "forward", j), self.params.bind(j, slot, grads=keep), \
+                state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
             if keep:
                 hooks = WeightTokenHooks(lambda: self.params.slot_weights(j, slot),
                                          lambda n: self.tracker.add(f"internals{j}", n),
                                          skip_storage=x.untyped_storage().data_ptr())
                 xg = x.detach().requires_grad_()
+                rin = [t.detach().requires_grad_() for t in routed]
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                    out, extra = split_output(self._orig[j](xg, *args, **kwargs))
-                ctx.kept = (xg, out)
-                out = out.detach()
+                    spec, outs = self._run_block(j, xg, call, rin, first=True,
+                                                 rerun=s.homes[j + 1] == "recompute")
+                # Roots of the kept graph: the hidden state and routed outputs are returned detached;
+                # hook-captured tensors must be returned as the very objects the hooks stored, so an
+                # alias keeps their graph (the node's apply re-points the objects' history).
+                n_struct = 1 + len(spec.routed)
+                with torch.enable_grad():
+                    roots = outs[:n_struct] + [torch.ops.aten.alias(t) for t in outs[n_struct:]]
+                ctx.kept = (xg, rin, roots)
+                outs = [t.detach() for t in outs[:n_struct]] + outs[n_struct:]
             else:
-                out, extra = split_output(self._orig[j](x, *args, **kwargs))
-        if extra is not None:
-            self._extras[j] = extra
+                spec, outs = self._run_block(j, x, call, routed, first=True)
+        self._last_output = (spec, len(spec.routed))
+        ctx.n_outputs = len(outs)
+        out = outs[0]
         if keep:
             self.stats.internal_bytes[j] = self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x)
         if j == L - 1:
             self.stats.boundary_bytes[L] = self._nbytes(out)
             self.trace.window("H")
             self._issue_transfers("H")
-        return out
+        return tuple(outs)
+
+    def _adhoc_forward(self, ctx: Any, j: int, call: BlockCall, x: torch.Tensor, routed: list) -> tuple:
+        """A further forward pass of block j in the same micro-batch: weights through the recompute
+        slot, input kept on the device, re-run and gradients to the host in its own backward. Exact,
+        synchronous and not part of the plan (its memory and time are not predicted)."""
+        assert self.params is not None
+        state = ForwardState.capture(self.device)
+        self.params.stage(j, RECOMPUTE_SLOT)
+        with self.params.bind(j, RECOMPUTE_SLOT, grads=False), state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
+            spec, outs = self._run_block(j, x, call, routed, first=True)
+        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed))
+        rcall, rrouted = BlockCall.pack(args, kwargs)
+        ctx.adhoc = (x.detach(), rcall, [t.detach() for t in rrouted], state)
+        self._last_output = (spec, len(spec.routed))
+        ctx.n_outputs = len(outs)
+        return tuple(outs)
+
+    def _adhoc_backward(self, ctx: Any, j: int, grads: tuple) -> tuple:
+        assert self.params is not None
+        x, call, routed, state = ctx.adhoc
+        ctx.adhoc = None
+        self.params.stage(j, RECOMPUTE_SLOT)
+        xg = x.detach().requires_grad_()
+        rin = [t.detach().requires_grad_() for t in routed]
+        with self.params.bind(j, RECOMPUTE_SLOT, grads=True):
+            with state.replay(), torch.enable_grad():
+                _, outs = self._run_block(j, xg, call, rin, first=False)
+            self._check_outputs(ctx, j, outs)
+            _backprop(outs, grads)
+        self.params.finish_grads(self.params.send_grads(j, RECOMPUTE_SLOT), norm=False)
+        self._adhoc_used = True
+        return xg.grad, [t.grad for t in rin]
+
+    @staticmethod
+    def _check_outputs(ctx: Any, j: int, outs: list) -> None:
+        if len(outs) != ctx.n_outputs:
+            raise UnsupportedBlockPattern(
+                f"block {j}'s re-run produced {len(outs)} tensors where its forward produced {ctx.n_outputs} "
+                "(outputs plus tensors seen by forward hooks): the block's forward is not repeatable. Use "
+                "policy='keep_all' (no re-runs) or make the block's outputs independent of call history.")
+
 
     # ---- backward --------------------------------------------------------------------------
-    def _backward_window(self, ctx: Any, t: int, grad_out: torch.Tensor) -> torch.Tensor:
+    def _backward_window(self, ctx: Any, t: int, grads: tuple) -> tuple:
         assert self.params is not None
         s = self.schedule
         name = f"B{t}"
@@ -387,32 +479,35 @@ class Executor:
                 self._stage(spare)
         slot = self.slot_of(t)
         self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
-        args, kwargs = self._calls.pop(t)
         with self.params.bind(t, slot, grads=True):
             if ctx.kept is not None:
-                xg, out = ctx.kept
+                xg, rin, roots = ctx.kept
+                self._calls.pop(t)
                 with self.trace.timed(name, "backward", t):
-                    torch.autograd.backward(out, grad_out)
+                    _backprop(roots, grads)
                 self.tracker.drop(f"internals{t}")
             else:
                 x = self._boundary(t)
+                call, routed = self._calls.pop(t)
                 xg = x.detach().requires_grad_()
+                rin = [r.detach().requires_grad_() for r in routed]
                 hooks = CountingHooks(lambda: self.params.slot_weights(t, slot), x.untyped_storage().data_ptr())
-                with self.trace.timed(name, "local_recompute", t), self._replay_rng(t), torch.enable_grad(), \
+                with self.trace.timed(name, "local_recompute", t), self._states[t].replay(), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                    out, _ = split_output(self._orig[t](xg, *args, **kwargs))
+                    _, outs = self._run_block(t, xg, call, rin, first=False)
+                self._check_outputs(ctx, t, outs)
                 self.tracker.add(f"internals{t}", hooks.bytes)
                 self.stats.internal_bytes[t] = hooks.bytes + self._nbytes(x)
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
                 with self.trace.timed(name, "backward", t):
-                    torch.autograd.backward(out, grad_out)
-                del out
+                    _backprop(outs, grads)
+                del outs
                 self.tracker.drop(f"internals{t}")
         grad_in = xg.grad
         self._free_boundary(t)
         if t in self.resident_slot:
             self.tracker.drop(f"resident{t}")
-        return grad_in
+        return grad_in, [r.grad for r in rin]
 
     def _recompute_block(self, window: str, s: int, t: int, spare: int | None = None) -> None:
         """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
@@ -425,10 +520,11 @@ class Executor:
             slot = bufs[k % len(bufs)]
             if j + 1 < t and len(bufs) == 2:
                 self.params.stage(j + 1, bufs[(k + 1) % 2])  # fetch the next while this one computes
-            args, kwargs = self._calls[j]
+            call, routed = self._calls[j]
             with self.trace.timed(window, "recompute", j), self.params.bind(j, slot, grads=False), \
-                    self._replay_rng(j), torch.no_grad():
-                x, _ = split_output(self._orig[j](x, *args, **kwargs))
+                    self._states[j].replay(), torch.no_grad():
+                _, outs = self._run_block(j, x, call, routed, first=False)
+            x = outs[0]
             if j + 1 < t and len(bufs) == 1:
                 self.params.stage(j + 1, slot)
             self._recomputed[j + 1] = x
@@ -474,26 +570,6 @@ class Executor:
             if self.acts.offloaded(int(owner[len("offload"):])):
                 self.tracker.drop(owner)
 
-    # ---- random state ----------------------------------------------------------------------------
-    # Note: [re-runs replay the forward's randomness] A re-run block (recompute or local recompute)
-    # must draw the same dropout masks as its first forward, or its gradients belong to another
-    # function; and it must not advance the random streams, or later layers would draw different
-    # masks than in plain autograd. As torch.utils.checkpoint: keep the state each block's forward
-    # started from, replay it inside fork_rng.
-    def _rng_state(self) -> tuple:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
-
-    @contextlib.contextmanager
-    def _replay_rng(self, j: int):
-        cpu, cuda = self._rng[j]
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
-            yield
-
     # ---- boundaries ----------------------------------------------------------------------------
     def _boundary(self, i: int) -> torch.Tensor:
         assert self.acts is not None
@@ -519,3 +595,10 @@ class Executor:
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
+
+
+def _backprop(roots: list[torch.Tensor], grads: tuple) -> None:
+    """Backpropagate the node's output gradients (None: that output was not used) from the roots."""
+    pairs = [(r, g) for r, g in zip(roots, grads, strict=True) if g is not None and r.requires_grad]
+    if pairs:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])

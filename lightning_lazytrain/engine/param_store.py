@@ -91,6 +91,7 @@ class _Slot:
     free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
     bound: bool = False
     wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
+    touched: set = field(default_factory=set)  # ids of the _Params a gradient reached since the bind
 
 
 @dataclass(eq=False)
@@ -100,6 +101,7 @@ class PendingGrads:
     layer: int
     slot: _Slot
     handle: CopyHandle
+    touched: frozenset = frozenset()  # ids of the _Params that received a gradient
 
 
 class ParamStore:
@@ -181,9 +183,8 @@ class ParamStore:
                 view = self._view(g.master, info)
                 view.copy_(info.param.data)
                 info.param.data = view  # the module's parameter now lives in the packed buffer
-                if info.param.requires_grad:
-                    if info.param.grad is not None:
-                        self._view(g.grad, info).copy_(info.param.grad)
+                if info.param.requires_grad and info.param.grad is not None:
+                    self._view(g.grad, info).copy_(info.param.grad)
                     info.param.grad = self._view(g.grad, info)
 
     def _move_buffers(self) -> None:
@@ -322,10 +323,14 @@ class ParamStore:
         if want_grads:
             self._ensure_grad_buffers(s)[: g.numel].zero_()
         s.wrappers = []
+        s.touched = set()
         for info in g.params:
             w = nn.Parameter(self._view(s.weights, info), requires_grad=want_grads and info.param.requires_grad)
             if w.requires_grad:
                 w.grad = self._view(s.grads, info)  # autograd accumulates in place here
+                # A parameter no gradient reaches keeps .grad None on the host, as under plain
+                # autograd (optimizers skip such parameters; zeros would decay them).
+                w.register_post_accumulate_grad_hook(lambda _, s=s, key=id(info): s.touched.add(key))
             s.wrappers.append((info, w))
             for m, name in info.sites:
                 # Same mechanism as torch.func.functional_call; bypasses
@@ -342,19 +347,19 @@ class ParamStore:
             s.free = self.engine.record_compute()
 
     # ---- gradients -------------------------------------------------------
-    def _ensure_host_grads(self, g: _Group) -> None:
-        # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad.
+    def _ensure_host_grads(self, g: _Group, touched: frozenset | set = frozenset()) -> None:
+        # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
+        # without a host grad gets one (a zeroed view) only when a gradient reached it; the flat
+        # buffer stays zero where no parameter has a grad, so norms of the flat buffer are right.
         for info in g.params:
-            if not info.param.requires_grad:
-                continue
             view, cur = self._view(g.grad, info), info.param.grad
             if cur is None:
                 view.zero_()
+                if id(info) in touched and info.param.requires_grad:
+                    info.param.grad = view
             elif cur.data_ptr() != view.data_ptr():
                 view.copy_(cur)
-            else:
-                continue
-            info.param.grad = view
+                info.param.grad = view
 
     def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True) -> torch.Tensor | None:
         """D2H the slot's grads, add them into the host fp32 ``.grad`` of the masters.
@@ -386,7 +391,7 @@ class ParamStore:
                     view.copy_(w.grad)
                 w.grad = view
         h = self.engine.d2h(s.grad_host[:n], grads[:n], tag=f"grad:{layer}")  # Note: [grad write-back ordering]
-        return PendingGrads(layer, s, h)
+        return PendingGrads(layer, s, h, frozenset(s.touched))
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True) -> torch.Tensor | None:
         """Wait for a ``send_grads`` copy, accumulate into the host fp32 grads, zero the device grads."""
@@ -396,8 +401,13 @@ class ParamStore:
         assert s.grads is not None and s.grad_host is not None
         with torch.no_grad():
             s.grads[:n].zero_()
-            self._ensure_host_grads(g)
-            g.grad.add_(s.grad_host[:n])
+            self._ensure_host_grads(g, pending.touched)
+            receiving = [i for i in g.params if id(i) in pending.touched and i.param.requires_grad]
+            if len(receiving) == len(g.params):
+                g.grad.add_(s.grad_host[:n])
+            else:  # only parameters a gradient reached (and that still want one) accumulate
+                for info in receiving:
+                    self._view(g.grad, info).add_(self._view(s.grad_host, info))
         if not norm:
             return None
         return torch.linalg.vector_norm(g.grad).square()

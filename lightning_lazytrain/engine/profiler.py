@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
 from lightning_lazytrain.planner.workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, STATE_BYTES_32, Workload
 
@@ -25,7 +25,8 @@ def measure_workload(executor: Executor, step: Callable[[], None], *, tokens: in
     """``step()`` runs forward and backward of one micro-batch (``loss.backward()``), nothing else.
 
     Runs ``warmup`` + 1 micro-batches and measures the last one; gradients it produces are left in
-    the host ``.grad`` (zero them before training)."""
+    the host ``.grad`` (zero them before training). The Lightning strategy does not use this: it
+    profiles the first real step (``workload_from_stats``), so user code runs no extra time."""
     assert executor.params is not None
     executor.profiling = True
     try:
@@ -36,6 +37,18 @@ def measure_workload(executor: Executor, step: Callable[[], None], *, tokens: in
     finally:
         executor.profiling = False
     assert stats is not None
+    return workload_from_stats(executor, stats, tokens=tokens, grad_accum=grad_accum,
+                               opt_params_per_s=opt_params_per_s, state_bytes_per_param=state_bytes_per_param)
+
+
+def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, grad_accum: int = 1,
+                        micro_batches: int = 1, opt_params_per_s: float = 1e9,
+                        state_bytes_per_param: float = STATE_BYTES_32) -> Workload:
+    """A measured ``Workload`` from the stats of a step the executor ran with ``profiling`` on.
+
+    ``micro_batches``: how many micro-batches that step had (its per-layer compute times are summed
+    over them; the workload is per micro-batch)."""
+    assert executor.params is not None
     L = len(executor.stack)
     seg = stats.segments
     fwd = [0.0] * L
@@ -45,6 +58,9 @@ def measure_workload(executor: Executor, step: Callable[[], None], *, tokens: in
             fwd[s.index] += s.end - s.start
         elif s.lane == "compute" and s.kind == "backward":
             bwd[s.index] += s.end - s.start
+    k = max(1, micro_batches)
+    fwd = [t / k for t in fwd]
+    bwd = [t / k for t in bwd]
     starts = dict(executor.trace.windows[::-1])  # first start of each window name
     head = max(0.0, starts.get(f"B{L - 1}", 0.0) - starts.get("H", 0.0))
     e = torch.empty((), dtype=executor.compute_dtype).element_size()
