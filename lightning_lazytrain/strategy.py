@@ -20,22 +20,27 @@ from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import POLICIES, AutoPlan, measure_hardware, plan_for
+from lightning_lazytrain.autoplan import POLICIES, AutoPlan, measure_hardware, plan_from_workload
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
+from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
 
 log = logging.getLogger(__name__)
 
-_COMPUTE_DTYPE = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16,
-                  "bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16}
+# The dtype blocks are streamed and computed in, per Lightning precision. Mixed precision keeps fp32
+# weights under autocast, exactly as plain Lightning does (autocast casts matmul operands itself;
+# norms, softmax and losses see fp32 weights), so its streamed copies are fp32 too.
+_COMPUTE_DTYPE = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.float32,
+                  "bf16-true": torch.bfloat16, "16-mixed": torch.float32, "16-true": torch.float16}
 
 
 class LazyTrainStrategy(SingleDeviceStrategy):
@@ -74,6 +79,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self.last_stats: StepStats | None = None
         self._micro_index = 0
         self._t_step = 0.0
+        self._tokens: int | None = None  # of the first batch, which is profiled
+        self._full_microbatches = False  # every micro-batch writes all grads back (see _begin_microbatch)
+        self._pending_metrics: dict[str, float] = {}
         self._inference = contextlib.ExitStack()
 
     # ---- device --------------------------------------------------------------------------------
@@ -102,6 +110,10 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             bw = self.emulate_link_gb_per_s * 1e9
             links = {"h2d": LinkSpec(bw, 0.0), "d2h": LinkSpec(bw, 0.0)}
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in _COMPUTE_DTYPE:
+            raise ValueError(f"precision={precision!r} is not supported by strategy='lazytrain': use one of "
+                             f"{sorted(_COMPUTE_DTYPE)} (64-bit and plugin precisions would silently train "
+                             "differently from strategy='auto')")
         t0 = time.perf_counter()
         module = self.lightning_module
         from lightning_lazytrain.blocks import find_blocks
@@ -128,6 +140,18 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
         self.setup_precision_plugin()
         self._route_clipping(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.pytorch.utilities.model_helpers import is_overridden
+
+            module = self.lightning_module
+            # Grads of the non-block weights and of layer 0 normally reach the host once per optimizer
+            # step; a hook that looks at grads after each backward, or manual optimization, needs
+            # every micro-batch's grads on the host, as plain Lightning has them.
+            self._full_microbatches = not module.automatic_optimization or is_overridden(
+                "on_after_backward", module) or any(is_overridden("on_after_backward", cb, parent=Callback)
+                                                    for cb in trainer.callbacks)
+            if not any(isinstance(cb, _StepMetrics) for cb in trainer.callbacks):
+                trainer.callbacks.append(_StepMetrics())
 
     def _route_clipping(self, trainer: Any) -> None:
         """``gradient_clip_val`` (norm) with HybridAdamW: the clip is fused into its update and its
@@ -222,35 +246,74 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             return True
         return not module.trainer.fit_loop.epoch_loop._should_accumulate()
 
+    def _begin_microbatch(self) -> None:
+        ex = self.executor
+        assert ex is not None
+        first = self._micro_index == 0 or self._full_microbatches
+        last = self._full_microbatches or self._last_microbatch()
+        if first:
+            self._micro_index = 0
+            self._t_step = time.perf_counter()
+            self._pending_steps = [p for p in getattr(self, "_pending_steps", []) if not p[0].done]
+        ex.begin_microbatch(first=first, last=last)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         ex = self.executor
         assert ex is not None
-        if ex.in_microbatch:  # the previous training_step returned None: no backward ran
+        if ex.in_microbatch:  # the previous training_step returned None (no backward ran), or manual mode
             ex.abort_microbatch()
             self._micro_index = 0
-        if self.plan is None:
-            self._make_plan(args, kwargs)
-        first, last = self._micro_index == 0, self._last_microbatch()
-        if first:
-            self._t_step = time.perf_counter()
-            self._pending_steps = [p for p in getattr(self, "_pending_steps", []) if not p[0].done]
-        ex.begin_microbatch(first=first, last=last)
+        if self.plan is None and self._tokens is None:
+            # The first real step is the profile: it runs under the provisional schedule with timing
+            # on, the plan is made from it before its optimizer step (no extra call of user code).
+            batch = args[0] if args else kwargs.get("batch")
+            self._tokens = _count_tokens(batch)
+            ex.profiling = True
+        self._begin_microbatch()
         return super().training_step(*args, **kwargs)
 
     @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """As Lightning's, but the executor finishes the micro-batch right after the backward, so
+        ``on_after_backward`` sees the gradients on the host parameters, as under ``auto``."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._end_microbatch()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _end_microbatch(self) -> None:
         ex = self.executor
         if ex is None or not ex.in_microbatch:
             return
         stats = ex.end_microbatch()
+        self._micro_index += 1
         if stats is None:
-            self._micro_index += 1
             return
-        self._micro_index = 0
+        micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
+        if ex.profiling:
+            ex.profiling = False
+            self._make_plan(stats, micro_batches)
         self._hand_over_norms(stats)
-        self._log_step(stats, time.perf_counter() - self._t_step)
+        self._pending_metrics = self._step_metrics(stats, time.perf_counter() - self._t_step)
+        if not self.lightning_module.automatic_optimization:
+            self._begin_microbatch()  # later forwards of this training_step are passes with grad
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        ex = self.executor
+        if ex is not None and ex.in_microbatch and ex.pristine:
+            # Manual optimization: the open micro-batch staged weights before this update.
+            ex.abort_microbatch()
+            self._begin_microbatch()
+        return out
 
     def _hand_over_norms(self, stats: StepStats) -> None:
         """Give HybridAdamW the global squared norm from the executor's per-layer norms, so its
@@ -267,8 +330,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
                 layers = inner.layers
                 inner.set_grad_sq_norms({layer: (total if i == 0 else 0.0) for i, layer in enumerate(layers)})
 
-    def _log_step(self, stats: StepStats, seconds: float) -> None:
-        trainer = self.lightning_module.trainer
+    def _step_metrics(self, stats: StepStats, seconds: float) -> dict[str, float]:
         compute = sum(s.end - s.start for s in stats.segments if s.lane == "compute")
         metrics = {
             "lazytrain/step_seconds": seconds,
@@ -280,31 +342,22 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             metrics[f"lazytrain/{lane}_gb"] = nbytes / 1e9
         if stats.max_memory_allocated is not None:
             metrics["lazytrain/max_memory_allocated_gb"] = stats.max_memory_allocated / 1e9
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        return metrics
 
-    def _make_plan(self, args: tuple, kwargs: dict) -> None:
-        """Profile this first batch under the provisional schedule, solve, switch to the plan."""
+    def _make_plan(self, stats: StepStats, micro_batches: int) -> None:
+        """Plan from the profiled first step, and switch the executor to the plan (before the step's
+        optimizer update; an impossible budget raises here)."""
         ex, module = self.executor, self.lightning_module
         assert ex is not None and module is not None
         trainer = module.trainer
         t0 = time.perf_counter()
         hardware = self._hardware()
         t_hw = time.perf_counter() - t0
-
-        def run_microbatch() -> None:
-            with self.precision_plugin.train_step_context(), _silenced(module):
-                out = module.training_step(*args, **kwargs)
-            loss = out["loss"] if isinstance(out, dict) else out
-            loss.backward()
-
-        batch = args[0] if args else kwargs.get("batch")
-        tokens = _count_tokens(batch)
-        plan = plan_for(ex, run_microbatch, hardware, policy=self.policy, tokens=tokens,
-                        grad_accum=trainer.accumulate_grad_batches)
+        wl = workload_from_stats(ex, stats, tokens=self._tokens or 1, grad_accum=trainer.accumulate_grad_batches,
+                                 micro_batches=micro_batches, opt_params_per_s=hardware.cpu_adam_params_per_s)
+        plan = plan_from_workload(wl, hardware, policy=self.policy)
         plan.timings["hardware"] = t_hw
-        assert ex.params is not None
-        ex.params.zero_grad()  # the profiling micro-batch's gradients are not training
+        plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
         nvme = int(plan.result.sim.nvme_bytes)
         if nvme:
             check_nvme_dir(self.nvme_dir, nvme)  # before the first real step
@@ -338,7 +391,10 @@ class LazyTrainStrategy(SingleDeviceStrategy):
     # ---- evaluation ---------------------------------------------------------------------------
     def _begin_inference(self) -> None:
         self._finish_optimizer_steps()
-        if self.executor is not None and not self.executor.in_microbatch:
+        if self.executor is not None:
+            if self.executor.in_microbatch:  # opened for a forward that never came (manual optimization)
+                self.executor.abort_microbatch()
+                self._micro_index = 0
             self._inference.enter_context(self.executor.inference())
 
     def _end_inference(self) -> None:
@@ -383,6 +439,8 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             self.executor.close()
             self.executor = None
         self.plan = None
+        self._tokens = None
+        self._pending_metrics = {}
         super().teardown()
 
     @classmethod
@@ -392,18 +450,6 @@ class LazyTrainStrategy(SingleDeviceStrategy):
                                    override=True)
         strategy_registry.register("lazytrain_megatrain", cls, description="layer streaming, MegaTrain's policy",
                                    policy="megatrain", override=True)
-
-
-@contextlib.contextmanager
-def _silenced(module: Any):
-    """No self.log() while profiling: the profiling micro-batch is not a training step."""
-    saved = module.log, module.log_dict
-    module.log = lambda *a, **k: None
-    module.log_dict = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        module.log, module.log_dict = saved
 
 
 def _artifact_dir(trainer: Any) -> str | None:
@@ -440,6 +486,18 @@ def _write_measured_timeline(stats: StepStats, directory: str | None) -> None:
         plot_timeline(stats.segments, os.path.join(directory, "timeline_measured.png"), title="measured: last step")
     except Exception as err:  # a plot must never fail a run
         log.warning("could not draw the measured timeline: %s", err)
+
+
+class _StepMetrics(Callback):
+    """Logs the strategy's per-step figures (``lazytrain/*``) through ``LightningModule.log``, so
+    they follow ``log_every_n_steps`` and reach every logger like the user's own metrics."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        metrics = getattr(strategy, "_pending_metrics", None)
+        if isinstance(strategy, LazyTrainStrategy) and metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+            strategy._pending_metrics = {}
 
 
 LazyTrainStrategy.register_strategies(StrategyRegistry)

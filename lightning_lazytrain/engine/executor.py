@@ -213,6 +213,11 @@ class Executor:
     def in_microbatch(self) -> bool:
         return self._micro is not None
 
+    @property
+    def pristine(self) -> bool:
+        """In a micro-batch that no block has run in yet."""
+        return self._micro is not None and not self._forwarded
+
     def abort_microbatch(self) -> None:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:
