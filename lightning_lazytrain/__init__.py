@@ -14,6 +14,7 @@ def _register() -> None:
     except ImportError:  # planner-only installs (no torch / Lightning)
         return
     from lightning_lazytrain import strategy  # noqa: F401  (registers on import)
+    from lightning_lazytrain import fabric_strategy  # noqa: F401  (registers Fabric(strategy="lazytrain"))
 
 
 _register()

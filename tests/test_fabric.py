@@ -1,0 +1,237 @@
+"""The Fabric strategy: Fabric(strategy="lazytrain") trains bit-equal to strategy="auto" (fp32, CPU)
+under every policy, with accumulation, several forwards per backward and no-grad forwards; the
+user's forward runs as often as under auto; impossible budgets raise before the optimizer step;
+teardown restores the blocks; checkpoints are plain state dicts."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_lazytrain  # noqa: F401  (registers the strategies)
+from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy
+from lightning_lazytrain.planner import InfeasibleBudget, Schedule
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 4
+
+
+def make_model() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (4, 32), generator=g) for _ in range(n)]
+
+
+DATA = batches(12)
+EVAL = batches(1, seed=2)[0]
+
+
+def mixed_plan(path) -> str:
+    """A plan.json with a CPU home, a recomputed boundary and a layer that keeps its internals."""
+    s = Schedule(num_layers=LAYERS, homes=("gpu", "cpu", "recompute", "gpu", "gpu"),
+                 keep_internals=(True, False, False, False), resident_weights=(False,) * LAYERS,
+                 offload_window=(None, 1, None, None, None), reload_window=(None, 3, None, None, None),
+                 policy="test-cpu-recompute")
+    path.write_text(json.dumps({"schedule": s.to_json()}))
+    return str(path)
+
+
+def train(strategy, *, steps: int = 5, accumulate: int = 1, forwards: int = 1, no_grad_between: bool = False,
+          precision: str = "32-true", teardown: bool = True) -> dict:
+    """AdamW on fixed batches; returns per-micro-batch losses, final parameters, forward calls, a
+    no-grad evaluation's logits, and the Fabric."""
+    model = make_model()
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+    model, opt = fabric.setup(model, opt)
+    losses = []
+    data = iter(DATA)
+    for _ in range(steps):
+        for _ in range(accumulate):
+            b = next(data)
+            loss = model(input_ids=b, labels=b).loss
+            for _ in range(forwards - 1):  # a further forward (reversed batch) feeding the same backward
+                loss = loss + model(input_ids=b.flip(0), labels=b.flip(0)).loss
+            if no_grad_between:
+                with torch.no_grad():
+                    model(input_ids=EVAL)
+            fabric.backward(loss / accumulate)
+            losses.append(loss.detach().clone())
+        if accumulate > 1:
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        logits = model(input_ids=EVAL).logits
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"losses": losses, "params": params, "calls": len(calls), "logits": logits, "fabric": fabric,
+           "model": model, "opt": opt}
+    if teardown:
+        fabric.strategy.teardown()
+    return out
+
+
+_AUTO: dict = {}
+
+
+def auto(**kw) -> dict:
+    key = tuple(sorted(kw.items()))
+    if key not in _AUTO:
+        _AUTO[key] = train("auto", **kw)
+    return _AUTO[key]
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert len(got["losses"]) == len(want["losses"])
+    for i, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        assert torch.equal(a, b), (i, a.item(), b.item())
+    assert got["params"].keys() == want["params"].keys()
+    for name, p in want["params"].items():
+        assert torch.equal(got["params"][name], p), name
+    assert torch.equal(got["logits"], want["logits"])
+    assert got["calls"] == want["calls"]  # the user's forward runs no extra time (no separate profile)
+
+
+def test_registered_names_are_accepted_by_fabric():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    LazyTrainFabricStrategy.register_strategies(STRATEGY_REGISTRY)  # what a second import does: no error
+    for name, policy in (("lazytrain", "milp"), ("lazytrain_megatrain", "megatrain")):
+        fabric = L.Fabric(accelerator="cpu", strategy=name)
+        assert isinstance(fabric.strategy, LazyTrainFabricStrategy)
+        assert fabric.strategy.policy == policy and fabric.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("policy", ["milp", "recompute_all", "megatrain", "plan.json"])
+def test_same_losses_and_parameters_as_auto(policy, tmp_path):
+    if policy == "plan.json":
+        policy = mixed_plan(tmp_path / "plan.json")
+    got = train(LazyTrainFabricStrategy(policy=policy), teardown=False)
+    strategy = got["fabric"].strategy
+    assert strategy.plan is not None and strategy.executor.schedule is strategy.plan.schedule
+    blocks = got["model"].module.model.layers
+    assert all("forward" in vars(b) for b in blocks)
+    strategy.teardown()
+    assert strategy.executor is None and all("forward" not in vars(b) for b in blocks)  # blocks restored
+    assert_same(got, auto())
+
+
+def test_gradient_accumulation_and_clipping():
+    got = train("lazytrain", steps=3, accumulate=2)
+    assert_same(got, auto(steps=3, accumulate=2))
+
+
+def test_several_forwards_and_a_no_grad_forward_before_one_backward(tmp_path):
+    got = train(LazyTrainFabricStrategy(policy=mixed_plan(tmp_path / "plan.json")), steps=3, forwards=2,
+                no_grad_between=True)
+    assert_same(got, auto(steps=3, forwards=2, no_grad_between=True))
+
+
+def test_bf16_mixed_is_autocast_over_fp32_masters():
+    # fp32 slots under Fabric's autocast; re-runs (recompute_all) replay it: exact on CPU too
+    got = train(LazyTrainFabricStrategy(policy="recompute_all"), steps=3, precision="bf16-mixed")
+    assert got["logits"].dtype == torch.float32  # Fabric's convert_output, as under auto
+    assert_same(got, auto(steps=3, precision="bf16-mixed"))
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_other_precisions_are_refused(precision):
+    with pytest.raises(ValueError, match=precision):
+        L.Fabric(accelerator="cpu", strategy="lazytrain", precision=precision)
+
+
+def test_impossible_budget_raises_before_the_optimizer_step():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    strategy = LazyTrainFabricStrategy(hardware="measure", gpu_memory_budget_gb=1e-6)
+    fabric = L.Fabric(accelerator="cpu", strategy=strategy)
+    model, opt = fabric.setup(model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    b = DATA[0]
+    with pytest.raises(InfeasibleBudget, match="gpu memory short by"):
+        fabric.backward(model(input_ids=b, labels=b).loss)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state  # the optimizer never stepped
+    fabric.strategy.teardown()
+
+
+def test_loss_backward_without_fabric_is_refused():
+    model = make_model()
+    fabric = L.Fabric(accelerator="cpu", strategy="lazytrain")
+    model = fabric.setup(model)
+    with pytest.raises(RuntimeError, match="fabric.backward"):
+        model(input_ids=DATA[0], labels=DATA[0]).loss.backward()
+    fabric.strategy.teardown()
+
+
+def test_save_and_load_round_trip(tmp_path):
+    first = train("lazytrain", steps=3, teardown=False)
+    fabric, model, opt = first["fabric"], first["model"], first["opt"]
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "step": 3})
+    raw = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    plain = make_model().state_dict()
+    assert raw["model"].keys() == plain.keys()  # a plain state dict: no wrapper prefix
+    assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in raw["model"].values())
+
+    def two_more_steps(fabric, model, opt) -> list[torch.Tensor]:
+        losses = []
+        for b in DATA[3:5]:
+            loss = model(input_ids=b, labels=b).loss
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    want = two_more_steps(fabric, model, opt)
+    fabric.strategy.teardown()
+
+    model2 = make_model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    fabric2 = L.Fabric(accelerator="cpu", strategy="lazytrain")
+    model2, opt2 = fabric2.setup(model2, opt2)
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric2.load(tmp_path / "ckpt.pt", state)
+    assert state["step"] == 3
+    assert all(torch.equal(v, raw["model"][k]) for k, v in model2.state_dict().items())
+    got = two_more_steps(fabric2, model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    fabric2.strategy.teardown()
+
+
+def test_module_without_block_stack_and_unusable_accelerator_are_clear_errors():
+    from lightning.fabric.accelerators import Accelerator
+
+    from lightning_lazytrain.blocks import BlockDiscoveryError
+
+    fabric = L.Fabric(accelerator="cpu", strategy="lazytrain")
+    with pytest.raises(BlockDiscoveryError):
+        fabric.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    # stands for MPS / XLA / any accelerator the engine cannot drive
+    Weird = type("Weird", (Accelerator,), {m: (lambda *a, **k: None) for m in Accelerator.__abstractmethods__})
+    strategy = LazyTrainFabricStrategy()
+    strategy.accelerator = Weird()
+    with pytest.raises(RuntimeError, match="CUDA GPU or the CPU"):
+        strategy.root_device
+
+
+def test_init_module_creates_the_masters_on_the_host():
+    strategy = LazyTrainFabricStrategy(device="meta")  # stands for a GPU: fabric.init_module() must not use it
+    with strategy.module_init_context():
+        layer = torch.nn.Linear(4, 4)
+    assert layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+    with strategy.tensor_init_context():  # plain tensors still go to the device
+        assert torch.empty(1).device.type == "meta"
