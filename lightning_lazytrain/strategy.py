@@ -247,6 +247,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         return not module.trainer.fit_loop.epoch_loop._should_accumulate()
 
     def _begin_microbatch(self) -> None:
+        """Automatic optimization: begin now. Manual optimization: arm the executor, so the
+        micro-batch begins when the model is called (optimizer steps and parameter reads before
+        that see the host masters, as under ``auto``)."""
         ex = self.executor
         assert ex is not None
         first = self._micro_index == 0 or self._full_microbatches
@@ -255,13 +258,17 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             self._micro_index = 0
             self._t_step = time.perf_counter()
             self._pending_steps = [p for p in getattr(self, "_pending_steps", []) if not p[0].done]
-        ex.begin_microbatch(first=first, last=last)
+        if self.lightning_module.automatic_optimization:
+            ex.begin_microbatch(first=first, last=last)
+        else:
+            ex.arm(first=first, last=last)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         ex = self.executor
         assert ex is not None
-        if ex.in_microbatch:  # the previous training_step returned None (no backward ran), or manual mode
+        ex.disarm()
+        if ex.in_microbatch:  # the previous training_step returned None, or ran a forward without backward
             ex.abort_microbatch()
             self._micro_index = 0
         if self.plan is None and self._tokens is None:
@@ -297,23 +304,14 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             return
         micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
-        if ex.profiling:
+        if ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1:
+            # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
             ex.profiling = False
             self._make_plan(stats, micro_batches)
         self._hand_over_norms(stats)
         self._pending_metrics = self._step_metrics(stats, time.perf_counter() - self._t_step)
         if not self.lightning_module.automatic_optimization:
             self._begin_microbatch()  # later forwards of this training_step are passes with grad
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        ex = self.executor
-        if ex is not None and ex.in_microbatch and ex.pristine:
-            # Manual optimization: the open micro-batch staged weights before this update.
-            ex.abort_microbatch()
-            self._begin_microbatch()
-        return out
 
     def _hand_over_norms(self, stats: StepStats) -> None:
         """Give HybridAdamW the global squared norm from the executor's per-layer norms, so its
@@ -392,7 +390,8 @@ class LazyTrainStrategy(SingleDeviceStrategy):
     def _begin_inference(self) -> None:
         self._finish_optimizer_steps()
         if self.executor is not None:
-            if self.executor.in_microbatch:  # opened for a forward that never came (manual optimization)
+            self.executor.disarm()
+            if self.executor.in_microbatch:  # a forward without backward (manual optimization)
                 self.executor.abort_microbatch()
                 self._micro_index = 0
             self._inference.enter_context(self.executor.inference())

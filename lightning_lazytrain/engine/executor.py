@@ -118,6 +118,8 @@ class Executor:
         self._nvme_dir = nvme_dir
         self._nvme_required = nvme_required_bytes
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._armed: tuple[bool, bool] | None = None
+        self._arm_handles: list = []
         self._adhoc_used = False
         self.profiling = False  # True: the trace synchronises the device at every mark (exact CUDA times)
         self.set_schedule(schedule)
@@ -189,6 +191,7 @@ class Executor:
 
     def close(self) -> None:
         """Restore the blocks, free device buffers, worker threads and spill files."""
+        self.disarm()
         if self._micro is not None:
             self._exit.close()
             self._micro = None
@@ -218,6 +221,32 @@ class Executor:
         """In a micro-batch that no block has run in yet."""
         return self._micro is not None and not self._forwarded
 
+    def arm(self, *, first: bool = True, last: bool = True) -> None:
+        """Begin the next micro-batch when the model is next called (a non-block module or a block).
+
+        Manual optimization: between a backward and the next forward the user may step optimizers
+        and read parameters, which must then be the host masters with their host grads; staging
+        waits for the call that needs the weights."""
+        if self._micro is not None:
+            raise RuntimeError("arm() inside a micro-batch")
+        assert self.params is not None
+        self.disarm()
+        self._armed = (first, last)
+        self._arm_handles = [m.register_forward_pre_hook(self._armed_call) for m in self.params.site_modules(REST)]
+
+    @property
+    def armed(self) -> bool:
+        return self._armed is not None
+
+    def disarm(self) -> None:
+        for h in self._arm_handles:
+            h.remove()
+        self._arm_handles, self._armed = [], None
+
+    def _armed_call(self, module: Any = None, args: Any = None) -> None:
+        first, last = self._armed  # type: ignore[misc]
+        self.begin_microbatch(first=first, last=last)
+
     def abort_microbatch(self) -> None:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:
@@ -246,12 +275,14 @@ class Executor:
         assert self.params is not None
         if self._micro is not None:
             raise RuntimeError("begin_microbatch() twice without end_microbatch()")
+        self.disarm()
         self._micro = (first, last)
         self._windows = {w.name: w for w in self.schedule.windows(first_microbatch=first, last_microbatch=last)}
         self._saved: dict[int, torch.Tensor] = {}
         self._recomputed: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
         self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
+        self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
         if first:
             self._adhoc_used = False
         self._pending_offload: dict[int, torch.Tensor] = {}
@@ -273,7 +304,7 @@ class Executor:
                 self.wait_updated(0)
             self._stage(0)
             self.params.stage(REST).wait()
-            self._exit.enter_context(self.params.bind(REST, grads=True))
+            self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
 
     def end_microbatch(self) -> StepStats | None:
         """Finish the micro-batch; on the last one, run T's transfers and return the step's stats."""
@@ -285,10 +316,12 @@ class Executor:
             raise RuntimeError("the backward did not reach every block; call loss.backward() before end_microbatch()")
         self._finish_grads()
         if not last:
+            self._flush_adhoc_grads()
             self._micro = None
             return None
         self.trace.window("T")
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
+        self._flush_adhoc_grads()
         self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST)
         self._exit.close()
         self.acts.end_step()
@@ -305,6 +338,8 @@ class Executor:
 
     # ---- forward ---------------------------------------------------------------------------
     def _block_call(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        if self._armed is not None:
+            self._armed_call()
         if self._micro is None or not torch.is_grad_enabled():
             return self._stream_only(j, x, args, kwargs)
         call, routed = BlockCall.pack(args, kwargs)
@@ -342,8 +377,14 @@ class Executor:
         self._calls[j] = (rcall, [t.detach() for t in rrouted])
 
     def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """Evaluation: stream the weights through the two slots, keep nothing."""
+        """Evaluation: stream the weights through the two slots, keep nothing. Inside a training
+        micro-batch (a no-grad forward in ``training_step``) the slots belong to the planned pass:
+        stream through the recompute slot instead."""
         assert self.params is not None
+        if self._micro is not None:
+            self.params.stage(j, RECOMPUTE_SLOT)
+            with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
+                return self._orig[j](x, *args, **kwargs)
         if j == 0 or not self.params.staged(j, j % 2):
             self.params.stage(j, j % 2)
         if j + 1 < len(self.stack):
@@ -449,7 +490,11 @@ class Executor:
                 _, outs = self._run_block(j, xg, call, rin, first=False)
             self._check_outputs(ctx, j, outs)
             _backprop(outs, grads)
-        self.params.finish_grads(self.params.send_grads(j, RECOMPUTE_SLOT), norm=False)
+        grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT))
+        if j in self._adhoc_grads:  # in arrival order, as autograd's input buffer sums them
+            acc, touched = self._adhoc_grads[j]
+            grads_j = (acc.add_(grads_j[0]), touched | grads_j[1])
+        self._adhoc_grads[j] = grads_j  # joins layer j's planned grads before the host grad
         self._adhoc_used = True
         return xg.grad, [t.grad for t in rin]
 
@@ -562,11 +607,19 @@ class Executor:
             pending = [p for p in self._pending_grads if target is None or p.slot is target]
         last = self._micro is not None and self._micro[1]
         for p in pending:
-            norm = self.params.finish_grads(p, norm=last)
+            norm = self.params.finish_grads(p, norm=last, extra=self._adhoc_grads.pop(p.layer, None))
             if norm is not None:
                 self.stats.layer_sq_norms[p.layer] = norm
             if p in self._pending_grads:
                 self._pending_grads.remove(p)
+
+    def _flush_adhoc_grads(self) -> None:
+        """Ad-hoc gradients that met no planned ones (layer 0 between micro-batches of a step, or a
+        layer whose planned grads went first) go straight to the host grads."""
+        assert self.params is not None
+        for j, (grads, touched) in self._adhoc_grads.items():
+            self.params.accumulate_host(j, grads, touched)
+        self._adhoc_grads = {}
 
     def _reap_offloads(self) -> None:
         """Stop counting offloaded boundaries whose D2H has finished."""

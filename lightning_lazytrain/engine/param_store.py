@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -58,6 +58,10 @@ from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_
 __all__ = ["REST", "ParamStore", "PendingGrads"]
 
 REST: Final[int] = -1  # group id of the non-block parameters
+# Every parameter starts at a multiple of ALIGN elements of its packed buffer (256 B in fp32, 128 B
+# in bf16), as a tensor of its own would: CPU GEMM and reduction kernels round differently on
+# misaligned operands, and the streamed training must compute what plain autograd computes.
+ALIGN: Final[int] = 64
 
 
 @dataclass(eq=False)
@@ -171,7 +175,7 @@ class ParamStore:
             off = 0
             for info in params:
                 info.offset = off
-                off += info.numel
+                off = -(-(off + info.numel) // ALIGN) * ALIGN
             groups[gid] = _Group(gid, params, off)
         return groups
 
@@ -225,6 +229,14 @@ class ParamStore:
     def group_parameters(self, layer: int) -> list[nn.Parameter]:
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
         return [p.param for p in self._group(layer).params]
+
+    def site_modules(self, layer: int) -> list[nn.Module]:
+        """The modules that register group ``layer``'s parameters (each once)."""
+        seen: dict[int, nn.Module] = {}
+        for info in self._group(layer).params:
+            for m, _ in info.sites:
+                seen.setdefault(id(m), m)
+        return list(seen.values())
 
     def param_names(self, layer: int) -> list[str]:
         return [p.name for p in self._group(layer).params]
@@ -305,12 +317,16 @@ class ParamStore:
         self._slot(layer, slot).free = self.engine.record_compute()
 
     @contextlib.contextmanager
-    def bind(self, layer: int, slot: int | None = None, *, grads: bool | None = None) -> Iterator[None]:
+    def bind(self, layer: int, slot: int | None = None, *, grads: bool | None = None,
+             follow_requires_grad: bool = False) -> Iterator[None]:
         """Run the group's modules on the staged compute copy.
 
         ``grads`` (default: grad mode at entry) makes the compute copy require
         grad and zeroes the slot's device grads; grads accumulate there until
-        ``write_back_grads``.
+        ``write_back_grads``. ``follow_requires_grad``: for a long bind (the
+        non-block weights, bound for a whole micro-batch), each module call
+        re-reads its masters' ``requires_grad`` (``toggle_optimizer`` changes it
+        after the bind).
         """
         g, s = self._group(layer), self._slot(layer, slot)
         if s.gid != layer or s.ready is None:
@@ -324,22 +340,32 @@ class ParamStore:
             self._ensure_grad_buffers(s)[: g.numel].zero_()
         s.wrappers = []
         s.touched = set()
+        follow: dict[int, tuple[nn.Module, list]] = {}
         for info in g.params:
-            w = nn.Parameter(self._view(s.weights, info), requires_grad=want_grads and info.param.requires_grad)
-            if w.requires_grad:
+            requires = want_grads and info.param.requires_grad
+            w = nn.Parameter(self._view(s.weights, info), requires_grad=requires)
+            if requires or (want_grads and follow_requires_grad and w.is_floating_point()):
+                w.requires_grad_(True)
                 w.grad = self._view(s.grads, info)  # autograd accumulates in place here
                 # A parameter no gradient reaches keeps .grad None on the host, as under plain
                 # autograd (optimizers skip such parameters; zeros would decay them).
                 w.register_post_accumulate_grad_hook(lambda _, s=s, key=id(info): s.touched.add(key))
+                w.requires_grad_(requires)
+                if follow_requires_grad:
+                    for m, _ in info.sites:
+                        follow.setdefault(id(m), (m, []))[1].append((info.param, w))
             s.wrappers.append((info, w))
             for m, name in info.sites:
                 # Same mechanism as torch.func.functional_call; bypasses
                 # registration hooks that would fire per layer per step.
                 m._parameters[name] = w
+        handles = [m.register_forward_pre_hook(_follower(pairs)) for m, pairs in follow.values()]
         s.bound = True
         try:
             yield
         finally:
+            for h in handles:
+                h.remove()
             for info, _ in s.wrappers:
                 for m, name in info.sites:
                     m._parameters[name] = info.param
@@ -393,24 +419,49 @@ class ParamStore:
         h = self.engine.d2h(s.grad_host[:n], grads[:n], tag=f"grad:{layer}")  # Note: [grad write-back ordering]
         return PendingGrads(layer, s, h, frozenset(s.touched))
 
-    def finish_grads(self, pending: PendingGrads, *, norm: bool = True) -> torch.Tensor | None:
-        """Wait for a ``send_grads`` copy, accumulate into the host fp32 grads, zero the device grads."""
+    def take_grads(self, pending: PendingGrads) -> tuple[torch.Tensor, frozenset]:
+        """Wait for a ``send_grads`` copy and return it (host, compute dtype) instead of accumulating
+        it, with the parameters it touched; the device grads are zeroed. See ``finish_grads(extra=)``."""
+        g, s = self._group(pending.layer), pending.slot
+        pending.handle.wait()
+        assert s.grads is not None and s.grad_host is not None
+        with torch.no_grad():
+            s.grads[: g.numel].zero_()
+            return s.grad_host[: g.numel].clone(), pending.touched
+
+    def finish_grads(self, pending: PendingGrads, *, norm: bool = True,
+                     extra: tuple[torch.Tensor, frozenset] | None = None) -> torch.Tensor | None:
+        """Wait for a ``send_grads`` copy, accumulate into the host fp32 grads, zero the device grads.
+
+        ``extra`` (from ``take_grads``): gradients of further uses of the same weights in this
+        backward, summed with these *before* they join the host grad, as autograd sums every use of
+        a leaf before accumulating into its ``.grad``."""
         g, s = self._group(pending.layer), pending.slot
         n = g.numel
         pending.handle.wait()
         assert s.grads is not None and s.grad_host is not None
+        touched = pending.touched
         with torch.no_grad():
             s.grads[:n].zero_()
-            self._ensure_host_grads(g, pending.touched)
-            receiving = [i for i in g.params if id(i) in pending.touched and i.param.requires_grad]
-            if len(receiving) == len(g.params):
-                g.grad.add_(s.grad_host[:n])
-            else:  # only parameters a gradient reached (and that still want one) accumulate
-                for info in receiving:
-                    self._view(g.grad, info).add_(self._view(s.grad_host, info))
+            if extra is not None:
+                s.grad_host[:n].add_(extra[0])
+                touched = touched | extra[1]
+        self.accumulate_host(pending.layer, s.grad_host[:n], touched)
         if not norm:
             return None
         return torch.linalg.vector_norm(g.grad).square()
+
+    def accumulate_host(self, layer: int, grads: torch.Tensor, touched: frozenset | set) -> None:
+        """Add a group's flat gradients (host) into the host ``.grad`` of the parameters ``touched``."""
+        g = self._group(layer)
+        with torch.no_grad():
+            self._ensure_host_grads(g, touched)
+            receiving = [i for i in g.params if id(i) in touched and i.param.requires_grad]
+            if len(receiving) == len(g.params):
+                g.grad.add_(grads)
+            else:  # only parameters a gradient reached (and that still want one) accumulate
+                for info in receiving:
+                    self._view(g.grad, info).add_(self._view(grads, info))
 
     def zero_grad(self) -> None:
         for g in self._groups.values():
@@ -427,3 +478,12 @@ class ParamStore:
         self._slots = []
         if self._own_engine:
             self.engine.close()
+
+
+def _follower(pairs: list) -> Any:
+    """A forward pre-hook that gives each compute copy its master's current ``requires_grad``."""
+    def hook(module: nn.Module, args: Any) -> None:
+        for master, w in pairs:
+            if w.requires_grad != master.requires_grad:
+                w.requires_grad_(master.requires_grad)
+    return hook
