@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_lazytrain.engine.param_store import REST, ParamStore
+from lightning_lazytrain.engine.param_store import ALIGN, REST, ParamStore
 
 V, D, L = 11, 16, 4
 gpu = pytest.mark.gpu
@@ -124,18 +124,20 @@ def test_same_outputs_and_grads_fp32_exact(tied: bool) -> None:
 
 def test_masters_are_packed_views_and_optimizer_updates_them() -> None:
     torch.manual_seed(0)
-    m = Tiny().to(torch.bfloat16)  # masters become fp32 regardless
-    ps = ParamStore(m)
+    m = Tiny().to(torch.bfloat16)  # a bf16 module keeps bf16 masters (precision="bf16-true")
+    ps = ParamStore(m, compute_dtype=torch.bfloat16)
     for i in [*range(L), REST]:
         flat = ps.master_flat(i)
         lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
         mods = [m.layers[i]] if i != REST else [m.emb, m.norm, m.head]
         for mod in mods:
             for p in mod.parameters():
-                assert p.dtype == torch.float32 and lo <= p.data_ptr() < hi
+                assert p.dtype == torch.bfloat16 and lo <= p.data_ptr() < hi
+                assert (p.data_ptr() - lo) % (ALIGN * p.element_size()) == 0  # aligned like a tensor of its own
         assert not flat.is_pinned()  # pinned only when the device is CUDA
-    assert ps.group_numel(0) == sum(p.numel() for p in m.layers[0].parameters())
-    assert ps.group_numel(REST) == m.emb.weight.numel() + 2 * D  # tied head counted once
+    aligned = sum(-(-p.numel() // ALIGN) * ALIGN for p in m.layers[0].parameters())
+    assert ps.group_numel(0) == aligned
+    assert ps.group_numel(REST) == -(-m.emb.weight.numel() // ALIGN) * ALIGN + 2 * ALIGN  # norm w+b; tied head once
     ids, tgt = _batch(3)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     loss0, _ = streamed_step(m, ps, ids, tgt)

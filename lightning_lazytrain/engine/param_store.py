@@ -160,10 +160,13 @@ class ParamStore:
                 if p is None:
                     continue
                 if owner.setdefault(id(p), gid) != gid:
+                    where = {gid: f"{mname}.{pname}".lstrip("."), owner[id(p)]: infos[id(p)].name}
+                    names = " and ".join(f"{n} ({'outside the block stack' if g == REST else f'block {g}'})"
+                                         for g, n in where.items())
                     raise NotImplementedError(
-                        f"parameter {mname}.{pname} is shared between group {owner[id(p)]} and {gid} "
-                        "(-1 = outside the blocks); tying across streamed blocks is not supported"
-                    )
+                        f"parameter tied between {names}: a streamed block's weights live in its own buffer, "
+                        "so a parameter shared with another block or with a module outside the stack is not "
+                        "supported. Untie them (e.g. tie_word_embeddings=False) or train with strategy='auto'.")
                 if id(p) in infos:
                     infos[id(p)].sites.append((m, pname))
                     continue
@@ -180,8 +183,13 @@ class ParamStore:
         return groups
 
     def _pack(self, g: _Group, pin: bool) -> None:
-        g.master = torch.empty(g.numel, dtype=torch.float32, pin_memory=pin)
-        g.grad = torch.zeros(g.numel, dtype=torch.float32)
+        # Masters keep the module's dtype when all of the group's parameters share a 16-bit one
+        # (precision="bf16-true": the optimizer updates bf16 parameters, as under plain Lightning);
+        # otherwise fp32.
+        dtypes = {info.param.dtype for info in g.params}
+        dt = dtypes.pop() if dtypes in ({torch.bfloat16}, {torch.float16}) else torch.float32
+        g.master = torch.empty(g.numel, dtype=dt, pin_memory=pin)
+        g.grad = torch.zeros(g.numel, dtype=dt)
         with torch.no_grad():
             for info in g.params:
                 view = self._view(g.master, info)
@@ -289,7 +297,7 @@ class ParamStore:
         with torch.no_grad():
             for info in g.params:
                 view = self._view(g.master, info)
-                if info.param.data_ptr() != view.data_ptr() or info.param.dtype != torch.float32:
+                if info.param.data_ptr() != view.data_ptr() or info.param.dtype != g.master.dtype:
                     view.copy_(info.param.data)
                     info.param.data = view
 
@@ -300,7 +308,7 @@ class ParamStore:
             raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
         self._repair_master(g)
         src = g.master
-        if s.cast is not None:
+        if s.cast is not None and g.master.dtype != s.cast.dtype:
             # Cast on the host so only compute-dtype bytes cross the link; the
             # cast buffer may still feed this slot's previous H2D.
             if s.ready is not None:
