@@ -9,8 +9,8 @@ default, True), in train mode, with eager attention.
 
 The table ``ARCHS`` is data: config class, config kwargs, model class, inputs, extra call
 arguments, and the block stack ``find_blocks`` is expected to pick (for encoder-decoder models:
-the decoder stack). Cases that fail today are marked ``xfail(strict=True)`` in ``XFAIL`` with the
-failure observed, so they turn into errors (and must be unmarked) once the engine handles them.
+the decoder stack). A case that cannot be exact yet is marked ``xfail(strict=True)`` in ``XFAIL``
+with the failure observed (none today), so it turns into an error once the engine handles it.
 
 The whole file (29 table entries x 4 schedules, plus the block-stack check) takes about 20 s on
 2 cores, so nothing is marked slow.
@@ -152,25 +152,15 @@ SCHEDULES: dict[str, Schedule] = {
 }
 assert SCHEDULES["min_memory"].homes != SCHEDULES["recompute_all"].homes
 
-# (arch, schedule) -> (exception, the failure observed at commit 12a0433, the engine that routes
-# every tensor crossing a block through its node); schedule "*": every schedule. ``raises`` is
-# pinned, so a case that starts failing differently (e.g. a refusal naming the pattern) shows up and
-# its entry is updated. Before 12a0433 the MoE aux-loss cases failed too, and BART/T5 raised
-# "RuntimeError: Trying to backward through the graph a second time".
-_KV = ("re-runs drop the KV cache (use_cache=True by default), so K/V skip the cache's torch.cat and get another "
-       "memory layout: loss equal, {} grads differ by rounding (max |diff| {}), from the last layer's query path down")
-_ENC = ("encoder_hidden_states' gradient differs by rounding (likely summed per decoder block, not in autograd's "
-        "order of one add per cross-attention K/V use): loss and decoder grads equal, {} encoder/shared-embedding "
-        "grads differ (max |diff| {})")
-XFAIL: dict[tuple[str, str], tuple[type[BaseException], str]] = {
-    ("opt", "*"): (AssertionError, _KV.format("53/68", "3.0e-8")),
-    ("gpt-j", "*"): (AssertionError, _KV.format("31/45", "3.0e-8")),
-    ("gpt2-dropout", "*"): (AssertionError, _KV.format("39/52", "6.0e-8")),
-    ("bart", "*"): (AssertionError, _ENC.format("36/143", "4.7e-10")),
-    ("t5-nocache", "*"): (AssertionError, _ENC.format("19/73", "3.4e-8")),
-    ("t5", "*"): (AssertionError, "t5-nocache's encoder_hidden_states rounding plus the decoder's KV-cache re-run "
-                  "layout (EncoderDecoderCache): loss equal, 72/73 grads differ by rounding (max |diff| 7.1e-8)"),
-}
+# (arch, schedule) -> (exception, the failure observed); schedule "*": every schedule. ``raises``
+# is pinned, so a case that starts failing differently shows up and its entry is updated. Empty:
+# every case is exact. History: before 12a0433 the MoE aux-loss cases lost the router logits'
+# gradient and BART/T5 raised "Trying to backward through the graph a second time"; until the
+# cache replay (block_io.CacheReplay) GPT-2/OPT/GPT-J/T5 with use_cache=True differed by rounding
+# (re-runs without the cache's torch.cat saw another memory layout); until the shared-input chain
+# (Note: [one gradient per shared input]) BART/T5 encoder gradients differed by rounding (per-block
+# sums of encoder_hidden_states' gradient).
+XFAIL: dict[tuple[str, str], tuple[type[BaseException], str]] = {}
 
 
 def xfail_mark(name: str, sched: str):

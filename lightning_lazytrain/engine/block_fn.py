@@ -32,6 +32,7 @@ class BlockFunction(torch.autograd.Function):
     def forward(ctx: Any, executor: Any, j: int, call: Any, adhoc: bool, x: torch.Tensor, anchor: torch.Tensor,
                 *routed: torch.Tensor) -> tuple:
         ctx.executor, ctx.j, ctx.kept, ctx.adhoc = executor, j, None, None
+        ctx.routed_keys = [None] * len(routed)  # the planned pass sets them (Note: [one gradient per shared input])
         ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
         if adhoc:
             return executor._adhoc_forward(ctx, j, call, x, list(routed))

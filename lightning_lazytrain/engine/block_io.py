@@ -27,6 +27,7 @@ to keep it:
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["BlockCall", "BlockOutput", "ForwardState", "HookCapture", "UnsupportedBlockPattern"]
+__all__ = ["BlockCall", "BlockOutput", "CacheReplay", "ForwardState", "HookCapture", "UnsupportedBlockPattern"]
 
 
 class UnsupportedBlockPattern(RuntimeError):
@@ -64,11 +65,66 @@ class BlockCall:
         return cls(spec, leaves, routed), tensors
 
     def build(self, tensors: list[torch.Tensor] | tuple) -> tuple[tuple, dict]:
-        leaves = list(self.leaves)
+        leaves = [leaf.fresh() if isinstance(leaf, CacheReplay) else leaf for leaf in self.leaves]
         for i, t in zip(self.routed, tensors, strict=True):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return tuple(args), dict(kwargs)
+
+
+class CacheReplay:
+    """A Hugging Face KV cache as block ``j`` found it, for re-runs.
+
+    A re-run must not append to the real cache a second time, but dropping the cache changes the
+    function: the cache's ``torch.cat`` makes keys and values contiguous, and kernels round
+    differently on other layouts. So each re-run gets a fresh cache object whose layer ``j`` is a
+    copy of that layer's state before the block's forward (usually empty) and whose other layers
+    are empty: the same ``update`` runs, nothing leaks, and no other layer's keys stay alive.
+    Encoder-decoder caches (``self_attention_cache`` / ``cross_attention_cache`` / ``is_updated``)
+    are handled part by part. ``capture`` returns None for objects it does not know (the cache is
+    then dropped, as before)."""
+
+    def __init__(self, shell: Any, layer: Any, j: int, parts: dict, is_updated: dict | None) -> None:
+        self.shell, self.layer, self.j, self.parts, self.is_updated = shell, layer, j, parts, is_updated
+
+    @classmethod
+    def capture(cls, cache: Any, j: int) -> CacheReplay | None:
+        parts = {}
+        for name in ("self_attention_cache", "cross_attention_cache"):
+            if hasattr(cache, name):
+                part = cls.capture(getattr(cache, name), j)
+                if part is None:
+                    return None
+                parts[name] = part
+        layers = getattr(cache, "layers", None)
+        if not parts and not (isinstance(layers, list) and j < len(layers)):
+            return None
+        shell = copy.copy(cache)
+        layer = None
+        if not parts:
+            shell.layers = [_empty_layer(lay) for lay in layers]
+            layer = copy.copy(layers[j])
+        updated = getattr(cache, "is_updated", None)
+        return cls(shell, layer, j, parts, dict(updated) if isinstance(updated, dict) else None)
+
+    def fresh(self) -> Any:
+        c = copy.copy(self.shell)
+        for name, part in self.parts.items():
+            setattr(c, name, part.fresh())
+        if self.layer is not None:
+            c.layers = list(self.shell.layers)
+            c.layers[self.j] = copy.copy(self.layer)
+        if self.is_updated is not None:
+            c.is_updated = dict(self.is_updated)
+        return c
+
+
+def _empty_layer(layer: Any) -> Any:
+    e = copy.copy(layer)
+    if hasattr(e, "keys") and hasattr(e, "is_initialized"):
+        e.keys = e.values = None
+        e.is_initialized = False
+    return e
 
 
 @dataclass

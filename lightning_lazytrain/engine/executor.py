@@ -44,7 +44,8 @@ from torch import nn
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks
-from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardState, HookCapture, UnsupportedBlockPattern
+from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheReplay, ForwardState, HookCapture,
+                                                 UnsupportedBlockPattern)
 from lightning_lazytrain.engine.copy_engine import LinkSpec, make_copy_engine
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
@@ -55,30 +56,35 @@ log = logging.getLogger(__name__)
 RECOMPUTE_SLOT = 2
 # Keyword arguments through which a block appends to a KV cache (Hugging Face: ``cache`` in
 # transformers 5, ``past_key_values`` / ``past_key_value`` before, GPT-2's ``layer_past``). A
-# re-run of a block must not append a second time, and training needs no cache.
+# re-run of a block must not append to the real cache a second time (``block_io.CacheReplay``).
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def rerun_call(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments (after the hidden state) for re-running a block: every KV cache, passed by
-    keyword or by position (GPT-2 passes it second), replaced by None, ``use_cache`` False."""
+def rerun_call(signature: inspect.Signature | None, args: tuple, kwargs: dict, j: int = 0) -> tuple[tuple, dict]:
+    """The arguments (after the hidden state) for re-running block ``j``: every KV cache, passed by
+    keyword or by position (GPT-2 passes it second), replaced by a ``CacheReplay`` of its state
+    before the block ran; a cache of an unknown kind by None, with ``use_cache`` False."""
+    def replace(value: Any) -> Any:
+        return None if value is None else CacheReplay.capture(value, j)
+
     if signature is not None:
         try:
             bound = signature.bind_partial(None, *args, **kwargs)
         except TypeError:
             bound = None
         if bound is not None:
-            changed = False
+            changed, dropped = False, False
             for name in list(bound.arguments):
                 if name in _CACHE_KWARGS and bound.arguments[name] is not None:
-                    bound.arguments[name], changed = None, True
-                elif name == "use_cache" and bound.arguments[name]:
-                    bound.arguments[name], changed = False, True
+                    bound.arguments[name] = replace(bound.arguments[name])
+                    changed, dropped = True, dropped or bound.arguments[name] is None
+            if dropped and bound.arguments.get("use_cache"):
+                bound.arguments["use_cache"] = False
             if changed:
                 return tuple(bound.args[1:]), dict(bound.kwargs)
             return args, kwargs
-    out = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
-    if "use_cache" in out:
+    out = {k: (replace(v) if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in out and any(k in _CACHE_KWARGS and out[k] is None and kwargs[k] is not None for k in out):
         out["use_cache"] = False
     return args, out
 
@@ -283,6 +289,9 @@ class Executor:
         self._calls: dict[int, tuple] = {}
         self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
         self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
+        self._routed_refs: dict[int, torch.Tensor] = {}
+        self._routed_pending: dict[int, int] = {}
+        self._routed_running: dict[int, torch.Tensor] = {}
         if first:
             self._adhoc_used = False
         self._pending_offload: dict[int, torch.Tensor] = {}
@@ -370,9 +379,20 @@ class Executor:
                 captured.append(t)
         return spec, [hidden, *outs, *captured]
 
+    def _share_routed_inputs(self, ctx: Any, routed: list) -> None:
+        """Count the planned blocks each routed input is passed to (Note: [one gradient per shared input])."""
+        keys = [id(t) for t in routed]
+        if len(set(keys)) != len(keys):  # the same tensor twice in one call: each position on its own
+            ctx.routed_keys = [None] * len(keys)
+            return
+        for key, t in zip(keys, routed):
+            self._routed_refs[key] = t  # keeps the id unique for the micro-batch
+            self._routed_pending[key] = self._routed_pending.get(key, 0) + 1
+        ctx.routed_keys = keys
+
     def _store_call(self, j: int, call: BlockCall, routed: list) -> None:
         """Keep the call for re-runs: KV caches dropped, routed tensors detached."""
-        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed))
+        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)
         rcall, rrouted = BlockCall.pack(args, kwargs)
         self._calls[j] = (rcall, [t.detach() for t in rrouted])
 
@@ -404,6 +424,7 @@ class Executor:
         name = f"F{j}"
         self.trace.window(name)
         self._store_call(j, call, routed)
+        self._share_routed_inputs(ctx, routed)
         self.stats.boundary_bytes[j] = self._nbytes(x)
         self._reap_offloads()
         for op in self._windows[name].ops:
@@ -468,11 +489,12 @@ class Executor:
         synchronous and not part of the plan (its memory and time are not predicted)."""
         assert self.params is not None
         state = ForwardState.capture(self.device)
-        self.params.stage(j, RECOMPUTE_SLOT)
-        with self.params.bind(j, RECOMPUTE_SLOT, grads=False), state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
-            spec, outs = self._run_block(j, x, call, routed, first=True)
-        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed))
+        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)  # before the cache grows
         rcall, rrouted = BlockCall.pack(args, kwargs)
+        self.params.stage(j, RECOMPUTE_SLOT)
+        with self.params.bind(j, RECOMPUTE_SLOT, grads=False), \
+                state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
+            spec, outs = self._run_block(j, x, call, routed, first=True)
         ctx.adhoc = (x.detach(), rcall, [t.detach() for t in rrouted], state)
         self._last_output = (spec, len(spec.routed))
         ctx.n_outputs = len(outs)
@@ -533,8 +555,9 @@ class Executor:
             if ctx.kept is not None:
                 xg, rin, roots = ctx.kept
                 self._calls.pop(t)
+                roots, all_grads = self._with_running_input_grads(ctx, rin, list(roots), list(grads))
                 with self.trace.timed(name, "backward", t):
-                    _backprop(roots, grads)
+                    _backprop(roots, all_grads)
                 self.tracker.drop(f"internals{t}")
             else:
                 x = self._boundary(t)
@@ -549,15 +572,48 @@ class Executor:
                 self.tracker.add(f"internals{t}", hooks.bytes)
                 self.stats.internal_bytes[t] = hooks.bytes + self._nbytes(x)
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
+                outs, all_grads = self._with_running_input_grads(ctx, rin, outs, list(grads))
                 with self.trace.timed(name, "backward", t):
-                    _backprop(outs, grads)
-                del outs
+                    _backprop(outs, all_grads)
+                del outs, all_grads
                 self.tracker.drop(f"internals{t}")
         grad_in = xg.grad
         self._free_boundary(t)
         if t in self.resident_slot:
             self.tracker.drop(f"resident{t}")
-        return grad_in, [r.grad for r in rin]
+        return grad_in, self._routed_input_grads(ctx, rin)
+
+    # Note: [one gradient per shared input] A tensor passed to several blocks (the encoder's output
+    # to every cross-attention, a shared position bias) gets, under plain autograd, one addition per
+    # use into its gradient, in backward order. If each node returned its own sum, autograd would add
+    # per-block sums: the same value up to rounding. So the blocks that share such an input chain
+    # its gradient: each re-run backpropagates the running total into the input's leaf first (an
+    # alias made after the re-run is the newest node, so autograd runs it first), and only the last
+    # block to run its backward returns the total; the others return None.
+    def _with_running_input_grads(self, ctx: Any, rin: list, roots: list, grads: list) -> tuple[list, list]:
+        with torch.enable_grad():
+            for leaf, key in zip(rin, ctx.routed_keys):
+                running = self._routed_running.pop(key, None) if key is not None else None
+                if running is not None:
+                    roots.append(leaf.view_as(leaf))
+                    grads.append(running)
+        return roots, grads
+
+    def _routed_input_grads(self, ctx: Any, rin: list) -> list:
+        out = []
+        for leaf, key in zip(rin, ctx.routed_keys):
+            if key is None:
+                out.append(leaf.grad)
+                continue
+            self._routed_pending[key] -= 1
+            if self._routed_pending[key] == 0:
+                del self._routed_pending[key]
+                out.append(leaf.grad)
+            else:
+                if leaf.grad is not None:
+                    self._routed_running[key] = leaf.grad
+                out.append(None)
+        return out
 
     def _recompute_block(self, window: str, s: int, t: int, spare: int | None = None) -> None:
         """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
