@@ -325,6 +325,11 @@ class LazyTrainStrategy(SingleDeviceStrategy):
                 continue
             if clip or inner.max_grad_norm is not None:
                 total = torch.stack([n.float() for n in stats.layer_sq_norms.values()]).sum()
+                scaler = getattr(self.precision_plugin, "scaler", None)
+                if scaler is not None and scaler.is_enabled():
+                    # 16-mixed: the grads (and so these norms) are still loss-scaled here; the
+                    # plugin unscales the grads before the step, the norm is unscaled the same way.
+                    total = total / float(scaler.get_scale()) ** 2
                 layers = inner.layers
                 inner.set_grad_sq_norms({layer: (total if i == 0 else 0.0) for i, layer in enumerate(layers)})
 

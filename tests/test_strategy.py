@@ -283,6 +283,27 @@ def test_gradient_clip_val_is_fused_into_hybrid_adamw(monkeypatch):
     assert max(abs(a - b) for a, b in zip(losses.values, want)) <= 1e-5
 
 
+def test_fused_clip_with_a_loss_scaler_sees_unscaled_norms():
+    """16-mixed + HybridAdamW + gradient_clip_val: the executor's norms are taken before the
+    plugin unscales the grads; handed over, they must be unscaled too (a CPU GradScaler here)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def run(strategy):
+        module, losses = HybridModule(), Losses()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=4, gradient_clip_val=0.05, logger=False,
+                            enable_checkpointing=False, callbacks=[losses], enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(4), batch_size=None))
+        return losses.values, trainer.optimizers[0]
+
+    want, _ = run("auto")  # Lightning unscales, then clips with clip_grad_norm_
+    got, opt = run("lazytrain")
+    assert opt.max_grad_norm == 0.05 and 0.05 < opt.last_grad_norm < 100  # unscaled (scaled: ~1000x larger)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+
+
 class NoStack(L.LightningModule):
     def __init__(self):
         super().__init__()
