@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -33,6 +34,7 @@ from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
+from lightning_lazytrain.precision import LazyTrainPrecision, with_lazytrain_precision
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,6 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
         self.setup_precision_plugin()
-        self._route_clipping(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -153,31 +154,28 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             if not any(isinstance(cb, _StepMetrics) for cb in trainer.callbacks):
                 trainer.callbacks.append(_StepMetrics())
 
-    def _route_clipping(self, trainer: Any) -> None:
-        """``gradient_clip_val`` (norm) with HybridAdamW: the clip is fused into its update and its
-        global norm comes from the executor's per-layer squared norms (no separate pass)."""
-        from lightning_lazytrain.optim import HybridAdamW
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """The Trainer's plugin as a ``LazyTrainPrecision`` subclass (fused clip, pipelined step)."""
+        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
+        if not isinstance(plugin, LazyTrainPrecision):
+            plugin = self._precision_plugin = with_lazytrain_precision(plugin)
+        return plugin
 
-        plugin = self.precision_plugin
-        original = plugin.clip_gradients
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = precision_plugin
 
-        def clip_gradients(optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
-            inner = getattr(optimizer, "optimizer", optimizer)
-            if isinstance(inner, HybridAdamW) and str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)) == "norm":
-                inner.max_grad_norm = float(clip_val) if clip_val and clip_val > 0 else None
-                return
-            original(optimizer, clip_val, gradient_clip_algorithm)
-
-        plugin.clip_gradients = clip_gradients
-
-    def _pipeline_optimizer_steps(self) -> None:
-        """With a HybridAdamW whose layers follow the blocks, ``optimizer.step`` starts a
-        layer-pipelined update in forward order and returns: the next forward stages block j as soon
-        as block j is updated (the plan's ``pipelined`` optimizer). Otherwise steps stay serial."""
+    def _plan_pipelined_steps(self) -> None:
+        """With a HybridAdamW whose layers follow the blocks, the plan's ``pipelined`` optimizer runs
+        as a layer-pipelined update in forward order (``precision.LazyTrainPrecision.optimizer_step``);
+        otherwise steps stay serial."""
         from lightning_lazytrain.optim import HybridAdamW
 
         self._pending_steps: list[Any] = []
-        pipelined = False
+        self._pipelined: dict[int, tuple[list, dict, list]] = {}
         ex = self.executor
         if ex is None or ex.params is None or ex.schedule.optimizer != "pipelined":
             return
@@ -195,32 +193,19 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             block_layer = {j: next(iter(groups[j])) for j in range(len(ex.stack))}
             first = [layer for layer in inner.layers if layer in groups[REST_GROUP]]
             rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
-            order = first + [block_layer[j] for j in range(len(ex.stack))] + rest
-
-            def step(closure: Any = None, inner: Any = inner, order: list = order, block_layer: dict = block_layer,
-                     first: list = first) -> Any:
-                loss = None
-                if closure is not None:
-                    with torch.enable_grad():
-                        loss = closure()
-                pipe = inner.step_pipelined(order)
-                self._pending_steps.append((pipe, block_layer, first))
-                return loss
-
-            inner.step = step
-            pipelined = True
-        if pipelined:
+            self._pipelined[id(inner)] = (first + [block_layer[j] for j in range(len(ex.stack))] + rest,
+                                          block_layer, first)
+        if self._pipelined:
             ex.wait_updated = self._wait_updated
-            # Lightning zeroes the module's grads itself (e.g. before validation) while the update
-            # may still be reading them on the worker thread: make that wait for the update.
-            module = self.lightning_module
-            original_zero_grad = module.zero_grad
 
-            def zero_grad(*args: Any, **kwargs: Any) -> None:
-                self._finish_optimizer_steps()
-                original_zero_grad(*args, **kwargs)
+    def pipelined_order(self, optimizer: Any) -> list | None:
+        """The layer order of ``optimizer``'s pipelined step, or None (serial step)."""
+        entry = getattr(self, "_pipelined", {}).get(id(optimizer))
+        return None if entry is None else entry[0]
 
-            module.zero_grad = zero_grad  # removed again at teardown
+    def start_pipelined_step(self, optimizer: Any) -> None:
+        order, block_layer, first = self._pipelined[id(optimizer)]
+        self._pending_steps.append((optimizer.step_pipelined(order), block_layer, first))
 
     def _wait_updated(self, j: int) -> None:
         """The executor is about to stage block j (or, for REST_GROUP, the non-block weights)."""
@@ -369,7 +354,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         ex.set_schedule(plan.schedule)
         plan.timings["executor"] = time.perf_counter() - t0
         self.plan = plan
-        self._pipeline_optimizer_steps()  # the plan decides: serial or pipelined optimizer
+        self._plan_pipelined_steps()  # the plan decides: serial or pipelined optimizer
         from lightning_lazytrain.report import format_table
 
         rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
@@ -432,9 +417,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         self._finish_optimizer_steps()
-        module = self.lightning_module
-        if module is not None and "zero_grad" in vars(module):
-            del module.zero_grad  # the wrapper installed by _pipeline_optimizer_steps
+        self._pipelined = {}
         self._end_inference()
         if self.executor is not None:
             module = self.lightning_module

@@ -180,3 +180,28 @@ def test_state_dict_waits_for_inflight_step() -> None:
     opt.step_pipelined()
     sd = opt.state_dict()  # must see the finished step, not a half-updated one
     assert all(s["step"].item() == 1 for s in sd["state"].values())
+
+
+def test_grads_set_to_none_during_a_pipelined_step_do_not_change_it() -> None:
+    """Lightning zeroes the module's grads (set_to_none) before validation while a pipelined update
+    may still run: the update uses the grads as they were when the step started."""
+    serial_model, piped_model = make_model(), make_model()
+    serial, piped = make_opt(serial_model, "none"), make_opt(piped_model, "none")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
+    for model in (serial_model, piped_model):
+        model(x).pow(2).mean().backward()
+    serial.step()
+    release = threading.Event()
+    original = piped._update_layer
+
+    def slow_update(layer, plan):  # hold the worker at layer 0 until the grads are gone
+        if layer == 0:
+            release.wait(timeout=10)
+        original(layer, plan)
+
+    piped._update_layer = slow_update  # test-only instrumentation of the worker
+    handle = piped.step_pipelined(order=list(range(N_LAYERS)))
+    piped_model.zero_grad(set_to_none=True)
+    release.set()
+    handle.wait_all()
+    assert all(torch.equal(a, b) for a, b in zip(all_tensors(serial_model, serial), all_tensors(piped_model, piped)))

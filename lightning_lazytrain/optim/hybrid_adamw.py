@@ -59,6 +59,10 @@ class _GroupHyper:
 class _StepPlan:
     clip: ClipDecision
     hyper: list[_GroupHyper]
+    # Every parameter's .grad, read on the calling thread when the step starts: a pipelined step's
+    # worker must not see a zero_grad(set_to_none=True) that runs meanwhile (Lightning's, before
+    # validation), which would silently skip the layers it had not reached.
+    grads: dict[int, torch.Tensor]
 
 
 class HybridAdamW(Optimizer):
@@ -253,7 +257,8 @@ class HybridAdamW(Optimizer):
             )
             for g in self.param_groups
         ]
-        return _StepPlan(clip=decision, hyper=hyper)
+        grads = {id(p): p.grad for g in self.param_groups for p in g["params"] if p.grad is not None}
+        return _StepPlan(clip=decision, hyper=hyper, grads=grads)
 
     def _update_layer(self, layer: Hashable, plan: _StepPlan) -> None:
         scale = plan.clip.scale
@@ -261,7 +266,7 @@ class HybridAdamW(Optimizer):
             hp = plan.hyper[gi]
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in self.param_groups[gi]["params"]:
-                grad = p.grad  # read once: another thread may set it to None meanwhile
+                grad = plan.grads.get(id(p))
                 if grad is None:
                     continue
                 state = self.state[p]
