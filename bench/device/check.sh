@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The device validation kit: one call that proves the CUDA path on a lent GPU machine.
+#
+#   bash bench/device/check.sh OUTDIR              # on the GPU machine (no network): < 8 minutes
+#   bash bench/device/check.sh --rehearse OUTDIR   # here, on the CPU: every stage that can run without CUDA
+#
+# 1. Packages: if any module the project needs is missing (the GPU image lacks pyomo, highspy,
+#    hydra-core, omegaconf, bitsandbytes, jsonargparse), install the carried wheels of
+#    bench/device/wheels/ (made by fetch_wheels.py) offline into $KIT_SITE (default OUTDIR/site):
+#    `pip install --no-index --no-deps --target`; without pip, the wheels are unpacked.
+#    PYTHONPATH=$KIT_SITE:<repo root>. OUTDIR/site is removed at the end (it would travel back
+#    with the results) unless KIT_KEEP_SITE=1.
+# 2. python bench/device/run_checks.py [--rehearse] OUTDIR: the stages, each in its own process
+#    with its own timeout; OUTDIR/results.json and OUTDIR/log.txt.
+# Exit status: 0 when no stage failed; 1 when one did; 2 when the kit could not run.
+# Environment: PYTHON (interpreter, default python3/python), KIT_SITE, KIT_KEEP_SITE, KIT_BUDGET_S
+# (seconds for all stages, default 450), KIT_ONLY (comma-separated stages), LAZYTRAIN_NVME_DIR.
+set -uo pipefail
+
+REHEARSE=()
+OUT=""
+for arg in "$@"; do
+  case "$arg" in
+    --rehearse) REHEARSE=(--rehearse) ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -*) echo "unknown option $arg" >&2; exit 2 ;;
+    *) OUT="$arg" ;;
+  esac
+done
+if [ -z "$OUT" ]; then
+  echo "usage: bash bench/device/check.sh [--rehearse] OUTDIR" >&2
+  exit 2
+fi
+
+KIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$KIT_DIR/../.." && pwd)"
+mkdir -p "$OUT" || exit 2
+OUT="$(cd "$OUT" && pwd)"
+SITE="${KIT_SITE:-$OUT/site}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+WHEELS="$KIT_DIR/wheels"
+T0=$(date +%s)
+cd "$REPO" || exit 2
+
+note() { echo "[check.sh] $*"; }
+
+# Modules the package and its tests import that the GPU image does not ship.
+NEEDED="pyomo.environ highspy hydra omegaconf bitsandbytes jsonargparse docstring_parser typeshed_client antlr4"
+missing() {
+  PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$@" <<'EOF'
+import importlib.util, sys
+miss = []
+for name in sys.argv[1:]:
+    top = name.split(".")[0]
+    try:
+        if importlib.util.find_spec(top) is None:
+            miss.append(name)
+    except Exception:
+        miss.append(name)
+print(" ".join(miss))
+EOF
+}
+
+note "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+MISSING="$(missing $NEEDED)"
+if [ -n "$MISSING" ]; then
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl)
+  if [ ${#wheels[@]} -eq 0 ]; then
+    note "missing modules: $MISSING, and no wheels in $WHEELS: run 'python bench/device/fetch_wheels.py' on a machine with pip access and carry bench/device/wheels"
+    exit 2
+  fi
+  note "missing modules: $MISSING; installing ${#wheels[@]} carried wheels into $SITE (offline)"
+  mkdir -p "$SITE"
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check -q --target "$SITE" "${wheels[@]}" \
+      || { note "pip install of the wheels failed"; exit 2; }
+  else
+    note "no pip: unpacking the wheels into $SITE"
+    "$PY" - "$SITE" "${wheels[@]}" <<'EOF' || { note "unpacking the wheels failed"; exit 2; }
+import sys, zipfile
+site = sys.argv[1]
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if info.filename.split("/", 1)[0].endswith(".data"):
+                continue  # scripts and headers: not needed to import
+            z.extract(info, site)
+EOF
+  fi
+  MISSING="$(missing $NEEDED)"
+  if [ -n "$MISSING" ]; then
+    note "still missing after installing the wheels: $MISSING (the wheel list is incomplete)"
+    exit 2
+  fi
+  note "installed in $(( $(date +%s) - T0 )) s"
+else
+  note "every needed module is importable: no wheels installed"
+fi
+
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" "$KIT_DIR/run_checks.py" "${REHEARSE[@]}" "$OUT"
+rc=$?
+if [ "$SITE" = "$OUT/site" ] && [ "${KIT_KEEP_SITE:-0}" != "1" ]; then
+  rm -rf "$SITE"
+fi
+note "exit $rc after $(( $(date +%s) - T0 )) s; results in $OUT/results.json"
+exit $rc

@@ -1,0 +1,207 @@
+"""Stage (e): throughput and memory of a ~1B-parameter LlamaLM: MILP plan vs megatrain vs plain.
+
+CUDA (bf16 compute, batch 8 x 1024): a ``LlamaLM`` built from a planner ``ModelSpec`` (20 layers,
+hidden 2048, GQA 16/4, SwiGLU 5632, vocab 32000: 1.03B parameters). The workload is measured on
+the device (``measure_workload``, optimizer time left out: the kit times forward + backward + the
+gradient write-back, not the host optimizer), the link speeds by ``autoplan.measure_hardware``.
+The cap is set 40% of the way from the smallest to the keep-all footprint, so the MILP plan must
+offload or recompute. Then, one after the other:
+
+* ``milp``: the plan solved at that cap;
+* ``megatrain``: MegaTrain's policy (K=4) on the same executor;
+* ``plain``: the model in bf16 on the GPU with plain autograd (everything resident).
+
+Each runs one warm-up step and ``--repeats`` timed steps (median reported): tokens/s, measured vs
+predicted step seconds, ``max_memory_allocated``/``max_memory_reserved`` against the predicted
+peak and the cap, the executor's tracked peak, and ``num_alloc_retries`` during the timed steps.
+
+Hard failures: the MILP plan's ``max_memory_allocated`` above the cap; an executor's tracked peak
+above the predicted peak (the engine's own invariant). Speed, the allocator's retries and
+predicted-vs-measured are reported only.
+
+CPU rehearsal: the 4-layer tiny model in fp32, batch 2 x 32, no warm-up, one step per variant;
+figures recorded (no allocator figures on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+
+import torch
+
+from kit import GB, Stage, footprint_range, stage_main, tiny_spec
+from lightning_lazytrain.planner import ModelSpec, megatrain, min_memory, simulate, solve
+
+ONE_B = ModelSpec(name="kit-1b", num_layers=20, hidden=2048, intermediate=5632, heads=16, kv_heads=4, head_dim=128,
+                  vocab=32000)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps (default: 3 on CUDA, 1 on the CPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="default: 1 on CUDA, 0 on the CPU")
+    ap.add_argument("--cap-frac", type=float, default=0.4)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _retries() -> int:
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
+def time_steps(dev: str, step, warmup: int, repeats: int, between=None) -> dict:
+    """Run ``warmup`` + ``repeats`` steps, timing the latter; ``between()`` runs untimed after each."""
+    for _ in range(warmup):
+        step()
+        if between is not None:
+            between()
+    _sync(dev)
+    out: dict = {}
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        retries0 = _retries()
+    times = []
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+        if between is not None:
+            between()
+    out["step_seconds"] = times
+    out["median_step_seconds"] = statistics.median(times)
+    if dev == "cuda":
+        out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
+        out["max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+        out["num_alloc_retries"] = _retries() - retries0
+    return out
+
+
+def body(st: Stage, args: argparse.Namespace) -> None:
+    from lightning_lazytrain.autoplan import measure_hardware
+    from lightning_lazytrain.engine.executor import Executor
+    from lightning_lazytrain.engine.profiler import measure_workload
+    from lightning_lazytrain.models import LlamaLM
+
+    dev = args.device
+    cuda = dev == "cuda"
+    spec = ONE_B if cuda else tiny_spec()
+    batch = args.batch or (8 if cuda else 2)
+    seq = args.seq or (1024 if cuda else 32)
+    warmup = args.warmup if args.warmup is not None else (1 if cuda else 0)
+    repeats = args.repeats if args.repeats is not None else (3 if cuda else 1)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    ntok = batch * seq
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    if cuda:  # initialise on the GPU (seconds instead of a minute on the host), keep the master on the host
+        with torch.device("cuda"):
+            model = LlamaLM(spec)
+        model = model.cpu()
+        torch.cuda.empty_cache()
+    else:
+        model = LlamaLM(spec)
+    nparams = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, spec.vocab, (batch, seq + 1), device=dev)
+    st.figures.update({"model": spec.name, "parameters": nparams, "batch": [batch, seq], "dtype": str(dtype),
+                       "build_seconds": round(time.perf_counter() - t0, 2), "warmup": warmup, "repeats": repeats})
+    print(f"{spec.name}: {nparams / 1e9:.3f}B parameters, batch {batch} x {seq}, {dtype}", flush=True)
+
+    # Workload measured on this device (optimizer time excluded: not timed here).
+    t0 = time.perf_counter()
+    m = copy.deepcopy(model)
+    ex = Executor(m, min_memory(spec.num_layers), device=dev, compute_dtype=dtype, nvme_dir=args.workdir)
+    try:
+        wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=ntok, warmup=1, opt_params_per_s=1e18)
+    finally:
+        ex.close()
+    m = ex = None  # free the profile's copy before the timed variants
+    gc.collect()
+    hw = measure_hardware(torch.device(dev), opt_params_per_s=1e18)
+    lo, hi = footprint_range(wl, hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
+    cap = lo + args.cap_frac * (hi - lo)
+    hw = hw.replace(gpu_memory_cap_bytes=cap)
+    sol = solve(wl, hw)
+    st.figures.update({"profile_and_solve_seconds": round(time.perf_counter() - t0, 2),
+                       "h2d_gb_per_s": hw.h2d_bytes_per_s / GB, "d2h_gb_per_s": hw.d2h_bytes_per_s / GB,
+                       "footprint_min_gb": lo / GB, "footprint_keep_all_gb": hi / GB, "cap_gb": cap / GB,
+                       "milp": {"status": sol.status, "homes": list(sol.schedule.homes),
+                                "keep_internals": list(sol.schedule.keep_internals),
+                                "resident_weights": list(sol.schedule.resident_weights)}})
+    print(f"cap {cap / GB:.4g} GB (smallest {lo / GB:.4g}, keep-all {hi / GB:.4g}); MILP {sol.status}: "
+          f"homes {''.join(h[0] for h in sol.schedule.homes)}", flush=True)
+
+    variants: dict[str, dict] = {}
+    for name, schedule in (("milp", sol.schedule), ("megatrain", megatrain(spec.num_layers, 4))):
+        pred = simulate(schedule, wl, hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
+        m = copy.deepcopy(model)
+        ex = Executor(m, schedule, device=dev, compute_dtype=dtype, nvme_dir=args.workdir)
+        peaks = []
+
+        def step(ex=ex, m=m, peaks=peaks):
+            ex.begin_microbatch()
+            m.loss(tokens).backward()
+            stats = ex.end_microbatch()
+            peaks.append(stats.peak_tracked_bytes)
+
+        try:
+            r = time_steps(dev, step, warmup, repeats, between=ex.params.zero_grad)
+        finally:
+            ex.close()
+        m = ex = step = None  # drop this variant's host copy before the next one
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        r.update({"tokens_per_s": ntok / r["median_step_seconds"], "predicted_step_seconds": pred.iteration_seconds,
+                  "measured_over_predicted": r["median_step_seconds"] / pred.iteration_seconds,
+                  "predicted_peak_gb": pred.peak_gpu_bytes / GB, "tracked_peak_gb": max(peaks) / GB,
+                  "homes": "".join(h[0] for h in schedule.homes)})
+        if cuda:  # what the allocator saw that the executor does not track (logits, a block's transients, ...)
+            r["untracked_gb"] = r["max_memory_allocated_gb"] - max(peaks) / GB
+            r["over_cap_gb"] = r["max_memory_allocated_gb"] - cap / GB
+        variants[name] = r
+        st.check(max(peaks) <= pred.peak_gpu_bytes,
+                 f"{name}: tracked peak {max(peaks) / GB:.3f} GB > predicted peak {pred.peak_gpu_bytes / GB:.3f} GB")
+        if cuda and name == "milp":
+            st.check(r["max_memory_allocated_gb"] * GB <= cap,
+                     f"milp: max_memory_allocated {r['max_memory_allocated_gb']:.2f} GB > cap {cap / GB:.2f} GB "
+                     f"(predicted peak {pred.peak_gpu_bytes / GB:.2f} GB)")
+        if cuda and r["num_alloc_retries"]:
+            st.note(f"{name}: {r['num_alloc_retries']} allocator retries during the timed steps")
+        print(f"{name:<10} {r['tokens_per_s']:,.0f} tok/s, step {r['median_step_seconds']:.3f} s "
+              f"(predicted {pred.iteration_seconds:.3f}), tracked peak {max(peaks) / GB:.4g} GB "
+              f"(predicted {pred.peak_gpu_bytes / GB:.4g})"
+              + (f", max allocated {r['max_memory_allocated_gb']:.2f} GB, reserved {r['max_memory_reserved_gb']:.2f} GB"
+                 if cuda else ""), flush=True)
+
+    # Plain PyTorch: the whole model on the device in the compute dtype, plain autograd.
+    plain = copy.deepcopy(model).to(device=dev, dtype=dtype)
+
+    try:
+        r = time_steps(dev, lambda: plain.loss(tokens).backward(), warmup, repeats,
+                       between=lambda: plain.zero_grad(set_to_none=True))
+        r["tokens_per_s"] = ntok / r["median_step_seconds"]
+        variants["plain"] = r
+        print(f"{'plain':<10} {r['tokens_per_s']:,.0f} tok/s, step {r['median_step_seconds']:.3f} s"
+              + (f", max allocated {r['max_memory_allocated_gb']:.2f} GB" if cuda else ""), flush=True)
+    except torch.OutOfMemoryError as e:
+        variants["plain"] = {"error": f"out of memory: {e}"[:300]}
+        st.note("plain PyTorch does not fit on this device")
+    plain = None
+    st.figures["variants"] = variants
+    if "plain" in variants and "tokens_per_s" in variants["plain"]:
+        for name in ("milp", "megatrain"):
+            variants[name]["vs_plain"] = variants[name]["tokens_per_s"] / variants["plain"]["tokens_per_s"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(stage_main("throughput", body, add_args))
