@@ -88,3 +88,31 @@ def test_killed_run_leaves_files_that_the_next_start_removes(tmp_path):
         assert spill_files(tmp_path) == []  # removed at the end of the step
     finally:
         ex.close()
+
+
+def test_spill_directory_removed_mid_run_fails_clearly_and_closes_cleanly(tmp_path):
+    """Fault injection: the spill directory disappears during a step. The step fails with an error
+    naming the file, nvme_dir and a fix; close() still runs every step (no leaked worker threads,
+    blocks restored) and does not raise the same failure again."""
+    import shutil
+    import threading
+
+    from lightning_lazytrain.engine.copy_engine import CopyError
+
+    before = threading.active_count()
+    model = LlamaLM(SPEC)
+    ex = Executor(model, NVME, nvme_dir=tmp_path)
+    tokens = torch.randint(0, SPEC.vocab, (2, 17))
+    ex.begin_microbatch()
+    shutil.rmtree(ex.acts.spill.path)  # the drive's directory vanishes before the first spill write
+    with pytest.raises(CopyError) as info:
+        model.loss(tokens).backward()
+        ex.end_microbatch()
+    message = str(info.value)
+    assert ".spill" in message and f"nvme_dir={tmp_path}" in message and "Fix:" in message
+    ex.close()  # must not raise the same failure again
+    assert all("forward" not in vars(b) for b in model.layers)
+    deadline = time.time() + 5
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before

@@ -22,6 +22,7 @@ starts. Within one lane the order is the submission order.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LANES",
@@ -314,7 +317,8 @@ class CopyEngine(ABC):
             raise ValueError(f"nvme_write needs a host tensor, got one on {src.device}")
         fpath = os.fspath(path)
         worker = self._nvme_workers["nvme_write"]
-        h = worker.submit(nbytes_of(src), lambda: write_tensor(fpath, src, direct=direct), list(after), tag, (src,))
+        h = worker.submit(nbytes_of(src), lambda: _spill_io("writing", fpath, write_tensor, src, direct), list(after),
+                          tag, (src,))
         return self._track(h)
 
     def nvme_read(
@@ -334,7 +338,8 @@ class CopyEngine(ABC):
             raise ValueError("nvme_read needs a contiguous host tensor as destination")
         fpath = os.fspath(path)
         worker = self._nvme_workers["nvme_read"]
-        h = worker.submit(nbytes_of(dst), lambda: read_tensor(fpath, dst, direct=direct), list(after), tag, (dst,))
+        h = worker.submit(nbytes_of(dst), lambda: _spill_io("reading", fpath, read_tensor, dst, direct), list(after),
+                          tag, (dst,))
         return self._track(h)
 
     def record_compute(self) -> CopyHandle:
@@ -352,17 +357,28 @@ class CopyEngine(ABC):
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def synchronize(self) -> None:
-        """Wait for every copy submitted so far (re-raises the first failure)."""
+        """Wait for every copy submitted so far; then re-raise the first failure."""
         with self._stats_lock:
             pending, self._pending = self._pending, []
+        first: CopyError | None = None
         for h in pending:
-            h.wait()
+            try:
+                h.wait()
+            except CopyError as err:
+                first = first or err
+        if first is not None:
+            raise first
 
     def close(self) -> None:
+        """Wait for the copies in flight and stop the workers. Never raises for a failed copy: the
+        failure was (or will never be) reported where the copy was waited for; closing must still
+        release threads and buffers."""
         if self._closed:
             return
         try:
             self.synchronize()
+        except CopyError as err:
+            log.warning("closing the copy engine after a failed copy: %s", err)
         finally:
             self._closed = True
             self._close_workers()
@@ -398,3 +414,15 @@ def make_copy_engine(
     from lightning_lazytrain.engine.copy_cpu import ThreadCopyEngine
 
     return ThreadCopyEngine(links)
+
+
+def _spill_io(what: str, path: str, fn: Callable[..., Any], t: torch.Tensor, direct: bool) -> None:
+    """Run a spill-file transfer; an OS error names the file, its directory and a fix."""
+    try:
+        fn(path, t, direct=direct)
+    except OSError as err:
+        directory = os.path.dirname(os.path.dirname(path)) or "."
+        raise OSError(err.errno, f"{what} spill file {path} failed ({err.strerror or err}); the NVMe spill "
+                      f"directory (nvme_dir={directory}) is full, was removed or is not writable. Fix: free space "
+                      "on that drive, keep the directory in place while training runs, or choose another "
+                      "nvme_dir (or a plan with fewer activations on NVMe).") from err

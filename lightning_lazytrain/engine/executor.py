@@ -46,7 +46,7 @@ from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks
 from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheReplay, ForwardState, HookCapture,
                                                  UnsupportedBlockPattern)
-from lightning_lazytrain.engine.copy_engine import LinkSpec, make_copy_engine
+from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.planner.schedule import Schedule
@@ -196,11 +196,34 @@ class Executor:
         return forward
 
     def close(self) -> None:
-        """Restore the blocks, free device buffers, worker threads and spill files."""
-        self.disarm()
+        """Restore the blocks, free device buffers, worker threads and spill files.
+
+        Every step runs even if an earlier one fails (a failed copy must not leave threads, spill
+        files or patched blocks behind); copy failures were reported where they were waited for and
+        are only logged here; any other error is raised once everything is closed."""
+        errors: list[BaseException] = []
+
+        def run(step: Callable[[], Any]) -> None:
+            try:
+                step()
+            except CopyError as err:
+                log.warning("lazytrain: closing after a failed copy: %s", err)
+            except Exception as err:  # noqa: BLE001 - re-raised below, after the other steps
+                errors.append(err)
+
+        run(self.disarm)
         if self._micro is not None:
-            self._exit.close()
             self._micro = None
+            run(self._exit.close)
+        run(self._restore_blocks)
+        for part in (self.acts, self.params):
+            if part is not None:
+                run(part.close)
+        run(self.engine.close)
+        if errors:
+            raise errors[0]
+
+    def _restore_blocks(self) -> None:
         for j, block in enumerate(self.stack):
             if j in self._orig:
                 original = self._orig.pop(j)
@@ -208,11 +231,6 @@ class Executor:
                     block.forward = original  # the block had an instance-level forward of its own
                 else:
                     del block.forward  # the class's forward again (a later class-level patch is seen)
-        if self.acts is not None:
-            self.acts.close()
-        if self.params is not None:
-            self.params.close()
-        self.engine.close()
 
     def slot_of(self, j: int) -> int:
         return self.resident_slot.get(j, j % 2)

@@ -480,12 +480,14 @@ class ParamStore:
         """Finish copies and drop the device buffers; the module keeps its host masters."""
         if any(s.bound for s in self._slots):
             raise RuntimeError("close() inside bind()")
-        self.engine.synchronize()
-        for s in self._slots:
-            s.gid, s.ready, s.free, s.wrappers = None, None, None, []
-        self._slots = []
-        if self._own_engine:
-            self.engine.close()
+        try:
+            self.engine.synchronize()
+        finally:
+            for s in self._slots:
+                s.gid, s.ready, s.free, s.wrappers = None, None, None, []
+            self._slots = []
+            if self._own_engine:
+                self.engine.close()
 
 
 def _follower(pairs: list) -> Any:
