@@ -157,9 +157,23 @@ def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp"
 
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """The ``Schedule`` of a plan.json (the file ``lazytrain-plan`` or a run writes, or a bare
+    schedule); every problem is a ValueError that names the file."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"policy {str(path)!r} is neither one of {POLICIES} nor an existing plan.json file")
-    data = json.loads(p.read_text())
-    return Schedule.from_json(data.get("schedule", data))
-
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"plan file {p} is not readable JSON ({err}); write it with lazytrain-plan or a "
+                         "previous run's plan.json") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"plan file {p} holds a {type(data).__name__}, not a plan (an object with a 'schedule')")
+    body = data.get("schedule", data)
+    if not isinstance(body, dict) or "homes" not in body:
+        raise ValueError(f"plan file {p} has no schedule (expected a 'schedule' object with 'homes', "
+                         f"'keep_internals', ...; found keys {sorted(data)})")
+    try:
+        return Schedule.from_json(body)
+    except Exception as err:  # the planner's own validation: version, lengths, homes
+        raise ValueError(f"plan file {p} holds an invalid schedule: {err}") from err

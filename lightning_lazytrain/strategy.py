@@ -27,13 +27,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import POLICIES, AutoPlan, measure_hardware, plan_from_workload
+from lightning_lazytrain.autoplan import POLICIES, AutoPlan, load_schedule, measure_hardware, plan_from_workload
+from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
-from lightning_lazytrain.engine.profiler import workload_from_stats
-from lightning_lazytrain.engine.nvme import check_nvme_dir
+from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
-from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
+from lightning_lazytrain.engine.profiler import workload_from_stats
+from lightning_lazytrain.planner import Hardware, Schedule, min_memory, recompute_all
 from lightning_lazytrain.precision import LazyTrainPrecision, with_lazytrain_precision
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,22 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         blocks: dotted path of the block stack (default: found automatically).
         emulate_link_gb_per_s: on CPU, make host<->"device" copies take the time of a link of this
             speed (to study overlap without a GPU).
+        verify_checkpoints: check a checkpoint's CRCs before resuming from it (checkpoints are
+            always written atomically); see ``checkpoint_io.VerifiedCheckpointIO``.
     """
 
     strategy_name = "lazytrain"
 
     def __init__(self, hardware: str | Hardware = "measure", gpu_memory_budget_gb: float | None = None,
                  nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,
-                 emulate_link_gb_per_s: float | None = None, device: str | torch.device | None = None,
-                 accelerator: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None) -> None:
-        super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
+                 emulate_link_gb_per_s: float | None = None, verify_checkpoints: bool = True,
+                 device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
+                 precision_plugin: Any = None) -> None:
+        super().__init__(device=device or "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)
-        if policy not in POLICIES and not os.path.isfile(str(policy)):
-            raise ValueError(f"policy={policy!r}: use one of {POLICIES} or the path of a plan.json")
+        self._fixed_schedule = self._validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy,
+                                                      emulate_link_gb_per_s)
         self._device_given = device is not None
         self.hardware = hardware
         self.gpu_memory_budget_gb = gpu_memory_budget_gb
@@ -85,6 +90,32 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self._full_microbatches = False  # every micro-batch writes all grads back (see _begin_microbatch)
         self._pending_metrics: dict[str, float] = {}
         self._inference = contextlib.ExitStack()
+
+    @staticmethod
+    def _validate_options(hardware: Any, budget: Any, nvme_dir: Any, policy: Any, link: Any) -> Schedule | None:
+        """Bad options fail here, named as the user wrote them (not later, in bytes)."""
+        for name, value in (("gpu_memory_budget_gb", budget), ("emulate_link_gb_per_s", link)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name}={value!r}: must be a number of GB{'/s' if 'link' in name else ''} > 0 "
+                                 "(or None)")
+        if not isinstance(hardware, Hardware):
+            if not isinstance(hardware, str):
+                raise ValueError(f"hardware={hardware!r}: use 'measure', a profile name or a planner.Hardware")
+            if hardware != "measure":
+                from lightning_lazytrain.config import load_hardware
+                from lightning_lazytrain.planner import InvalidInput
+
+                try:
+                    load_hardware(hardware)
+                except InvalidInput as err:
+                    raise ValueError(f"hardware={hardware!r}: {err}") from err
+        if policy in POLICIES:
+            return None
+        schedule = load_schedule(policy)  # names the file in every error
+        if "nvme" in schedule.homes and nvme_dir is None:
+            raise ValueError(f"plan file {policy} puts activations on NVMe: pass nvme_dir= (a directory on an "
+                             "NVMe drive), or use a plan without NVMe homes")
+        return schedule
 
     # ---- device --------------------------------------------------------------------------------
     @property
@@ -107,6 +138,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         device = self.root_device
         if self.nvme_dir is not None:
             check_nvme_dir(self.nvme_dir)
+            remove_stale_spill_dirs(self.nvme_dir)  # crashed runs' leftovers, whatever this plan uses
         links = None
         if self.emulate_link_gb_per_s is not None and device.type == "cpu":
             bw = self.emulate_link_gb_per_s * 1e9
@@ -122,6 +154,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
 
         stack = find_blocks(module, self.blocks)
         L_provisional = len(stack)
+        if self._fixed_schedule is not None and self._fixed_schedule.num_layers != L_provisional:
+            raise ValueError(f"plan file {self.policy} is for {self._fixed_schedule.num_layers} layers, but the "
+                             f"block stack {stack.path!r} has {L_provisional}: plan for this model")
         provisional = min_memory(L_provisional) if device.type == "cuda" else recompute_all(L_provisional)
         self.executor = Executor(module, provisional, blocks=stack, device=device,
                                  compute_dtype=_COMPUTE_DTYPE.get(precision, torch.float32), nvme_dir=self.nvme_dir,
@@ -364,16 +399,21 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             plan.write(out)
 
     def _hardware(self) -> Hardware:
-        if isinstance(self.hardware, Hardware):
-            return self.hardware
+        """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
+        gets no NVMe tier (there is nowhere to spill)."""
         if self.hardware == "measure":
             return measure_hardware(self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
                                     nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
-        from lightning_lazytrain.config import load_hardware
+        if isinstance(self.hardware, Hardware):
+            hw = self.hardware
+        else:
+            from lightning_lazytrain.config import load_hardware
 
-        hw = load_hardware(self.hardware)
+            hw = load_hardware(self.hardware)
         if self.gpu_memory_budget_gb is not None:
             hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
+        if self.nvme_dir is None and hw.nvme_capacity_bytes:
+            hw = hw.replace(nvme_capacity_bytes=0.0, nvme_read_bytes_per_s=0.0, nvme_write_bytes_per_s=0.0)
         return hw
 
     # ---- evaluation ---------------------------------------------------------------------------
