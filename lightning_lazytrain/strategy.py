@@ -75,6 +75,11 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self._fixed_schedule = self._validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy,
                                                       emulate_link_gb_per_s)
         self._device_given = device is not None
+        # Set by Lightning from Trainer(devices=..., num_nodes=...) (it fills these attributes when
+        # a strategy has them): the device to train on, and a clear refusal of several.
+        self.parallel_devices: list[torch.device] | None = None
+        self.num_nodes = 1
+        self._hardware_measured: Hardware | None = None
         self.hardware = hardware
         self.gpu_memory_budget_gb = gpu_memory_budget_gb
         self.nvme_dir = nvme_dir
@@ -124,11 +129,23 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         if self._device_given:
             return self._root_device
         if isinstance(self.accelerator, CUDAAccelerator):
+            if self.parallel_devices:
+                return torch.device(self.parallel_devices[0])  # Trainer(devices=[1]) -> cuda:1
             return torch.device("cuda", torch.cuda.current_device())
         if self.accelerator is None or isinstance(self.accelerator, CPUAccelerator):
             return torch.device("cpu")
         raise RuntimeError(f"strategy='lazytrain' runs on a CUDA GPU or the CPU, not on {type(self.accelerator).__name__}; "
                            "use Trainer(accelerator='gpu') or accelerator='cpu'")
+
+    @override
+    def setup_environment(self) -> None:
+        devices = self.parallel_devices or []
+        if len(devices) > 1 or self.num_nodes > 1:
+            raise ValueError(
+                f"strategy='lazytrain' trains on one device, but the Trainer asks for {len(devices)} device(s) on "
+                f"{self.num_nodes} node(s) ({', '.join(map(str, devices))}): pass devices=1 (or devices=[i] to pick "
+                "one GPU) and num_nodes=1. Several GPUs are not supported yet; nothing was trained.")
+        super().setup_environment()
 
     @override
     def model_to_device(self) -> None:
@@ -143,6 +160,11 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         if self.emulate_link_gb_per_s is not None and device.type == "cpu":
             bw = self.emulate_link_gb_per_s * 1e9
             links = {"h2d": LinkSpec(bw, 0.0), "d2h": LinkSpec(bw, 0.0)}
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if self.hardware == "measure" and fitting:  # free device memory before the executor's slots exist
+            self._hardware_measured = measure_hardware(device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
+                                                       nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if precision not in _COMPUTE_DTYPE:
             raise ValueError(f"precision={precision!r} is not supported by strategy='lazytrain': use one of "
@@ -402,8 +424,11 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
         gets no NVMe tier (there is nowhere to spill)."""
         if self.hardware == "measure":
-            return measure_hardware(self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
-                                    nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
+            if self._hardware_measured is None:
+                self._hardware_measured = measure_hardware(
+                    self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb, nvme_dir=self.nvme_dir,
+                    link_gb_per_s=self.emulate_link_gb_per_s)
+            return self._hardware_measured
         if isinstance(self.hardware, Hardware):
             hw = self.hardware
         else:
@@ -466,6 +491,7 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             self.executor.close()
             self.executor = None
         self.plan = None
+        self._hardware_measured = None
         self._tokens = None
         self._pending_metrics = {}
         super().teardown()

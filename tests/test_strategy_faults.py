@@ -112,3 +112,20 @@ def test_corrupted_checkpoint_is_refused_and_saves_are_atomic(tmp_path):
     with pytest.raises(CorruptCheckpoint, match=r"two\.ckpt .*(CRC|damaged|intact).*earlier checkpoint"):
         trainer(LazyTrainStrategy(), tmp_path, max_steps=3).fit(Net(), train_dataloaders=loader(), ckpt_path=ckpt)
     assert os.path.getsize(ckpt) == len(raw)
+
+
+def test_several_devices_are_refused_before_training(tmp_path):
+    module = Net()
+    with pytest.raises(ValueError, match=r"trains on one device, but the Trainer asks for 2 device\(s\)"):
+        trainer(LazyTrainStrategy(), tmp_path, max_steps=1, devices=2).fit(module, train_dataloaders=loader())
+    assert module.calls["training_step"] == 0
+
+
+def test_the_chosen_gpu_is_the_root_device():
+    """Trainer(devices=[1]) fills parallel_devices; the strategy must not fall back to cuda:0."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    strategy = LazyTrainStrategy()
+    strategy.accelerator = CUDAAccelerator()
+    strategy.parallel_devices = [torch.device("cuda", 1)]
+    assert strategy.root_device == torch.device("cuda", 1)

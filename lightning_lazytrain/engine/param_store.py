@@ -200,11 +200,13 @@ class ParamStore:
                     info.param.grad = self._view(g.grad, info)
 
     def _move_buffers(self) -> None:
-        # Buffers (rotary tables, masks) are small: resident on the device.
+        # Buffers (rotary tables, masks) are small: resident on the device; ``close`` moves them back.
+        self._moved_buffers: list[tuple[nn.Module, str, torch.device]] = []
         for m in self.module.modules():
             for name, b in m._buffers.items():
                 if b is not None and b.device != self.device:
                     m._buffers[name] = b.to(self.device)
+                    self._moved_buffers.append((m, name, b.device))
 
     def _new_slot(self, numel: int, pin: bool) -> _Slot:
         # Gradient buffers are allocated at the first bind with grads: a slot used only for
@@ -486,6 +488,10 @@ class ParamStore:
             for s in self._slots:
                 s.gid, s.ready, s.free, s.wrappers = None, None, None, []
             self._slots = []
+            for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)
+                if m._buffers.get(name) is not None:
+                    m._buffers[name] = m._buffers[name].to(device)
+            self._moved_buffers = []
             if self._own_engine:
                 self.engine.close()
 
