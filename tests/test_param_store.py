@@ -289,3 +289,14 @@ def test_cuda_streaming_matches_reference(dtype: torch.dtype) -> None:
         assert p.grad.device.type == "cpu" and p.grad.dtype == torch.float32
         assert torch.allclose(p.grad, q.grad.float().cpu(), **tol), n
     ps.close()
+
+
+@gpu
+@needs_cuda
+def test_buffers_go_back_to_the_host_at_close() -> None:
+    m = Tiny()
+    m.register_buffer("scale", torch.ones(3))
+    ps = ParamStore(m, device="cuda")
+    assert m.scale.device.type == "cuda"
+    ps.close()
+    assert m.scale.device.type == "cpu"
