@@ -1,7 +1,8 @@
 """Typed Hydra configs for the planner app (and, later, the trainer), and their conversion into the
 planner's types.
 
-The YAML files live in ``conf/`` at the repository root::
+The YAML files live in ``conf/`` at the repository root (a wheel ships them as ``lightning_lazytrain/conf``;
+``CONF_DIR`` is whichever is installed)::
 
     conf/plan.yaml            the ``lazytrain-plan`` app (defaults + solver options)
     conf/hardware/*.yaml      -> HardwareConfig -> planner.Hardware   (to_hardware)
@@ -34,8 +35,19 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from .planner import Hardware, MilpOptions, ModelSpec, TrainSpec
 from .planner.errors import InvalidInput
 
-#: ``conf/`` at the repository root (this package is installed editable from the repository).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _find_conf_dir() -> Path:
+    """The Hydra config directory: ``lightning_lazytrain/conf`` inside an installed wheel (pyproject maps the
+    repository's ``conf/`` there), else ``conf/`` next to the package (a source checkout, ``pip install -e .``)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "plan.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"lightning_lazytrain: no Hydra configs in {here / 'conf'} or {here.parent / 'conf'} "
+                            "(a broken install: reinstall the package)")
+
+
+#: The directory holding ``plan.yaml``, ``train_app.yaml`` and the config groups (see ``_find_conf_dir``).
+CONF_DIR = _find_conf_dir()
 
 BATCH_MODES = ("auto", "paper")
 
