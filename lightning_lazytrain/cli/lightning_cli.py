@@ -9,12 +9,14 @@
 ``import lightning_lazytrain`` runs first, so the strategy names it registers (``lazytrain``,
 ``lazytrain_megatrain``) resolve in ``--trainer.strategy``. The model comes from ``--model.model_name``
 (``conf/model/<name>.yaml`` or a path to a model YAML) with ``--model.model_overrides`` applied, or from
-``--model.hf_config`` (a Hugging Face config dict; needs transformers). ``main(args=[...])`` runs the CLI
-in-process with the given arguments (tests use it) and returns the ``LightningCLI``.
+``--model.hf_config`` (a Hugging Face config dict; needs transformers). ``build_cli(args=[...])`` runs the CLI
+in-process with the given arguments (tests use it) and returns the ``LightningCLI``; ``main`` (the console
+script) returns the exit status 0.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import lightning_lazytrain  # noqa: F401  (registers the lazytrain strategies by name, when present)
@@ -28,9 +30,10 @@ except ImportError:  # pragma: no cover - not there yet, or broken: only the str
     pass
 
 
-def main(args: Optional[Sequence[str]] = None, *, run: bool = True, **kwargs: Any) -> Any:
-    """Console script ``lazytrain-cli``. ``args``: argument list instead of ``sys.argv[1:]``; ``run=False``:
-    parse and instantiate only (no subcommand); ``kwargs`` go to ``LightningCLI``."""
+def build_cli(args: Optional[Sequence[str]] = None, *, run: bool = True, **kwargs: Any) -> Any:
+    """The ``LightningCLI`` over ``CausalLMModule`` and ``StdlibTextDataModule``, after it ran (Python use and
+    tests). ``args``: argument list instead of ``sys.argv[1:]``; ``run=False``: parse and instantiate only (no
+    subcommand); ``kwargs`` go to ``LightningCLI``."""
     from lightning.pytorch.cli import LightningCLI
 
     kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -38,5 +41,12 @@ def main(args: Optional[Sequence[str]] = None, *, run: bool = True, **kwargs: An
                         run=run, **kwargs)
 
 
+def main(args: Optional[Sequence[str]] = None) -> int:
+    """Console script ``lazytrain-cli``: run the CLI and return the exit status (0; a bad argument exits 2 from
+    the parser, an exception propagates). The CLI object itself is ``build_cli``'s."""
+    build_cli(args)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
