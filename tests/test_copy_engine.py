@@ -263,3 +263,20 @@ def test_cuda_h2d_and_d2h_overlap() -> None:
         assert any(_overlaps(u, d) for u in ups for d in downs)
     finally:
         eng.close()
+
+
+@gpu
+@needs_cuda
+def test_compute_stamps_time_the_device_not_the_launch() -> None:
+    """Note: [one clock]: a kernel that runs ~50 ms but launches in microseconds is timed ~50 ms,
+    on the same clock as the copy records."""
+    from lightning_lazytrain.engine.trace import StepTrace
+
+    engine = make_copy_engine(torch.device("cuda"))
+    trace = StepTrace(stamp=engine.stamp, resolve=engine.stamp_seconds)
+    trace.window("F0")
+    with trace.timed("F0", "forward", 0):
+        torch.cuda._sleep(50_000_000)  # cycles: tens of ms on any current GPU
+    (seg,) = trace.compute
+    assert seg.end - seg.start > 0.005
+    engine.close()

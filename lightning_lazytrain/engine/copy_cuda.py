@@ -281,6 +281,20 @@ class CudaCopyEngine(CopyEngine):
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     # ---- timeline ----------------------------------------------------------
+    # Note: [one clock] Compute segments are timed with events on the compute stream, converted
+    # with the same anchor as the copies' events, so a timeline compares device times with device
+    # times (host timestamps would show kernel launches, not their execution).
+    def stamp(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def stamp_seconds(self, stamp: Any) -> float:
+        if not isinstance(stamp, torch.cuda.Event):
+            return float(stamp)
+        stamp.synchronize()
+        return self._ref_host + self._ref_event.elapsed_time(stamp) / 1e3
+
     def _reap(self) -> None:
         """Turn finished copies into records and drop their references."""
         with self._inflight_lock:

@@ -342,6 +342,17 @@ class CopyEngine(ABC):
                           tag, (dst,))
         return self._track(h)
 
+    # ---- one clock for compute and copies --------------------------------------------------
+    def stamp(self) -> Any:
+        """A timestamp of the compute stream's progress, on the clock copy records use: on CPU the
+        host's ``perf_counter`` (compute is synchronous); on CUDA an event recorded on the compute
+        stream (see ``CudaCopyEngine``), resolved by ``stamp_seconds`` once it has completed."""
+        return time.perf_counter()
+
+    def stamp_seconds(self, stamp: Any) -> float:
+        """``perf_counter`` seconds of a ``stamp`` (waits for a CUDA event to complete)."""
+        return float(stamp)
+
     def record_compute(self) -> CopyHandle:
         """A handle that finishes when the work queued so far on the compute stream has.
 

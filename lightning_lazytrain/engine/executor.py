@@ -321,7 +321,7 @@ class Executor:
             self.stats = StepStats()
             self.tracker.reset_peak()
             sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
-            self.trace = StepTrace(sync=sync)
+            self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync)
             self.trace.window("T")
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)

@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_lazytrain.engine.copy_engine import CopyRecord
 from lightning_lazytrain.planner.simulator import Segment
@@ -43,18 +44,32 @@ class DeviceTracker:
 class StepTrace:
     """Compute segments of one step plus the copy records, as ``Segment``s.
 
-    ``sync`` (``torch.cuda.synchronize`` when profiling on CUDA) is called at every mark, so that
-    host timestamps bound the device work; without it CUDA segments show launch times only."""
+    Times come from ``stamp`` / ``resolve`` (the copy engine's clock: host ``perf_counter`` on CPU,
+    compute-stream events on CUDA, Note: [one clock] in copy_cuda.py), resolved only when read, so
+    marking costs no synchronisation. ``sync`` (``torch.cuda.synchronize`` when profiling on CUDA)
+    is still called at every mark when given."""
 
-    t0: float = field(default_factory=time.perf_counter)
-    compute: list[Segment] = field(default_factory=list)
-    windows: list[tuple[str, float]] = field(default_factory=list)  # (name, start)
+    stamp: Callable[[], Any] = time.perf_counter
+    resolve: Callable[[Any], float] = float
     sync: Callable[[], None] | None = None
+    t0: float = field(default_factory=time.perf_counter)
+    _compute: list[tuple[str, str, int, Any, Any]] = field(default_factory=list)
+    _windows: list[tuple[str, Any]] = field(default_factory=list)
 
     def window(self, name: str) -> None:
         if self.sync is not None:
             self.sync()
-        self.windows.append((name, time.perf_counter() - self.t0))
+        self._windows.append((name, self.stamp()))
+
+    @property
+    def windows(self) -> list[tuple[str, float]]:
+        """(name, start) of every window mark, in seconds since ``t0``."""
+        return [(name, self.resolve(st) - self.t0) for name, st in self._windows]
+
+    @property
+    def compute(self) -> list[Segment]:
+        return [Segment(w, "compute", kind, index, self.resolve(a) - self.t0, self.resolve(b) - self.t0)
+                for w, kind, index, a, b in self._compute]
 
     def timed(self, window: str, kind: str, index: int):
         trace = self
@@ -63,25 +78,29 @@ class StepTrace:
             def __enter__(self):
                 if trace.sync is not None:
                     trace.sync()
-                self.start = time.perf_counter()
+                self.start = trace.stamp()
 
             def __exit__(self, *exc):
                 if trace.sync is not None:
                     trace.sync()
-                end = time.perf_counter()
-                trace.compute.append(Segment(window, "compute", kind, index, self.start - trace.t0, end - trace.t0))
+                trace._compute.append((window, kind, index, self.start, trace.stamp()))
 
         return _Timer()
 
-    def window_of(self, t: float) -> str:
-        name = self.windows[0][0] if self.windows else "?"
-        for w, start in self.windows:
+    @staticmethod
+    def _window_of(windows: list[tuple[str, float]], t: float) -> str:
+        name = windows[0][0] if windows else "?"
+        for w, start in windows:
             if start <= t:
                 name = w
         return name
 
+    def window_of(self, t: float) -> str:
+        return self._window_of(self.windows, t)
+
     def segments(self, records: list[CopyRecord]) -> list[Segment]:
-        out = list(self.compute)
+        out = self.compute
+        windows = self.windows
         for r in records:
             if r.start < self.t0:
                 continue
@@ -91,6 +110,6 @@ class StepTrace:
             except ValueError:
                 idx = -1
             start = r.start - self.t0
-            out.append(Segment(self.window_of(start), r.lane, _KIND.get(prefix, prefix), idx, start,
+            out.append(Segment(self._window_of(windows, start), r.lane, _KIND.get(prefix, prefix), idx, start,
                                r.end - self.t0, float(r.nbytes)))
         return sorted(out, key=lambda s: s.start)
