@@ -30,6 +30,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "status": ("status", "{}"),
     "speedup": ("speedup [x]", "{:.3f}"),
     "infeasible": ("note", "{}"),
+    "note": ("note", "{}"),
 }
 
 LANE_ORDER = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu")
@@ -83,27 +84,32 @@ def _is_number(text: str) -> bool:
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
     """Aligned plain-text table of ``rows`` (dicts). Columns: ``columns`` or the union of the rows' keys in
-    first-seen order; an ``infeasible`` key (a reason) goes last, as a ``note`` column. Known keys get a
-    header with its unit (see ``COLUMNS``); numbers are right-aligned, missing values shown as ``-``."""
+    first-seen order. The last column, ``note``, holds an ``infeasible`` key's reason (as "infeasible: ...",
+    the row's numbers shown as ``-``) or a ``note`` key's free text (e.g. a plan over its memory cap). Known
+    keys get a header with its unit (see ``COLUMNS``); numbers are right-aligned, missing values shown as
+    ``-``."""
     if not rows:
         return "(no rows)"
+    note_keys = ("infeasible", "note")
     if columns is None:
         columns = []
         for row in rows:
             for key in row:
                 if key not in columns:
                     columns.append(key)
-        if "infeasible" in columns:
-            columns.remove("infeasible")
-            columns.append("infeasible")
+    has_note = any(key in columns for key in note_keys)
+    columns = [key for key in columns if key not in note_keys] + (["note"] if has_note else [])
     headers = [COLUMNS.get(key, (key, ""))[0] for key in columns]
-    body = [[_cell(key, row.get(key)) if key in row else ("-" if key != "infeasible" else "")
-             for key in columns] for row in rows]
-    for r, row in enumerate(rows):  # an infeasible row: say so in the note column
-        if "infeasible" in row and "infeasible" in columns:
-            body[r][columns.index("infeasible")] = "infeasible: " + str(row["infeasible"])
+
+    def note(row: Mapping[str, Any]) -> str:
+        if "infeasible" in row:
+            return "infeasible: " + str(row["infeasible"])
+        return "" if row.get("note") in (None, "") else str(row["note"])
+
+    body = [[note(row) if key == "note" else (_cell(key, row.get(key)) if key in row else "-") for key in columns]
+            for row in rows]
     widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(headers)]
-    numeric = [all(_is_number(line[i]) or line[i] == "-" for line in body) and columns[i] != "infeasible"
+    numeric = [all(_is_number(line[i]) or line[i] == "-" for line in body) and columns[i] != "note"
                for i in range(len(columns))]
 
     def fmt(cells: Sequence[str]) -> str:

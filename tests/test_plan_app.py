@@ -180,3 +180,32 @@ def test_write_sweep_csv_roundtrip(tmp_path):
 def test_planner_error_is_a_value_error():
     # the CLI catches PlannerError; keep it a ValueError subclass so callers can catch either
     assert issubclass(PlannerError, ValueError)
+
+
+# ---- a plan over its cap (plan.window_memory=false) -------------------------------------------------------
+def test_plan_over_the_cap_is_marked_in_table_and_plan_json(tmp_path, capsys):
+    cfg = compose_cfg("hardware=h800", "model=qwen3.6-27b", "train.micro_batch_size=72", "plan.window_memory=false",
+                      "plan.plot=false")
+    row = plan_job(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    peak, cap = data["predicted"]["peak_gpu_bytes"], 70e9
+    assert peak > cap  # the aggregate memory sum lets one window exceed the cap
+    assert data["over_cap"] is True
+    gpu = data["over_cap_by"]["gpu_memory"]
+    assert gpu["excess_bytes"] == pytest.approx(peak - cap) and gpu["cap_bytes"] == cap and gpu["window"]
+    plan_line = next(line for line in printed.splitlines() if line.startswith("plan (milp)"))
+    assert f"OVER CAP: gpu_memory {peak / 1e9:.2f} GB in window {gpu['window']} > cap 70.00 GB" in plan_line
+    assert f"(+{(peak - cap) / 1e9:.2f} GB)" in plan_line
+    assert "warning: replayed window by window, the plan exceeds its budget" in printed
+    assert "plan.window_memory=true" in printed
+    assert row["over_cap"] is True and row["over_cap_gb"] == pytest.approx((peak - cap) / 1e9)
+
+
+def test_plan_within_the_cap_is_not_marked(tmp_path, capsys):
+    row = plan_job(compose_cfg(*SMALL, "plan.plot=false"), tmp_path)
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["over_cap"] is False and data["over_cap_by"] == {}
+    assert "OVER CAP" not in printed and "warning" not in printed
+    assert row["over_cap"] is False and row["over_cap_gb"] == 0.0

@@ -94,6 +94,11 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     else:
         print(f"policy: {result.schedule.policy} (no solver)", file=out)
     print(format_table(result.rows()), file=out)
+    if result.over_cap:
+        print(f"warning: replayed window by window, the plan exceeds its budget: {result.over_cap_note()}"
+              + ("; plan.window_memory=false checks memory as one aggregate sum (the paper's constraint), "
+                 "plan.window_memory=true keeps every window under the cap" if not options.window_memory else ""),
+              file=out)
     mega = result.baselines.get("megatrain")
     speedup = sim.tokens_per_second / mega.tokens_per_second if isinstance(mega, SimResult) else None
     if speedup is not None:
@@ -128,6 +133,8 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     row.update({"micro_batch_size": train.micro_batch_size, "batch_source": batch_source, "status": "ok",
                 "reason": "", **_sim_fields("plan", sim),
                 "plan_homes": "/".join(str(homes.get(h, 0)) for h in ("gpu", "cpu", "nvme", "recompute")),
+                "over_cap": result.over_cap,
+                "over_cap_gb": max((v["excess_bytes"] for v in result.violations), default=0.0) / GB,
                 "speedup": speedup, "solver_status": result.status, "mip_gap": solver.get("mip_gap"),
                 "solve_seconds": solver.get("solve_seconds")})
     if isinstance(mega, SimResult):

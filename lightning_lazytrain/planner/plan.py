@@ -12,7 +12,7 @@ from .solve import SolveResult, solve
 from .model import ModelSpec, TrainSpec
 from .policies import BASELINES, baseline, min_memory
 from .schedule import Schedule
-from .simulator import SimResult, simulate
+from .simulator import MEM_TOL, SimResult, simulate
 from .workload import Workload
 
 GB = 1e9
@@ -30,6 +30,22 @@ class PlanResult:
     baseline_schedules: dict[str, Schedule] = field(default_factory=dict)
     model: ModelSpec | None = None
     train: TrainSpec | None = None
+    # the budgets the replayed plan exceeds (see ``cap_violations``): only possible when the MILP checks memory
+    # as one aggregate sum (``MilpOptions.window_memory=False``, the paper's constraint)
+    violations: list[dict] = field(default_factory=list)
+
+    @property
+    def over_cap(self) -> bool:
+        return bool(self.violations)
+
+    def over_cap_note(self) -> str:
+        """Each exceeded budget and by how much, on one line ("" if none)."""
+        parts = []
+        for v in self.violations:
+            where = f" in window {v['window']}" if v.get("window") else ""
+            parts.append(f"{v['resource']} {v['need_bytes'] / GB:.2f} GB{where} > cap {v['cap_bytes'] / GB:.2f} GB "
+                         f"(+{v['excess_bytes'] / GB:.2f} GB)")
+        return "; ".join(parts)
 
     def to_json(self) -> dict:
         """The content of plan.json."""
@@ -37,6 +53,10 @@ class PlanResult:
                 for name, r in self.baselines.items()}
         return {
             "status": self.status,
+            "over_cap": self.over_cap,
+            "over_cap_by": {v["resource"]: {"excess_bytes": v["excess_bytes"], "need_bytes": v["need_bytes"],
+                                            "cap_bytes": v["cap_bytes"], "window": v.get("window")}
+                            for v in self.violations},
             "solver": self.solver,
             "schedule": self.schedule.to_json(),
             "predicted": self.sim.predicted(),
@@ -49,8 +69,11 @@ class PlanResult:
         }
 
     def rows(self) -> list[dict]:
-        """One row per schedule (this plan first) for the comparison table."""
+        """One row per schedule (this plan first) for the comparison table; a plan over a cap says so in its
+        ``note``."""
         out = [_row("plan (" + (self.schedule.policy or "milp") + ")", self.sim, self.schedule)]
+        if self.over_cap:
+            out[0]["note"] = "OVER CAP: " + self.over_cap_note()
         for name, r in self.baselines.items():
             out.append(_row(name, r, self.baseline_schedules.get(name)))
         return out
@@ -63,6 +86,16 @@ def _row(name: str, r: SimResult | str, s: Schedule | None) -> dict:
     return {"schedule": name, "iteration_s": r.iteration_seconds, "tokens_per_s": r.tokens_per_second,
             "tflops": r.tflops, "peak_gpu_gb": r.peak_gpu_bytes / GB, "exposed_s": r.exposed_transfer_seconds,
             "homes": "/".join(f"{counts.get(h, 0)}" for h in ("gpu", "cpu", "nvme", "recompute"))}
+
+
+def cap_violations(sim: SimResult, hw: Hardware) -> list[dict]:
+    """The budgets a replayed schedule exceeds (the checks ``simulate`` makes, as data): per resource the
+    need, the cap, the excess (bytes) and, for device memory, the peak window. Empty when it fits."""
+    checks = (("gpu_memory", sim.peak_gpu_bytes, hw.gpu_memory_cap_bytes, sim.peak_window),
+              ("cpu_memory", sim.peak_cpu_bytes, hw.cpu_memory_bytes, None),
+              ("nvme_capacity", sim.nvme_bytes, hw.nvme_capacity_bytes, None))
+    return [{"resource": name, "need_bytes": need, "cap_bytes": cap, "excess_bytes": need - cap, "window": window}
+            for name, need, cap, window in checks if need > cap + MEM_TOL]
 
 
 def evaluate_baselines(wl: Workload, hw: Hardware, K: int = 4) -> tuple[dict, dict]:
@@ -121,7 +154,8 @@ def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy:
         sim = simulate(schedule, wl, hardware)  # raises InfeasibleSchedule naming the resource
         status, solver = "policy", {"name": "none", "policy": schedule.policy}
     return PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,
-                      baselines=results, baseline_schedules=schedules, model=model, train=train)
+                      baselines=results, baseline_schedules=schedules, model=model, train=train,
+                      violations=cap_violations(sim, hardware))
 
 
 def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
