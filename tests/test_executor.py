@@ -278,3 +278,24 @@ def test_hugging_face_models_equal_plain_autograd(tmp_path, name, policy):
     assert torch.equal(loss, want)
     for (pname, p), q in zip(m.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), pname
+
+
+def test_profile_measures_transient_working_sets(reference, tmp_path):
+    """Real device bytes per window (live_bytes on CPU): every layer's forward and backward and the
+    loss head have a working set the plan must count; the head's holds at least the logits."""
+    model, tokens = reference
+    wl = measured(model, tokens, tmp_path)
+    logits = tokens.numel() * SPEC.vocab * 4
+    assert all(layer.fwd_work_bytes > 0 and layer.bwd_work_bytes > 0 for layer in wl.layers)
+    assert wl.head_work_bytes >= logits
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES["recompute_all"], nvme_dir=tmp_path)
+    ex.measure_memory = True
+    try:
+        ex.begin_microbatch()
+        m.loss(tokens).backward()
+        stats = ex.end_microbatch()
+    finally:
+        ex.close()
+    assert stats.real_peak_bytes >= stats.peak_tracked_bytes  # bookkeeping never exceeds reality
+    assert set(stats.window_peak_bytes) >= {"F0", "H", "B0"}

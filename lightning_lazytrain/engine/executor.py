@@ -47,6 +47,7 @@ from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, We
 from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheReplay, ForwardState, HookCapture,
                                                  UnsupportedBlockPattern)
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
+from lightning_lazytrain.engine.live_bytes import DeviceBytes
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.planner.schedule import Schedule
@@ -101,6 +102,12 @@ class StepStats:
     boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
     internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
     max_memory_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
+    # With ``Executor.measure_memory`` (always while profiling): real device bytes, not bookkeeping
+    # (``live_bytes``): per window, the transient working set (its real growth beyond what the
+    # executor tracks); over the step, the real peak.
+    window_work: dict[str, int] = field(default_factory=dict)
+    window_peak_bytes: dict[str, int] = field(default_factory=dict)
+    real_peak_bytes: int = 0
 
 
 class Executor:
@@ -128,6 +135,9 @@ class Executor:
         self._arm_handles: list = []
         self._adhoc_used = False
         self.profiling = False  # True: the trace synchronises the device at every mark (exact CUDA times)
+        self.measure_memory = False  # True: measure real device bytes per window (always while profiling)
+        self._mem: DeviceBytes | None = None
+        self._mem_open: tuple[str, int, int] | None = None
         self.set_schedule(schedule)
         self._install()
 
@@ -212,6 +222,7 @@ class Executor:
                 errors.append(err)
 
         run(self.disarm)
+        run(self._stop_memory)
         if self._micro is not None:
             self._micro = None
             run(self._exit.close)
@@ -275,6 +286,8 @@ class Executor:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:
             return
+        self._mem_open = None
+        self._stop_memory()
         assert self.acts is not None
         self._finish_grads()
         self._exit.close()
@@ -322,9 +335,10 @@ class Executor:
             self.tracker.reset_peak()
             sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
             self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync)
-            self.trace.window("T")
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+            self._start_memory()
+            self._window("T")
             # T's last ops: the updated non-block weights and layer 0's; the rest stays bound for the step
             if self.wait_updated is not None:
                 self.wait_updated(REST)
@@ -346,7 +360,7 @@ class Executor:
             self._flush_adhoc_grads()
             self._micro = None
             return None
-        self.trace.window("T")
+        self._window("T")
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
         self._flush_adhoc_grads()
         self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST)
@@ -356,8 +370,10 @@ class Executor:
         self._micro = None
         self.stats.lane_bytes = self.engine.bytes_moved
         self.stats.peak_tracked_bytes = self.tracker.peak
+        self._stop_memory()
         if self.device.type == "cuda":
-            self.stats.max_memory_allocated = torch.cuda.max_memory_allocated(self.device)
+            self.stats.max_memory_allocated = max(self.stats.real_peak_bytes,
+                                                  torch.cuda.max_memory_allocated(self.device))
         self.stats.segments = self.trace.segments(self.engine.records())
         if self._adhoc_used:  # ad-hoc backwards added to the host grads after some norms were taken
             self.stats.layer_sq_norms = {}
@@ -440,7 +456,7 @@ class Executor:
         assert self.params is not None and self.acts is not None
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
-        self.trace.window(name)
+        self._window(name)
         self._store_call(j, call, routed)
         self._share_routed_inputs(ctx, routed)
         self.stats.boundary_bytes[j] = self._nbytes(x)
@@ -448,7 +464,8 @@ class Executor:
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "offload":
                 src = x if op.index == j else self._pending_offload.pop(op.index)
-                self.acts.offload(op.index, src.detach(), s.homes[op.index])
+                with self._host_side():
+                    self.acts.offload(op.index, src.detach(), s.homes[op.index])
                 self.tracker.add(f"offload{op.index}", self._nbytes(src))
             elif op.lane == "h2d" and op.kind == "weights":
                 if s.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
@@ -497,7 +514,7 @@ class Executor:
             self.stats.internal_bytes[j] = self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x)
         if j == L - 1:
             self.stats.boundary_bytes[L] = self._nbytes(out)
-            self.trace.window("H")
+            self._window("H")
             self._issue_transfers("H")
         return tuple(outs)
 
@@ -552,7 +569,7 @@ class Executor:
         assert self.params is not None
         s = self.schedule
         name = f"B{t}"
-        self.trace.window(name)
+        self._window(name)
         self._reap_offloads()
         block = s.block_ending_at(t + 1)
         # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
@@ -671,7 +688,8 @@ class Executor:
                 self.acts.prefetch(op.index)
                 self.tracker.add(f"reload{op.index}", self.acts.nbytes(op.index))
             elif op.lane == "nvme_read":
-                self.acts.read_to_host(op.index)
+                with self._host_side():
+                    self.acts.read_to_host(op.index)
 
     def _finish_grads(self, pending: list[PendingGrads] | None = None, *, slot: int | None = None) -> None:
         """Complete grad D2Hs: the given ones, those from ``slot``, or all pending ones."""
@@ -686,6 +704,46 @@ class Executor:
                 self.stats.layer_sq_norms[p.layer] = norm
             if p in self._pending_grads:
                 self._pending_grads.remove(p)
+
+    # ---- real device memory -------------------------------------------------------------------
+    def _window(self, name: str) -> None:
+        """Mark the start of window ``name``: the trace, and the memory of the window that ends."""
+        self.trace.window(name)
+        mem = self._mem
+        if mem is None:
+            return
+        static = 0 if self.device.type == "cuda" else self.params.device_bytes  # CUDA counts it all
+        if self._mem_open is not None:
+            prev, real0, tracked0 = self._mem_open
+            work = max(0, (mem.peak - real0) - (self.tracker.window_peak - tracked0))
+            self.stats.window_work[prev] = max(self.stats.window_work.get(prev, 0), work)
+            self.stats.window_peak_bytes[prev] = max(self.stats.window_peak_bytes.get(prev, 0), static + mem.peak)
+            self.stats.real_peak_bytes = max(self.stats.real_peak_bytes, static + mem.peak)
+        mem.mark()
+        self.tracker.reset_window()
+        self._mem_open = (name, mem.current, self.tracker.current)
+
+    def _start_memory(self) -> None:
+        if not (self.measure_memory or self.profiling) or self._mem is not None:
+            return
+        assert self.params is not None
+        # Gradient buffers of the two block slots and of the non-block weights exist from here on
+        # (they are static device bytes, not a window's work).
+        for slot in (self.params.slot(0), self.params.slot(min(1, self.params.num_slots - 1)),
+                     self.params._slot(REST, None)):
+            self.params._ensure_grad_buffers(slot)
+        self._mem = DeviceBytes(self.device)
+        self._mem.start()
+        self._mem_open = None
+
+    def _stop_memory(self) -> None:
+        if self._mem is not None:
+            self._mem.stop()
+            self._mem = None
+
+    def _host_side(self) -> contextlib.AbstractContextManager:
+        """Host-tier allocations (offload staging, grad landing) are not device bytes (CPU runs)."""
+        return self._mem.paused() if self._mem is not None else contextlib.nullcontext()
 
     def _flush_adhoc_grads(self) -> None:
         """Ad-hoc gradients that met no planned ones (layer 0 between micro-batches of a step, or a

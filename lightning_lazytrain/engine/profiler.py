@@ -3,9 +3,9 @@
 Runs one micro-batch under the executor's current schedule (a ``min_memory`` or
 ``recompute_all`` schedule is the safe provisional choice) and reads the executor's trace:
 per-layer forward and backward seconds, boundary and saved-internal bytes, parameter and
-gradient bytes of the streamed compute copies, the head's time. On CUDA the transient working
-sets come from ``torch.cuda.max_memory_allocated``; on CPU they are not measured (0), which only
-matters for predicting peaks, not for planning transfers.
+gradient bytes of the streamed compute copies, the head's time. The transient working sets are the real device bytes each window allocates beyond what the executor tracks:
+``torch.cuda.max_memory_allocated`` on CUDA, ``live_bytes.LiveBytes`` (a dispatch-mode storage
+tracker) on CPU.
 """
 
 from __future__ import annotations
@@ -68,12 +68,16 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     rest = executor.params.group_numel(REST)
     boundary = [float(stats.boundary_bytes[i]) for i in range(L + 1)]
     internal = [float(stats.internal_bytes.get(j, boundary[j])) for j in range(L)]
+    # Transient working sets, measured per window (real device bytes beyond what the executor
+    # tracks: a layer's temporaries, the loss head's logits and their gradient); see live_bytes.py.
+    work = stats.window_work
     total = sum(numel) + rest
     return Workload.from_measured(
         fwd_seconds=fwd, bwd_seconds=bwd, params=numel, param_bytes=[n * e for n in numel],
         grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
-        fwd_work_bytes=[0.0] * L, bwd_work_bytes=[0.0] * L, opt_seconds=[n / opt_params_per_s for n in numel],
-        head_seconds=head, head_work_bytes=0.0, nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e,
+        fwd_work_bytes=[float(work.get(f"F{j}", 0)) for j in range(L)],
+        bwd_work_bytes=[float(work.get(f"B{j}", 0)) for j in range(L)], opt_seconds=[n / opt_params_per_s for n in numel],
+        head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e,
         nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
         nonblock_opt_seconds=rest / opt_params_per_s,
         host_static_bytes=total * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + state_bytes_per_param),

@@ -22,12 +22,17 @@ class DeviceTracker:
 
     current: int = 0
     peak: int = 0
+    window_peak: int = 0  # since ``reset_window``
     by_owner: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, owner: str, nbytes: int) -> None:
         self.by_owner[owner] += nbytes
         self.current += nbytes
         self.peak = max(self.peak, self.current)
+        self.window_peak = max(self.window_peak, self.current)
+
+    def reset_window(self) -> None:
+        self.window_peak = self.current
 
     def sub(self, owner: str, nbytes: int) -> None:
         self.add(owner, -nbytes)

@@ -1,0 +1,121 @@
+"""Real device bytes, measured: the allocator's own figures on CUDA, a storage tracker on CPU.
+
+The executor's ``DeviceTracker`` is its own bookkeeping (what the plan says it holds). To check
+the plan against reality, and to measure the transient working sets the plan must also count
+(a layer's temporaries, the loss head's logits and their gradient), something must see every
+allocation:
+
+- CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (the caching allocator's
+  counters; ``reset_peak_memory_stats`` starts a new peak).
+- CPU: ``LiveBytes``, a ``TorchDispatchMode`` that sees every op's outputs in this thread; an
+  output whose storage is not one of the op's inputs' is a new allocation, counted until the
+  storage is freed (``weakref.finalize`` on the storage: PyTorch keeps a storage's Python object
+  alive exactly as long as the storage). ``paused()`` leaves out host-tier buffers (activation
+  offload staging, gradient landing buffers) that share the CPU with the emulated device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LiveBytes", "DeviceBytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of storages allocated (by ops in this thread) while active and still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._paused = 0
+        self._seen: set[int] = set()
+        self.on_change: Any = None  # called after every allocation (for peaks of derived figures)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        grew = False
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            key = id(storage)
+            if ptr in inputs or key in self._seen or storage.nbytes() == 0:
+                continue
+            self._seen.add(key)
+            nbytes = storage.nbytes()
+            self.current += nbytes
+            weakref.finalize(storage, self._freed, key, nbytes)
+            grew = True
+        if grew:
+            self.peak = max(self.peak, self.current)
+            if self.on_change is not None:
+                self.on_change()
+        return out
+
+
+class DeviceBytes:
+    """One interface over both: ``current``/``peak`` bytes allocated since ``start()`` (CPU: by
+    tracked ops; CUDA: the allocator's counters, whole device), ``mark()`` starts a new peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.live: LiveBytes | None = None
+        self._exit = contextlib.ExitStack()
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.live = self._exit.enter_context(LiveBytes())
+
+    def stop(self) -> None:
+        self._exit.close()
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        return self.live.paused() if self.live is not None else contextlib.nullcontext()
+
+    @property
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.live.current if self.live is not None else 0
+
+    @property
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self.live.peak if self.live is not None else 0
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.live is not None:
+            self.live.reset_peak()
