@@ -293,3 +293,36 @@ def test_spill_io_round_trip_any_size_and_alignment(tmp_path: Path, n: int, shif
     assert torch.equal(out, x)
     outside = torch.cat([out_base[: 64 - shift], out_base[64 - shift + n :]])
     assert int(outside.count_nonzero()) == 0  # nothing written outside `out`
+
+
+# ------------------------------------------------------------------- host pool accounting
+def test_host_pool_holds_exact_page_classes_and_trims_to_the_step(tmp_path: Path) -> None:
+    """Each host buffer is its size rounded up to 4 KiB (no power-of-two rounding, no alignment slack);
+    buffers are reused; ``end_step`` keeps per size class what the step held at once."""
+    page = nvme.ALIGN
+    with ActivationStore("cpu", nvme_dir=tmp_path) as s:
+        assert s.host_pinned_bytes == 0
+        a = torch.randn(1024)  # 4096 B: exactly one page (the old pool asked for 8 KiB)
+        b = torch.randn(3000)  # 12000 B -> 3 pages
+        for i in range(3):
+            s.offload(("a", i), a, Tier.CPU)
+        s.offload("b", b, Tier.CPU)
+        for key in [("a", i) for i in range(3)] + ["b"]:
+            buf = s._entries[key].host
+            assert buf is not None and buf.data_ptr() % page == 0
+        del buf
+        assert s.host_pinned_bytes == 3 * page + 3 * page
+        s.free(("a", 0))
+        s.offload(("a", 3), a, Tier.CPU)  # reuses the freed buffer
+        assert s.host_pinned_bytes == 6 * page
+        assert torch.equal(s.get(("a", 3)), a)
+        s.end_step()
+        assert s.host_pinned_bytes == 6 * page  # this step's high-water per class is kept
+        s.offload(("a", 0), a, Tier.CPU)  # the next step holds one page-class buffer, no 3-page one
+        s.end_step()
+        assert s.host_pinned_bytes == 1 * page + 3 * page  # class used: trimmed to 1; unused class kept
+        s.offload("n", b, Tier.NVME)  # NVMe staging comes from the same pool
+        s.get("n")
+        assert s.host_pinned_bytes >= 4 * page
+        s.end_step()
+    assert s.host_pinned_bytes == 0  # closed: everything given back

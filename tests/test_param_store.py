@@ -300,3 +300,48 @@ def test_buffers_go_back_to_the_host_at_close() -> None:
     assert m.scale.device.type == "cuda"
     ps.close()
     assert m.scale.device.type == "cpu"
+
+
+# --------------------------------------------------------------- host memory accounting
+@pytest.mark.parametrize("case", ["fp32", "bf16_compute", "bf16_true", "fp32_4_slots"])
+def test_host_pinned_bytes_equal_the_planner_formula(case: str) -> None:
+    """The store's host arenas (pinned on CUDA) hold exactly what ``param_store_host_bytes`` predicts:
+    one arena of packed masters, one of slot staging (grad landing, and cast buffers when masters and
+    16-bit compute copies differ); nothing is allocated later (a bind with grads, a step)."""
+    from lightning_lazytrain.engine.host_arena import HOST_ARENA_ALIGN
+    from lightning_lazytrain.planner.workload import host_arena_bytes, param_store_host_bytes
+
+    torch.manual_seed(0)
+    m = Tiny(tied=False)
+    compute, slots, master_bytes, cast = torch.float32, 2, 4, False
+    if case == "bf16_compute":
+        compute, cast = torch.bfloat16, True
+    elif case == "bf16_true":
+        m, compute, master_bytes = m.to(torch.bfloat16), torch.bfloat16, 2  # bf16 masters: no cast buffers
+    elif case == "fp32_4_slots":
+        slots = 4
+    ps = ParamStore(m, compute_dtype=compute, num_slots=slots)
+    blocks = [ps.group_numel(j) for j in range(L)]
+    rest = ps.group_numel(REST)
+    e = torch.empty((), dtype=compute).element_size()
+    want = param_store_host_bytes(blocks, rest, master_bytes=master_bytes, compute_bytes=e, cast=cast,
+                                  block_slots=slots)
+    assert ps.host_pinned_bytes == want
+    masters, staging = ps.host_arenas()
+    assert masters["reserved_bytes"] == host_arena_bytes([n * master_bytes for n in [*blocks, rest]])
+    assert staging["reserved_bytes"] == want - masters["reserved_bytes"]
+    assert ps.host_grad_bytes == (sum(blocks) + rest) * master_bytes
+    for slot in ps._slots:  # staging slices are aligned like the masters
+        assert slot.grad_host.data_ptr() % HOST_ARENA_ALIGN == 0
+        assert (slot.cast is not None) == cast
+    del slot
+    for j in [*range(L), REST]:
+        assert ps.master_flat(j).data_ptr() % HOST_ARENA_ALIGN == 0
+    streamed_step(m, ps, *_batch(5))  # binds with grads, sends them: no further host allocation
+    assert ps.host_pinned_bytes == want
+    ps.close()
+    import gc
+
+    gc.collect()
+    assert ps.host_pinned_bytes == masters["reserved_bytes"]  # staging gone; the masters are the module's
+    assert all(p.data_ptr() for p in m.parameters())

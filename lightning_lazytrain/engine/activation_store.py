@@ -17,7 +17,17 @@ Data paths (the same on the CPU backend, so the emulated timeline matches):
     NVMe: d2h into a staging buffer, write  ... read into a staging buffer, h2d back
 
 Host buffers come from a pool of page-aligned (pinned on CUDA) byte buffers,
-rounded to 4 KiB so O_DIRECT can use them without a bounce copy.
+rounded to 4 KiB so O_DIRECT can use them without a bounce copy. Each is a
+``HostArena`` of exactly its size class (``host_arena.py``): PyTorch's pinned
+allocator would round ``size + 4096`` up to a power of two. Buffers are reused
+by size class; at ``end_step`` a class used in the step keeps as many buffers
+as the step held at once (a plan that puts fewer boundaries on the host than
+the provisional schedule did gives the rest back), classes the step did not
+use are kept. ``host_pinned_bytes`` is what the pool holds: for a step's CPU
+tier, the sum over its boundaries of their bytes rounded up to 4 KiB (the
+simulator's ``host_bytes`` counts the bytes unrounded); NVMe staging, as many
+buffers as the step had in flight at once (the simulator assumes two of the
+largest boundary; nothing here bounds it).
 
 Accounting: ``device_bytes`` counts device memory the store is responsible
 for: GPU-tier tensors, sources of offloads still in flight, and prefetched
@@ -36,6 +46,7 @@ from pathlib import Path
 import torch
 
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, DoneHandle, make_copy_engine, nbytes_of
+from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.nvme import ALIGN, SpillDir
 
 __all__ = ["ActivationStore", "HostBufferPool", "Tier"]
@@ -59,29 +70,63 @@ class Tier(str, Enum):
 
 
 class HostBufferPool:
-    """Reusable host byte buffers: 4 KiB aligned, sizes rounded up to 4 KiB, pinned if asked."""
+    """Reusable host byte buffers: 4 KiB aligned, sizes rounded up to 4 KiB, pinned if asked.
+
+    Every buffer is its own ``HostArena`` of exactly its size class (no power-of-two rounding, no
+    alignment slack: arenas are page aligned). ``trim()`` gives back what the last step did not need.
+    """
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = {}
-        self.bytes_reserved = 0
+        self._arenas: list[HostArena] = []
+        self._in_use: dict[int, int] = {}  # size class -> buffers handed out now
+        self._high: dict[int, int] = {}  # size class -> most handed out at once since the last trim
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
     def get(self, nbytes: int) -> torch.Tensor:
-        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        size = self.size_class(nbytes)
+        n = self._in_use[size] = self._in_use.get(size, 0) + 1
+        self._high[size] = max(self._high.get(size, 0), n)
         bucket = self._free.get(size)
         if bucket:
             return bucket.pop()
-        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
-        off = (-raw.data_ptr()) % ALIGN
-        self.bytes_reserved += size + ALIGN
-        return raw[off : off + size]  # the view keeps `raw` alive
+        arena = HostArena(size, pin=self.pin, name=f"activations:{size}")
+        self._arenas.append(arena)
+        buf = arena.take(size)
+        arena.release()  # the buffer holds the memory; it goes when the buffer does
+        return buf
 
     def put(self, buf: torch.Tensor) -> None:
-        self._free.setdefault(buf.numel(), []).append(buf)
+        size = buf.numel()
+        self._in_use[size] = max(0, self._in_use.get(size, 0) - 1)
+        self._free.setdefault(size, []).append(buf)
+
+    def trim(self) -> None:
+        """Keep, per size class used since the last trim, only as many buffers as were used at once."""
+        for size, high in self._high.items():
+            bucket = self._free.get(size, [])
+            keep = max(0, high - self._in_use.get(size, 0))
+            del bucket[keep:]
+        self._high = {size: n for size, n in self._in_use.items() if n}
+        self._arenas = [a for a in self._arenas if a.alive]
 
     def clear(self) -> None:
         self._free.clear()
-        self.bytes_reserved = 0
+        self._high.clear()
+        self._arenas = [a for a in self._arenas if a.alive]
+
+    @property
+    def host_pinned_bytes(self) -> int:
+        """Bytes of the pool's buffers that exist now (in use or free); pinned on CUDA."""
+        return sum(a.reserved_bytes for a in self._arenas)
+
+    @property
+    def bytes_reserved(self) -> int:  # the former name
+        return self.host_pinned_bytes
 
 
 def _typed(buf: torch.Tensor, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
@@ -156,6 +201,11 @@ class ActivationStore:
     @property
     def bytes_moved(self) -> dict[str, int]:
         return self.engine.bytes_moved
+
+    @property
+    def host_pinned_bytes(self) -> int:
+        """Host bytes of the pooled buffers (CPU tier and NVMe staging; pinned on CUDA)."""
+        return self.pool.host_pinned_bytes
 
     @property
     def nvme_bytes(self) -> int:
@@ -294,6 +344,7 @@ class ActivationStore:
         """Free every activation and delete all of this process's spill files."""
         for key in list(self._entries):
             self.free(key)
+        self.pool.trim()
         if self.spill is not None:
             self.spill.clear()
 

@@ -4,11 +4,18 @@ Layout
     Every parameter of the model is a *master* in fp32 on the host. Parameters
     are grouped per block (group ``i`` = block ``i``) plus one group ``REST``
     (embeddings, final norm, head: everything outside the block stack). Each
-    group is packed into one flat host buffer (pinned when the device is CUDA)
-    and the module's own ``param.data`` is re-pointed to views into it, so the
-    optimizer keeps updating the module's parameters and a group is one
-    contiguous H2D. Each group also has a flat fp32 host gradient buffer; the
+    group is packed into one flat host buffer and the module's own
+    ``param.data`` is re-pointed to views into it, so the optimizer keeps
+    updating the module's parameters and a group is one contiguous H2D. Each
+    group also has a flat fp32 host gradient buffer (ordinary memory); the
     masters' ``.grad`` are views into it and accumulate across micro-batches.
+
+Host memory (``host_pinned_bytes``)
+    Pinned on CUDA, in two ``HostArena``s (``host_arena.py``: exact sizes, no
+    power-of-two rounding): the packed masters of all groups, and the staging
+    of every slot: the landing buffer of its gradient D2H and, when masters and
+    16-bit compute copies differ in dtype, the cast buffer of its H2D.
+    ``planner.workload.param_store_host_bytes`` predicts the figure.
 
 Compute copies
     Blocks are staged (``stage``) into one of ``num_slots`` (default 2: double
@@ -54,6 +61,7 @@ from torch import nn
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
+from lightning_lazytrain.engine.host_arena import HostArena
 
 __all__ = ["REST", "ParamStore", "PendingGrads"]
 
@@ -79,17 +87,17 @@ class _Group:
     gid: int
     params: list[_Param]
     numel: int
-    master: torch.Tensor = field(init=False)  # flat fp32 host
-    grad: torch.Tensor = field(init=False)  # flat fp32 host
+    dtype: torch.dtype = torch.float32  # of the master (16-bit when all its parameters are, else fp32)
+    master: torch.Tensor = field(init=False)  # flat host, a slice of the masters arena
+    grad: torch.Tensor = field(init=False)  # flat host, master dtype
 
 
 @dataclass(eq=False)
 class _Slot:
     weights: torch.Tensor  # flat device, compute dtype
     grads: torch.Tensor | None  # flat device, compute dtype; allocated at the first bind with grads
-    cast: torch.Tensor | None  # host compute-dtype staging for the H2D (None when compute is fp32)
-    grad_host: torch.Tensor | None  # host compute-dtype landing buffer for the grad D2H (lazy, as grads)
-    pin: bool = False
+    cast: torch.Tensor | None  # host compute-dtype staging for the H2D (None when no master needs a cast)
+    grad_host: torch.Tensor  # host compute-dtype landing buffer for the grad D2H
     gid: int | None = None  # group currently staged here
     ready: CopyHandle | None = None  # its H2D
     free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
@@ -133,12 +141,24 @@ class ParamStore:
         self.engine = copy_engine if copy_engine is not None else make_copy_engine(self.device)
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self._groups = self._build_groups()
-        for g in self._groups.values():
-            self._pack(g, pin)
+        groups = list(self._groups.values())
+        for g in groups:
+            g.dtype = self._master_dtype(g)
+        esize = {dt: torch.empty((), dtype=dt).element_size() for dt in {g.dtype for g in groups} | {compute_dtype}}
+        self._masters_arena = HostArena.for_sizes([g.numel * esize[g.dtype] for g in groups], pin=pin,
+                                                  name="masters")
+        for g in groups:
+            self._pack(g, self._masters_arena)
         self._move_buffers()
         max_block = max(self._groups[i].numel for i in range(len(self.blocks)))
-        self._slots = [self._new_slot(max_block, pin) for _ in range(num_slots)]
-        self._slots.append(self._new_slot(self._groups[REST].numel, pin))  # REST's own
+        sizes = [max_block] * num_slots + [self._groups[REST].numel]  # REST has its own slot, last
+        # Cast staging only where a master's dtype differs from a 16-bit compute dtype (fp32 compute
+        # copies are filled straight from the masters).
+        cast = compute_dtype != torch.float32 and any(g.dtype != compute_dtype for g in groups)
+        e = esize[compute_dtype]
+        self._staging_arena = HostArena.for_sizes([n * e for n in sizes] * (2 if cast else 1), pin=pin,
+                                                  name="staging")
+        self._slots = [self._new_slot(n, cast) for n in sizes]
         # Fresh device buffers may reuse memory that queued compute still reads
         # (caching allocator, compute stream); the first H2D into them must wait.
         for s in self._slots:
@@ -182,14 +202,17 @@ class ParamStore:
             groups[gid] = _Group(gid, params, off)
         return groups
 
-    def _pack(self, g: _Group, pin: bool) -> None:
+    @staticmethod
+    def _master_dtype(g: _Group) -> torch.dtype:
         # Masters keep the module's dtype when all of the group's parameters share a 16-bit one
         # (precision="bf16-true": the optimizer updates bf16 parameters, as under plain Lightning);
         # otherwise fp32.
         dtypes = {info.param.dtype for info in g.params}
-        dt = dtypes.pop() if dtypes in ({torch.bfloat16}, {torch.float16}) else torch.float32
-        g.master = torch.empty(g.numel, dtype=dt, pin_memory=pin)
-        g.grad = torch.zeros(g.numel, dtype=dt)
+        return dtypes.pop() if dtypes in ({torch.bfloat16}, {torch.float16}) else torch.float32
+
+    def _pack(self, g: _Group, arena: HostArena) -> None:
+        g.master = arena.take(g.numel, g.dtype)
+        g.grad = torch.zeros(g.numel, dtype=g.dtype)
         with torch.no_grad():
             for info in g.params:
                 view = self._view(g.master, info)
@@ -208,20 +231,19 @@ class ParamStore:
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, pin: bool) -> _Slot:
-        # Gradient buffers are allocated at the first bind with grads: a slot used only for
-        # no-grad recompute (the executor's third slot) then costs weights only, as planned.
-        dt, dev = self.compute_dtype, self.device
-        cast = torch.empty(numel, dtype=dt, pin_memory=pin) if dt != torch.float32 else None
-        return _Slot(weights=torch.empty(numel, dtype=dt, device=dev), grads=None, cast=cast, grad_host=None,
-                     pin=pin)
+    def _new_slot(self, numel: int, cast: bool) -> _Slot:
+        # Device gradient buffers are allocated at the first bind with grads: a slot used only for
+        # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
+        # staging comes from the staging arena, so no pinned allocation happens mid-step.
+        dt, dev, arena = self.compute_dtype, self.device, self._staging_arena
+        grad_host = arena.take(numel, dt)
+        return _Slot(weights=torch.empty(numel, dtype=dt, device=dev), grads=None,
+                     cast=arena.take(numel, dt) if cast else None, grad_host=grad_host)
 
     @staticmethod
     def _ensure_grad_buffers(s: _Slot) -> torch.Tensor:
         if s.grads is None:
-            n = s.weights.numel()
-            s.grads = torch.zeros(n, dtype=s.weights.dtype, device=s.weights.device)
-            s.grad_host = torch.empty(n, dtype=s.weights.dtype, pin_memory=s.pin)
+            s.grads = torch.zeros(s.weights.numel(), dtype=s.weights.dtype, device=s.weights.device)
         return s.grads
 
     @staticmethod
@@ -252,11 +274,29 @@ class ParamStore:
         return [p.name for p in self._group(layer).params]
 
     def master_flat(self, layer: int) -> torch.Tensor:
-        """The packed fp32 host master of a group (views of it are the module's params)."""
+        """The packed host master of a group (fp32, or 16-bit for a 16-bit module; views of it are the
+        module's params)."""
         return self._group(layer).master
 
     def grad_flat(self, layer: int) -> torch.Tensor:
         return self._group(layer).grad
+
+    @property
+    def host_pinned_bytes(self) -> int:
+        """Host bytes of the store's arenas (pinned on CUDA; the same layout on CPU): packed masters
+        plus slot staging. Equals ``planner.workload.param_store_host_bytes`` for this store; a
+        closed store still counts its masters while the module's parameters live in them."""
+        return sum(a.reserved_bytes for a in (self._masters_arena, self._staging_arena))
+
+    @property
+    def host_grad_bytes(self) -> int:
+        """Host bytes of the flat gradient buffers (ordinary memory, master dtype)."""
+        return sum(g.grad.nbytes for g in self._groups.values())
+
+    def host_arenas(self) -> list[dict[str, Any]]:
+        """Per arena: name, reserved and used bytes, how it is pinned, and what PyTorch's pinned
+        allocator would have reserved for the same bytes."""
+        return [a.report() for a in (self._masters_arena, self._staging_arena)]
 
     @property
     def device_bytes(self) -> int:
@@ -412,7 +452,6 @@ class ParamStore:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
         n = g.numel
         grads = self._ensure_grad_buffers(s)
-        assert s.grad_host is not None
         with torch.no_grad():
             for info, w in s.wrappers:
                 # Grads that did not land in place: create_graph=True makes
@@ -434,7 +473,7 @@ class ParamStore:
         it, with the parameters it touched; the device grads are zeroed. See ``finish_grads(extra=)``."""
         g, s = self._group(pending.layer), pending.slot
         pending.handle.wait()
-        assert s.grads is not None and s.grad_host is not None
+        assert s.grads is not None
         with torch.no_grad():
             s.grads[: g.numel].zero_()
             return s.grad_host[: g.numel].clone(), pending.touched
@@ -449,7 +488,7 @@ class ParamStore:
         g, s = self._group(pending.layer), pending.slot
         n = g.numel
         pending.handle.wait()
-        assert s.grads is not None and s.grad_host is not None
+        assert s.grads is not None
         touched = pending.touched
         with torch.no_grad():
             s.grads[:n].zero_()
@@ -488,6 +527,7 @@ class ParamStore:
             for s in self._slots:
                 s.gid, s.ready, s.free, s.wrappers = None, None, None, []
             self._slots = []
+            self._staging_arena.release()  # its memory goes with the last slot view
             for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)
                 if m._buffers.get(name) is not None:
                     m._buffers[name] = m._buffers[name].to(device)

@@ -16,7 +16,7 @@ import torch
 
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
-from lightning_lazytrain.planner.workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, STATE_BYTES_32, Workload
+from lightning_lazytrain.planner.workload import STATE_BYTES_32, Workload
 
 
 def measure_workload(executor: Executor, step: Callable[[], None], *, tokens: int, grad_accum: int = 1,
@@ -72,6 +72,9 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     # tracks: a layer's temporaries, the loss head's logits and their gradient); see live_bytes.py.
     work = stats.window_work
     total = sum(numel) + rest
+    # Host: what the parameter store holds (its pinned arenas: masters and slot staging, exactly; the
+    # flat host grads) plus the optimizer states. Host activations are the schedule's (simulator).
+    host_static = executor.params.host_pinned_bytes + executor.params.host_grad_bytes + total * state_bytes_per_param
     return Workload.from_measured(
         fwd_seconds=fwd, bwd_seconds=bwd, params=numel, param_bytes=[n * e for n in numel],
         grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
@@ -80,5 +83,5 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e,
         nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
         nonblock_opt_seconds=rest / opt_params_per_s,
-        host_static_bytes=total * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + state_bytes_per_param),
+        host_static_bytes=float(host_static),
         tokens=tokens, grad_accum=grad_accum, name="measured")

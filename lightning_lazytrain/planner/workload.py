@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from .errors import InvalidInput
@@ -21,6 +22,33 @@ HOST_MASTER_BYTES = 4
 HOST_GRAD_BYTES = 4
 STATE_BYTES_32 = 8.0  # exp_avg + exp_avg_sq in fp32
 STATE_BYTES_8 = 2.0 + 2 * 4 / 256  # two uint8 states + one fp32 absmax per 256-element block each
+
+# Host arenas (``engine/host_arena.py``): one buffer per kind, whole pages, slices at 256-byte offsets.
+HOST_ARENA_ALIGN = 256
+HOST_PAGE = 4096
+# The engine's ParamStore: block slots (0/1 double buffering, 2 the recompute buffer; residents add more).
+PARAM_SLOTS = 3
+
+
+def host_arena_bytes(sizes: Iterable[float]) -> int:
+    """Bytes a host arena holding slices of ``sizes`` bytes reserves (and pins on CUDA): every slice
+    rounded up to ``HOST_ARENA_ALIGN``, the sum rounded up to whole pages; 0 for no bytes."""
+    total = sum(-(-int(n) // HOST_ARENA_ALIGN) * HOST_ARENA_ALIGN for n in sizes)
+    return -(-total // HOST_PAGE) * HOST_PAGE
+
+
+def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, master_bytes: int, compute_bytes: int,
+                           cast: bool, block_slots: int = PARAM_SLOTS) -> int:
+    """Pinned host bytes of the engine's ``ParamStore`` (its ``host_pinned_bytes``).
+
+    One arena of packed masters (per group ``numel * master_bytes``; ``numel`` counts the 64-element
+    alignment of every parameter, as ``ParamStore.group_numel`` does), and one staging arena: per
+    slot (``block_slots`` slots sized to the largest block, plus the non-block weights' own) a
+    landing buffer for the gradient D2H and, when ``cast`` (16-bit compute copies of masters in
+    another dtype), a cast buffer for the H2D; compute dtype."""
+    masters = host_arena_bytes([n * master_bytes for n in block_numel] + [rest_numel * master_bytes])
+    slots = [max(block_numel, default=0) * compute_bytes] * block_slots + [rest_numel * compute_bytes]
+    return masters + host_arena_bytes(slots * (2 if cast else 1))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +75,7 @@ class Workload:
     nonblock_param_bytes: float  # their weights, sent to the device once per step (after the update)
     nonblock_grad_bytes: float  # their grads, sent to the host once per step
     nonblock_opt_seconds: float
-    host_static_bytes: float  # master params, grads and optimizer states on the host
+    host_static_bytes: float  # pinned masters and staging (param_store_host_bytes), host grads, optimizer states
     tokens: int  # per micro-batch
     grad_accum: int = 1
     total_params: int  # for MegaTrain's TFLOPS convention (6 * N * tokens / time)
@@ -164,8 +192,12 @@ class Workload:
         chunk = min(train.loss_chunk_tokens, n_tok)
         head_work = 2 * chunk * model.vocab * 4 + 2 * n_tok * model.hidden * e  # fp32 logits + grad, norm io
         state_bytes = (1 - frac8) * STATE_BYTES_32 + frac8 * STATE_BYTES_8
-        host = (model.num_layers * cost.params * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + state_bytes)
-                + nonblock * (HOST_MASTER_BYTES + HOST_GRAD_BYTES + STATE_BYTES_32))
+        # Pinned: packed fp32 masters and the slots' staging (param_store_host_bytes); then the fp32 host
+        # grads and the optimizer states.
+        pinned = param_store_host_bytes([cost.params] * model.num_layers, nonblock, master_bytes=HOST_MASTER_BYTES,
+                                        compute_bytes=e, cast=e != HOST_MASTER_BYTES)
+        host = (pinned + model.num_layers * cost.params * (HOST_GRAD_BYTES + state_bytes)
+                + nonblock * (HOST_GRAD_BYTES + STATE_BYTES_32))
         return cls(
             layers=(layer,) * model.num_layers,
             boundary_bytes=(float(cost.boundary_bytes),) * (model.num_layers + 1),
