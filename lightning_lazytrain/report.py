@@ -31,6 +31,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "speedup": ("speedup [x]", "{:.3f}"),
     "infeasible": ("note", "{}"),
     "note": ("note", "{}"),
+    # training sweeps (lazytrain-train -m)
+    "final_val_loss": ("final val loss", "{:.4f}"),
+    "step_s_measured": ("step [s] measured", "{:.3f}"),
+    "step_s_predicted": ("step [s] predicted", "{:.3f}"),
 }
 
 LANE_ORDER = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,124 @@ def test_multirun_two_jobs_in_one_process(tmp_path):
         assert (Path(r["output_dir"]) / "loss_curve.png").exists() and r["steps"] == 3
     a, b = (json.loads((Path(r["output_dir"]) / "losses.json").read_text()) for r in results)
     assert a == b
+    # one combined table: sweep.csv in the sweep directory, and the same on the console
+    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
+    assert [r["job"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
+    for row, r in zip(rows, results):
+        assert float(row["final_val_loss"]) == pytest.approx(r["final_val_loss"])
+        assert float(row["tokens_per_s"]) == pytest.approx(r["tokens_per_s"])
+        assert float(row["step_s_measured"]) > 0 and "seed=0" in row["overrides"].split()
+        assert row["strategy"] == strategy and row["output_dir"] == r["output_dir"]
+        if strategy == "lazytrain":
+            assert float(row["step_s_predicted"]) > 0 and row["hardware"] == "cpu"
+            assert float(row["measured_over_predicted"]) == pytest.approx(
+                float(row["step_s_measured"]) / float(row["step_s_predicted"]))
+    assert "sweep summary:" in proc.stdout and "final val loss" in proc.stdout and "seed=0" in proc.stdout
+
+
+def test_multirun_with_a_failing_job_records_it_and_exits_2(tmp_path):
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "lightning_lazytrain.cli.train", "-m", *FAST,
+                           "strategy.name=nonsense,other_nonsense", f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert "is not a strategy" in rows[0]["reason"] and "strategy.name=other_nonsense" in rows[1]["overrides"]
+    assert "2 job(s) failed" in proc.stderr
+
+
+# ---- the main job's output (issue 10, item 6) ------------------------------------------------------------
+def run_app(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    env.pop("PYTHONWARNINGS", None)  # the app itself keeps deprecation noise away
+    return subprocess.run([sys.executable, "-m", "lightning_lazytrain.cli.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(not HAVE_STRATEGY, reason="the main job uses the lazytrain strategy")
+def test_main_job_output_is_what_a_user_reads(tmp_path):
+    proc = run_app(tmp_path, "trainer.max_steps=6", "trainer.val_check_interval=3", "data.max_bytes=400000",
+                   "data.val_windows=16", "optim.warmup_steps=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    # no Lightning tips, device banners or deprecation warnings
+    for noise in ("Tip:", "GPU available", "TPU available", "deprecated", "Deprecat", "FutureWarning",
+                  "Loading `train_dataloader`", "`Trainer.fit` stopped", "Warning:"):
+        assert noise not in console, noise
+    # the progress bar ends where the run ends (6 steps), not at the epoch's length
+    bar = [line for line in proc.stdout.splitlines() if "it/s" in line]
+    counts = [m for line in bar for m in re.findall(r"\b(\d+)/(\d+) ", re.sub(r"Epoch \d+(/\d+)?", "", line))]
+    assert counts and all(int(total) == 6 for _, total in counts), bar
+    assert ("6", "6") in counts
+    # the plan table, each validation, the summary as the last line
+    assert "lazytrain plan (" in console and "plan (milp)" in console
+    for when in ("before training", "step 3", "step 6"):
+        assert re.search(rf"validation, {when}: val loss \d\.\d{{4}}", proc.stdout), when
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("lazytrain-train: done, 6 steps in ") and "final val loss" in last
+    assert "step time: measured" in proc.stdout and "predicted" in proc.stdout
+    # the header and result.json agree on the hardware; train.log holds the report, solver.log the solver
+    (run_dir,) = (tmp_path / "outputs" / "train").glob("*/*")
+    result = json.loads((run_dir / "result.json").read_text())
+    assert "hardware cpu)" in proc.stdout and result["hardware"] == "cpu"
+    assert result["step_seconds_measured"] > 0 and result["step_seconds_predicted"] > 0
+    log = (run_dir / "train.log").read_text()
+    for text in ("lazytrain-train: tiny", "plan (milp)", "validation, step 3", "lazytrain-train: done"):
+        assert text in log, text
+    assert "HiGHS" not in log
+    assert "HiGHS" in (run_dir / "solver.log").read_text()
+
+
+def test_progress_bar_total_is_the_run_length():
+    from types import SimpleNamespace
+
+    from lightning_lazytrain.cli.train import RunRichProgressBar, RunTQDMProgressBar
+
+    for cls in (RunTQDMProgressBar, RunRichProgressBar):
+        bar = cls()
+        bar._trainer = SimpleNamespace(num_training_batches=3659, max_steps=300, global_step=0, max_epochs=1,
+                                       accumulate_grad_batches=1)
+        assert bar.total_train_batches == 300
+        bar._trainer.accumulate_grad_batches = 4
+        assert bar.total_train_batches == 1200
+        bar._trainer.global_step = 250
+        assert bar.total_train_batches == 200
+        bar._trainer.max_steps, bar._trainer.global_step = 10_000, 0
+        assert bar.total_train_batches == 3659  # a run longer than an epoch: the epoch's length
+
+
+# ---- start-up validation (issue 10, item 9) --------------------------------------------------------------
+@pytest.mark.parametrize("override,message", [
+    ("strategy.name=nonsense", "strategy.name='nonsense' is not a strategy: use lazytrain or lazytrain_megatrain"),
+    ("trainer=gpu", "needs a CUDA GPU and this machine has none"),
+])
+def test_bad_strategy_or_missing_gpu_is_one_line_exit_2_and_no_output_dir(tmp_path, override, message):
+    if override == "trainer=gpu" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_app(tmp_path, override)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lazytrain-train: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not list(tmp_path.iterdir())  # no outputs/ left behind
+
+
+def test_validate_config_names_the_option(tmp_path):
+    from lightning_lazytrain.cli.train import validate_config
+
+    with pytest.raises(TrainConfigError, match="lazytrain or lazytrain_megatrain .*auto .*ddp"):
+        validate_config(compose_cfg("strategy.name=nonsense"))
+    with pytest.raises(TrainConfigError, match="trainer.accelerator='banana' is not an accelerator: use .*cpu"):
+        validate_config(compose_cfg("trainer.accelerator=banana"))
+    with pytest.raises(TrainConfigError, match="trainer.max_steps=0"):
+        validate_config(compose_cfg("trainer.max_steps=0"))
+    validate_config(compose_cfg())  # the main job
+    validate_config(compose_cfg("strategy.name=ddp"))  # a Lightning strategy name passes through
+    with pytest.raises(TrainConfigError, match="Precision 'nonsense' is invalid"):  # Lightning's own check
+        train_job(compose_cfg(*FAST, "trainer.precision=nonsense"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_checkpoint_of_the_app_reloads_without_the_app(tmp_path):

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from ..config import (CONF_DIR, resolve_micro_batch, to_container, to_hardware, to_milp_options, to_model,
                       to_train)
 from ..planner import PlannerError, SimResult, make_plan, search_batch
-from ..report import format_table, plot_timeline, write_sweep_csv
+from ..report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
 
 GB = 1e9
 ROW_FILE = "summary_row.json"
@@ -181,6 +181,8 @@ class SweepSummary(Callback):
     """Hydra callback: after a multirun, write one CSV (``filename``) in the sweep directory with one row per
     job, read from each job's ``summary_row.json``. Jobs that left no row get ``status=error``."""
 
+    columns: tuple = SWEEP_COLUMNS  # the CSV's leading columns (then any other keys)
+
     def __init__(self, filename: str = "sweep.csv") -> None:
         self.filename = filename
         self.job_dirs: list[Path] = []
@@ -194,7 +196,7 @@ class SweepSummary(Callback):
         except Exception:  # noqa: BLE001 - a launcher that does not pass the job config: fall back to globbing
             pass
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> list[dict]:
         sweep_dir = self._sweep_dir(config)
         dirs = list(self.job_dirs) or sorted(p.parent for p in sweep_dir.glob(f"*/{ROW_FILE}"))
         rows = []
@@ -206,8 +208,9 @@ class SweepSummary(Callback):
                 rows.append({"job": None, "status": "error", "reason": "the job wrote no summary row",
                              "output_dir": str(d)})
         rows.sort(key=lambda r: (r.get("job") is None, r.get("job") or 0))
-        path = write_sweep_csv(sweep_dir / self.filename, rows)
+        path = write_sweep_csv(sweep_dir / self.filename, rows, self.columns)
         print(f"sweep summary: {path} ({len(rows)} jobs)")
+        return rows
 
     def _sweep_dir(self, config: DictConfig) -> Path:
         if self.job_dirs:

@@ -12,8 +12,17 @@ The default job trains the byte-level ``tiny`` Llama-style model (``conf/model/t
 (the strategy prints its plan at setup). Validation runs before training (Lightning's sanity check over
 the whole held-out set: the "before" loss), every ``trainer.val_check_interval`` steps and after the last
 step. Into Hydra's output directory it writes ``logs/metrics.csv`` / ``logs/hparams.yaml`` (CSVLogger),
-``loss_curve.png`` (train loss per step, val loss per validation), ``losses.json`` (every step's loss) and
-``result.json`` (final val loss, how far the losses went down, wall time, tokens/s), and prints the result.
+``loss_curve.png`` (train loss per step, val loss per validation), ``losses.json`` (every step's loss),
+``result.json`` (final val loss, how far the losses went down, wall time, tokens/s, measured and predicted step
+time), ``summary_row.json`` (the job's row of a sweep's ``sweep.csv``), ``train.log`` (what the job reported,
+the plan table) and ``solver.log`` (HiGHS).
+
+The console shows the header, the strategy's plan table, each validation's result, a progress bar that ends
+at ``trainer.max_steps`` and the summary; Lightning's tips, device banners and deprecation warnings are left
+out (``quiet_lightning``). ``validate_config`` checks the strategy name and the accelerator at start-up: a
+config that cannot run, or an infeasible plan, prints one line on stderr, exits 2 and leaves no output
+directory. A multirun (``-m``) writes ``sweep.csv`` (``TrainSweepSummary``) and prints it as a table; failed
+jobs keep their reason in it and the app exits 2 at the end.
 
 ``train_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``). Each
 job seeds its own RNGs and restores torch's intra-op thread count afterwards, so jobs of a multirun do not
@@ -25,17 +34,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
+import shutil
+import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, TextIO
+from typing import Any, Dict, Iterator, List, Optional, TextIO, Union
 
 import hydra
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -44,9 +59,18 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import CONF_DIR, HardwareConfig, ModelConfig, to_container, to_hardware, to_model
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import ModelSpec, PlannerError
+from ..report import format_table
+from .plan import ROW_FILE, SweepSummary
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
 STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
+#: the app's own lines (header, validation results, summary) also go to this logger: conf/train_app.yaml sends
+#: it to <output dir>/train.log, next to Lightning's messages (the plan table); the solver's log goes to solver.log
+APP_LOG = logging.getLogger("lightning_lazytrain.train")
+#: Lightning's start-up chatter that the main job's console leaves out (messages starting with these)
+LIGHTNING_NOISE = ("GPU available:", "TPU available:", "HPU available:", "IPU available:", "\U0001f4a1 Tip:",
+                   "Loading `train_dataloader` to estimate", "`Trainer.fit` stopped:", "LOCAL_RANK:")
+_FAILED_JOBS: list[str] = []  # jobs of the current multirun that failed (the app exits 2 after the sweep)
 
 
 class TrainConfigError(ValueError):
@@ -143,9 +167,10 @@ class LossHistory(Callback):
     ``train``: ``[(step, loss)]`` (``step`` = ``trainer.global_step`` after the update, 1-based);
     ``val``: ``[(step, loss)]``, batch-size weighted mean over the validation run."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: TextIO | None = None) -> None:
         self.train: list[tuple[int, float]] = []
         self.val: list[tuple[int, float]] = []
+        self.out = out  # where each validation's result is reported (None: not reported)
         self._sum = 0.0
         self._n = 0
 
@@ -175,6 +200,10 @@ class LossHistory(Callback):
         if self._n:
             step = 0 if trainer.sanity_checking else int(trainer.global_step)
             self.val.append((step, self._sum / self._n))
+            if self.out is not None:
+                when = "before training" if trainer.sanity_checking else f"step {step}"
+                say(f"validation, {when}: val loss {self._sum / self._n:.4f} ({self._n} held-out windows)",
+                    self.out, trainer)
 
 
 class ValidateAfterLastStep(Callback):
@@ -185,6 +214,103 @@ class ValidateAfterLastStep(Callback):
                            batch_idx: int) -> None:
         if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
             trainer.should_stop = True
+
+
+class StepTimer(Callback):
+    """Wall time of every optimizer step: from its first micro-batch's start to its last one's end (forward,
+    backward, optimizer step; no data loading, no validation)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start: Optional[float] = None
+        self._step = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._step = int(trainer.global_step)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if int(trainer.global_step) > self._step and self._start is not None:
+            self.seconds.append(time.perf_counter() - self._start)
+            self._start, self._step = None, int(trainer.global_step)
+
+    def median(self) -> Optional[float]:
+        """Median step time without the first step (the warm-up; with the lazytrain strategy, the profile)."""
+        steady = self.seconds[1:] or self.seconds
+        return statistics.median(steady) if steady else None
+
+
+class _EndsWhereTheRunEnds:
+    """Mixin for Lightning's progress bars: the training bar's total is the batches left until ``max_steps``
+    (Lightning shows the epoch's length, e.g. 300/3659 with an 8-minute ETA for a 300-step run), and
+    ``report`` prints a line without breaking the bar."""
+
+    @property
+    def total_train_batches(self) -> Union[int, float]:
+        total = super().total_train_batches  # type: ignore[misc]
+        trainer = self.trainer  # type: ignore[attr-defined]
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            total = min(total, (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches)
+        return total
+
+
+class RunRichProgressBar(_EndsWhereTheRunEnds, RichProgressBar):
+    def report(self, text: str) -> None:
+        progress = getattr(self, "progress", None)
+        if progress is not None and not self.is_disabled:
+            progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+
+class RunTQDMProgressBar(_EndsWhereTheRunEnds, TQDMProgressBar):
+    def report(self, text: str) -> None:
+        self.print(text)
+
+
+def progress_bar() -> Callback:
+    """The progress bar Lightning would pick (Rich when installed, else tqdm), ending where the run ends."""
+    return RunRichProgressBar() if _RICH_AVAILABLE else RunTQDMProgressBar()
+
+
+def say(text: str, out: TextIO, trainer: Optional[Trainer] = None) -> None:
+    """Print one line of the job's report (through the progress bar while it is live) and log it to train.log."""
+    bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+    if bar is not None and hasattr(bar, "report") and out is sys.stdout:
+        bar.report(text)
+    else:
+        print(text, file=out, flush=True)
+    APP_LOG.info(text)
+
+
+class QuietLightning(logging.Filter):
+    """Drops Lightning's start-up chatter (``LIGHTNING_NOISE``); keeps everything else, the plan table included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).lstrip().startswith(LIGHTNING_NOISE)
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """For the job's duration: no Lightning tips / device banners, no deprecation warnings (Lightning's and
+    torch's: nothing the user of this app can act on). Other warnings and messages stay."""
+    quiet = QuietLightning()
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch.utilities.rank_zero",
+                                                    "lightning.fabric.utilities.rank_zero")]
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category)
+            yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
 
 
 # ---- pieces ---------------------------------------------------------------------------------------
@@ -217,6 +343,60 @@ def build_module(cfg: Any) -> Any:
                           lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                           lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
                           eight_bit=o.eight_bit, max_grad_norm=o.max_grad_norm)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def hardware_name(cfg: Any) -> Optional[str]:
+    """What the lazytrain strategy plans for (the profile's name, ``measure`` or a profile given by name); None
+    for other strategies (they plan nothing)."""
+    s = cfg.strategy
+    if s.name not in STRATEGY_NAMES:
+        return None
+    return str(cfg.hardware.name if s.hardware == "profile" else s.hardware)
+
+
+def validate_config(cfg: Any) -> None:
+    """Start-up checks with the user's option names, before anything is built or written: the strategy name (ours,
+    ``auto`` or one registered with Lightning), the accelerator (known to Lightning and present on this machine)
+    and the run length. Raises ``TrainConfigError`` (one line)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    s, t = cfg.strategy, cfg.trainer
+    if s.name not in STRATEGY_NAMES and s.name != "auto" and s.name not in StrategyRegistry:
+        others = sorted(n for n in StrategyRegistry.available_strategies()
+                        if n not in STRATEGY_NAMES and "find_unused_parameters" not in n)
+        raise TrainConfigError(
+            f"strategy.name={s.name!r} is not a strategy: use lazytrain or lazytrain_megatrain (layer streaming), "
+            f"auto (plain Lightning), or one of Lightning's: {', '.join(others)} (ddp variants also with "
+            f"_find_unused_parameters_true/false)")
+    accelerator = str(t.accelerator).lower()
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise TrainConfigError(
+                f"trainer.accelerator={t.accelerator!r} (trainer=gpu) needs a CUDA GPU and this machine has none "
+                f"(torch.cuda.is_available() is False): use trainer=cpu")
+        if int(t.devices) > torch.cuda.device_count():
+            raise TrainConfigError(f"trainer.devices={t.devices} but this machine has {torch.cuda.device_count()} "
+                                   f"CUDA GPU(s)")
+    elif accelerator != "auto":
+        known = sorted(set(AcceleratorRegistry.available_accelerators()) | {"auto", "gpu"})
+        if accelerator not in AcceleratorRegistry:
+            raise TrainConfigError(f"trainer.accelerator={t.accelerator!r} is not an accelerator: use one of "
+                                   f"{', '.join(known)}")
+        if not AcceleratorRegistry[accelerator]["accelerator"].is_available():
+            raise TrainConfigError(f"trainer.accelerator={t.accelerator!r} is not available on this machine: use "
+                                   f"trainer=cpu")
+    if s.name in STRATEGY_NAMES and accelerator not in ("cpu", "gpu", "cuda", "auto"):
+        raise TrainConfigError(f"strategy.name={s.name} runs on trainer.accelerator cpu or gpu, not "
+                               f"{t.accelerator!r}")
+    if int(t.max_steps) < 1:
+        raise TrainConfigError(f"trainer.max_steps={t.max_steps}: the app trains a fixed number of steps (>= 1)")
+    if int(t.val_check_interval) < 1:
+        raise TrainConfigError(f"trainer.val_check_interval={t.val_check_interval}: must be >= 1 (steps)")
 
 
 def build_strategy(cfg: Any) -> Any:
@@ -303,18 +483,23 @@ def _params(n: int) -> str:
 
 
 # ---- the job --------------------------------------------------------------------------------------
-def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None) -> Dict[str, Any]:
-    """Train ``cfg`` (a composed ``TrainAppConfig``), write the logs, ``loss_curve.png``, ``losses.json`` and
-    ``result.json`` into ``out_dir`` and return the result dict."""
+def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: Optional[int] = None,
+              overrides: Optional[str] = None) -> Dict[str, Any]:
+    """Train ``cfg`` (a composed ``TrainAppConfig``), write the logs, ``loss_curve.png``, ``losses.json``,
+    ``result.json`` and ``summary_row.json`` (one row of a sweep's ``sweep.csv``; ``job``/``overrides`` label it)
+    into ``out_dir`` and return the result dict. A config that cannot run raises ``TrainConfigError`` before
+    anything is written."""
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
     out = out or sys.stdout
+    validate_config(cfg)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     t = cfg.trainer
-    with torch_threads(t.threads):
+    hw_name = hardware_name(cfg)
+    with torch_threads(t.threads), quiet_lightning():
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         try:
             dm = StdlibTextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
@@ -322,53 +507,65 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None) -> Di
             module = build_module(cfg)
             strategy = build_strategy(cfg)
         except (ValueError, PlannerError, FileNotFoundError) as err:
-            raise TrainConfigError(str(err)) from err
-        where = ""
-        if cfg.strategy.name in STRATEGY_NAMES:
-            hw_name = cfg.hardware.name if cfg.strategy.hardware == "profile" else cfg.strategy.hardware
-            where = f" (policy {getattr(strategy, 'policy', cfg.strategy.policy)}, hardware {hw_name})"
-        print(f"lazytrain-train: {cfg.model.name} ({_params(module.num_parameters)} params) on {t.accelerator} "
-              f"x{t.devices}, {t.precision}, strategy {cfg.strategy.name}{where}, torch threads "
-              f"{torch.get_num_threads()}", file=out)
-        print(f"data: Python {sys.version_info.major}.{sys.version_info.minor} stdlib .py source, "
-              f"train {info['train_files']} files / {info['train_bytes'] / 1e6:.2f} MB, held-out "
-              f"{info['val_files']} files / {info['val_bytes'] / 1e6:.2f} MB ({info['val_windows']} val windows); "
-              f"batch {info['batch_size']} x seq {info['seq_len']}, {t.max_steps} steps, validation every "
-              f"{t.val_check_interval}", file=out)
-        out.flush()
+            raise TrainConfigError(_one_line(err)) from err
 
-        history = LossHistory()
-        logger = CSVLogger(save_dir=str(out_dir), name="logs", version="")  # -> logs/metrics.csv, logs/hparams.yaml
-        per_epoch = max(1, info["train_windows"] // info["batch_size"])  # finite epochs: a readable progress bar
+        history = LossHistory(out)
+        timer = StepTimer()
+        callbacks: list = [history, timer, ValidateAfterLastStep(), LearningRateMonitor(logging_interval="step")]
+        if t.enable_progress_bar:
+            callbacks.append(progress_bar())
+        per_epoch = max(1, info["train_windows"] // info["batch_size"])
         max_epochs = math.ceil(t.max_steps * t.accumulate_grad_batches / per_epoch)
-        trainer = L.Trainer(
-            accelerator=t.accelerator, devices=t.devices, precision=t.precision, strategy=strategy,
-            max_steps=t.max_steps, max_epochs=max_epochs, val_check_interval=min(t.val_check_interval, t.max_steps),
-            check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
-            num_sanity_val_steps=t.num_sanity_val_steps, log_every_n_steps=t.log_every_n_steps,
-            gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
-            enable_progress_bar=t.enable_progress_bar, enable_checkpointing=t.enable_checkpointing,
-            enable_model_summary=t.enable_model_summary, default_root_dir=str(out_dir), logger=logger,
-            callbacks=[history, ValidateAfterLastStep(), LearningRateMonitor(logging_interval="step")],
-        )
+        logger = CSVLogger(save_dir=str(out_dir), name="logs", version="")  # -> logs/metrics.csv, logs/hparams.yaml
+        try:
+            trainer = L.Trainer(
+                accelerator=t.accelerator, devices=t.devices, precision=t.precision, strategy=strategy,
+                max_steps=t.max_steps, max_epochs=max_epochs,
+                val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
+                limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
+                log_every_n_steps=t.log_every_n_steps, gradient_clip_val=t.gradient_clip_val,
+                accumulate_grad_batches=t.accumulate_grad_batches, enable_progress_bar=t.enable_progress_bar,
+                enable_checkpointing=t.enable_checkpointing, enable_model_summary=t.enable_model_summary,
+                default_root_dir=str(out_dir), logger=logger, callbacks=callbacks)
+        except (MisconfigurationException, ValueError) as err:  # e.g. a precision Lightning does not know
+            raise TrainConfigError(_one_line(err)) from err
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+        where = ""
+        if hw_name is not None:
+            where = f" (policy {getattr(strategy, 'policy', cfg.strategy.policy)}, hardware {hw_name})"
+        say(f"lazytrain-train: {cfg.model.name} ({_params(module.num_parameters)} params) on {t.accelerator} "
+            f"x{t.devices}, {t.precision}, strategy {cfg.strategy.name}{where}, torch threads "
+            f"{torch.get_num_threads()}", out)
+        say(f"data: Python {sys.version_info.major}.{sys.version_info.minor} stdlib .py source, "
+            f"train {info['train_files']} files / {info['train_bytes'] / 1e6:.2f} MB, held-out "
+            f"{info['val_files']} files / {info['val_bytes'] / 1e6:.2f} MB ({info['val_windows']} val windows); "
+            f"batch {info['batch_size']} x seq {info['seq_len']}, {t.max_steps} steps, validation every "
+            f"{t.val_check_interval}", out)
         start = time.perf_counter()
         trainer.fit(module, datamodule=dm)
         wall = time.perf_counter() - start
 
     result = summarize(history, int(cfg.smooth_steps))
     tokens = result["steps"] * t.accumulate_grad_batches * info["batch_size"] * info["seq_len"]
+    predicted = trainer.callback_metrics.get("lazytrain/predicted_step_seconds")
+    predicted = float(predicted) if predicted is not None and math.isfinite(float(predicted)) else None
     result.update(model=cfg.model.name, params=module.num_parameters, strategy=cfg.strategy.name,
-                  accelerator=t.accelerator, precision=t.precision, seed=int(cfg.seed), fit_seconds=wall,
-                  train_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None, data=info,
+                  hardware=hw_name, accelerator=t.accelerator, precision=t.precision, seed=int(cfg.seed),
+                  fit_seconds=wall, train_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
+                  step_seconds_measured=timer.median(), step_seconds_predicted=predicted,
+                  step_seconds_first=timer.seconds[0] if timer.seconds else None, data=info,
                   output_dir=str(out_dir), pid=os.getpid())
     title = (f"{cfg.model.name} ({_params(module.num_parameters)}) on stdlib bytes, strategy {cfg.strategy.name}: "
              f"batch {info['batch_size']} x {info['seq_len']}, lr {cfg.optim.lr:g}")
     plot_loss_curve(history.train, history.val, out_dir / "loss_curve.png", title, smooth=int(cfg.smooth_steps))
     (out_dir / "losses.json").write_text(json.dumps({"train": history.train, "val": history.val}))
     (out_dir / "result.json").write_text(json.dumps({**result, "config": to_container(cfg)}, indent=1, default=str))
+    (out_dir / ROW_FILE).write_text(json.dumps(summary_row(cfg, result, job=job, overrides=overrides), indent=1,
+                                               default=str))
 
     # ---- print ------------------------------------------------------------------------------------
-    lines = [f"lazytrain-train: {result['steps']} steps in {wall:.1f} s ({result['tokens_per_s'] or 0:,.0f} tokens/s)"]
+    lines = []
     if "final_val_loss" in result:
         line = f"final val loss {result['final_val_loss']:.4f} (held-out files, step {result['final_val_step']})"
         if "initial_val_loss" in result:
@@ -379,28 +576,122 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None) -> Di
         k = result["train_loss_mean_window"]
         lines.append(f"train loss: first {k} steps {result['first_train_loss_mean']:.4f} -> last {k} steps "
                      f"{result['last_train_loss_mean']:.4f} (down {result['train_loss_drop']:.4f})")
+    measured = result["step_seconds_measured"]
+    if measured is not None:
+        line = f"step time: measured {measured:.3f} s (median after the first step)"
+        if predicted is not None:
+            line += f", predicted {predicted:.3f} s by the plan (measured / predicted {measured / predicted:.2f}x)"
+        lines.append(line)
     lines.append(f"wrote loss_curve.png, result.json, losses.json, logs/metrics.csv to {out_dir}")
-    print("\n".join(lines), file=out)
-    out.flush()
+    summary = (f"lazytrain-train: done, {result['steps']} steps in {wall:.1f} s "
+               f"({result['tokens_per_s'] or 0:,.0f} tokens/s)")
+    if "final_val_loss" in result:
+        summary += f", final val loss {result['final_val_loss']:.4f}"
+        if "initial_val_loss" in result:
+            summary += f" (from {result['initial_val_loss']:.4f})"
+    lines.append(summary)
+    for line in lines:
+        say(line, out)
     return result
+
+
+SWEEP_TRAIN_COLUMNS = ("job", "status", "overrides", "model", "strategy", "hardware", "seed", "lr", "steps",
+                       "initial_val_loss", "final_val_loss", "val_loss_drop", "tokens_per_s", "step_s_measured",
+                       "step_s_predicted", "measured_over_predicted", "fit_seconds", "reason", "output_dir")
+
+
+def summary_row(cfg: Any, result: Optional[Dict[str, Any]] = None, *, job: Optional[int] = None,
+                overrides: Optional[str] = None, error: Optional[BaseException] = None,
+                out_dir: str | Path | None = None) -> Dict[str, Any]:
+    """One job's row of a training sweep's ``sweep.csv`` (``SWEEP_TRAIN_COLUMNS``)."""
+    row: Dict[str, Any] = {"job": job, "status": "ok" if error is None else "failed", "overrides": overrides,
+                           "model": cfg.model.name, "strategy": cfg.strategy.name, "hardware": hardware_name(cfg),
+                           "seed": int(cfg.seed), "lr": float(cfg.optim.lr), "reason": "" if error is None else
+                           _one_line(error), "output_dir": None if out_dir is None else str(out_dir)}
+    if result is not None:
+        measured, predicted = result.get("step_seconds_measured"), result.get("step_seconds_predicted")
+        row.update(steps=result.get("steps"), initial_val_loss=result.get("initial_val_loss"),
+                   final_val_loss=result.get("final_val_loss"), val_loss_drop=result.get("val_loss_drop"),
+                   tokens_per_s=result.get("tokens_per_s"), step_s_measured=measured, step_s_predicted=predicted,
+                   measured_over_predicted=measured / predicted if measured and predicted else None,
+                   fit_seconds=result.get("fit_seconds"), output_dir=result.get("output_dir"))
+    return row
+
+
+class TrainSweepSummary(SweepSummary):
+    """Hydra callback (``conf/train_app.yaml``): after a multirun, one ``sweep.csv`` in the sweep directory with a
+    row per job (final val loss, tokens/s, measured vs predicted step time; failed jobs with their reason), and the
+    same as a table on the console. The app exits 2 if a job failed."""
+
+    columns = SWEEP_TRAIN_COLUMNS
+    table_columns = ("job", "overrides", "status", "final_val_loss", "tokens_per_s", "step_s_measured",
+                     "step_s_predicted")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        super().on_multirun_start(config, **kwargs)
+        _FAILED_JOBS.clear()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        rows = super().on_multirun_end(config, **kwargs)
+        if rows:
+            tokens = [str(r.get("overrides") or "").split() for r in rows]
+            common = set.intersection(*(set(tok) for tok in tokens))  # the table shows what the sweep varies
+            table = [{**{k: r.get(k) for k in self.table_columns},
+                      "overrides": " ".join(tok for tok in toks if tok not in common) or "-"}
+                     for r, toks in zip(rows, tokens)]
+            print(format_table(table), flush=True)
+
+
+def _remove_run_dir(path: Path) -> None:
+    """Remove a failed run's output directory, and the parents it leaves empty up to the working directory."""
+    path = path.resolve()
+    shutil.rmtree(path, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    parent = path.parent
+    while parent != cwd and cwd in parent.parents:
+        try:
+            parent.rmdir()  # only if empty
+        except OSError:
+            break
+        parent = parent.parent
 
 
 def _task(cfg: DictConfig) -> Optional[float]:
     hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    job = int(hc.job.num) if multirun and hc.job.get("num") is not None else None
+    overrides = " ".join(hc.overrides.task)
     try:
-        result = train_job(cfg, Path(hc.runtime.output_dir))
+        result = train_job(cfg, out_dir, job=job, overrides=overrides)
     except (TrainConfigError, PlannerError) as err:
-        if hc.mode == RunMode.MULTIRUN:
-            raise
-        print(f"lazytrain-train: {type(err).__name__}: {err}", file=sys.stderr)
+        kind = "" if isinstance(err, TrainConfigError) else f"infeasible ({type(err).__name__}): "
+        print(f"lazytrain-train: {kind}{_one_line(err)}", file=sys.stderr, flush=True)
+        if multirun:  # record the reason in the job's row and let the sweep go on
+            out_dir.mkdir(parents=True, exist_ok=True)
+            row = summary_row(cfg, job=job, overrides=overrides, error=err, out_dir=out_dir)
+            (out_dir / ROW_FILE).write_text(json.dumps(row, indent=1, default=str))
+            _FAILED_JOBS.append(overrides)
+            return None
+        _remove_run_dir(out_dir)  # nothing ran: leave no output directory behind
         sys.stdout.flush()
-        sys.stderr.flush()
         sys.exit(EXIT_BAD_CONFIG)
     return result.get("final_val_loss")  # the value a Hydra sweeper would minimise
 
 
-main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train_app")(_task)
-main.__doc__ = "Console script ``lazytrain-train`` (Hydra app over conf/train_app.yaml)."
+_hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train_app")(_task)
+
+
+def main() -> None:
+    """Console script ``lazytrain-train`` (Hydra app over conf/train_app.yaml). Exit status 2: a config that cannot
+    run or an infeasible plan (one line on stderr, no output directory left), or a multirun with a failed job."""
+    _FAILED_JOBS.clear()
+    _hydra_main()
+    if _FAILED_JOBS:
+        print(f"lazytrain-train: {len(_FAILED_JOBS)} job(s) failed: {'; '.join(_FAILED_JOBS)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
+
+
 
 if __name__ == "__main__":
     main()
