@@ -190,6 +190,18 @@ def load_hardware(name: str) -> Hardware:
     return to_hardware(OmegaConf.load(path))
 
 
+def load_model(name: str) -> ModelSpec:
+    """The model ``conf/model/<name>.yaml`` (or the model YAML file ``name``) as a ``ModelSpec`` (no Hydra
+    composition, no torch)."""
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise InvalidInput("model", name, f"no model {path}; known: {', '.join(known)}, or a path to a model .yaml")
+    return to_model(OmegaConf.load(path))
+
+
 def to_model(cfg: Any) -> ModelSpec:
     """``ModelConfig`` (or the app config) -> validated ``planner.ModelSpec``."""
     m = _node(cfg, "model")

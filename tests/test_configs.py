@@ -159,3 +159,13 @@ def test_invalid_numbers_are_named(cfg_of):
     cfg = cfg_of("hardware.gpu_memory_cap_gb=90")
     with pytest.raises(InvalidInput, match="gpu_memory_cap_bytes"):
         to_hardware(cfg)
+
+
+def test_load_model_and_load_hardware_by_name():
+    from lightning_lazytrain.config import load_hardware, load_model
+
+    assert load_model("qwen3.6-27b").num_layers == 64 and load_model("tiny").vocab == 256
+    assert load_model(str(CONF_DIR / "model" / "tiny.yaml")) == load_model("tiny")
+    assert load_hardware("h800").name == "h800"
+    with pytest.raises(InvalidInput, match="known: .*qwen2.5-3b.*tiny"):
+        load_model("gpt-5")

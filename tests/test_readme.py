@@ -78,3 +78,44 @@ def test_readme_h800_table_is_what_lazytrain_plan_prints(tmp_path, capsys):
             speedup_27b = float(re.search(r"speedup over megatrain: ([\d.]+)x", printed).group(1))
     claim = re.search(r"At 27B our plan is predicted ([\d.]+)x faster", README)
     assert claim and float(claim.group(1)) == pytest.approx(speedup_27b, abs=0.005)
+
+
+# ---- every Python block runs as written (issue 10, item 7) ----------------------------------------------
+# Blocks in sections whose text this test must not change run with these substitutions (tiny sizes, a
+# temporary spill directory); each `old` must appear in its block, so the README cannot drift from them.
+SUBSTITUTIONS = {
+    "import lightning as L": [("max_steps=300", "max_steps=3"),
+                              ("StdlibTextDataModule(seq_len=128, batch_size=8)",
+                               "StdlibTextDataModule(seq_len=128, batch_size=8, max_bytes=300_000, val_windows=8)")],
+    "from lightning_lazytrain.strategy import LazyTrainStrategy": [('"/nvme/spill"', "SPILL_DIR")],
+}
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+
+
+def test_the_readme_has_the_expected_python_blocks():
+    firsts = [block.splitlines()[0] for block in python_blocks()]
+    assert firsts == ["import lightning as L", "from lightning_lazytrain.strategy import LazyTrainStrategy",
+                      "from lightning_lazytrain.config import load_hardware, load_model", "import torch"]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_readme_python_block_runs(index, tmp_path, monkeypatch, capsys):
+    block = python_blocks()[index]
+    for old, new in SUBSTITUTIONS.get(block.splitlines()[0], []):
+        assert old in block, f"README block {index} no longer contains {old!r}: update SUBSTITUTIONS"
+        block = block.replace(old, new)
+    monkeypatch.chdir(tmp_path)  # Lightning's default logger writes lightning_logs/ into the working directory
+    namespace = {"__name__": f"readme_block_{index}", "SPILL_DIR": str(tmp_path / "spill")}
+    exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+    if index == 0:
+        assert namespace["model"].trainer.global_step == 3
+    if index == 2:
+        plan = namespace["plan"]
+        assert plan.schedule.num_layers == 64 and not plan.over_cap
+        assert "tokens/s, peak" in capsys.readouterr().out
+    if index == 3:
+        assert namespace["ex"].device.type in ("cpu", "cuda")
+        assert namespace["loss"].item() < 5.6  # a byte-level model, three steps from ln 256
