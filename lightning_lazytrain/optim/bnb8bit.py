@@ -1,25 +1,58 @@
 """8-bit blockwise AdamW states through bitsandbytes (imported lazily).
 
-What bitsandbytes 0.50.2 really does (read from ``bitsandbytes/backends/cpu/ops.py`` and checked
-by experiment, see tests/test_optim_bnb.py):
+What bitsandbytes 0.50.2 really does for ``optimizer_update_8bit_blockwise("adam", ...)`` (read
+from ``bitsandbytes/backends/{cpu,cuda}/ops.py``; the CUDA kernel from the PTX of
+``kOptimizerStatic8bit2StateBlockwise<T, ADAM, 256, 1>`` in the shipped ``libbitsandbytes_cuda*.so``,
+whose source is not installed; CPU facts checked by experiment, see tests/test_optim_bnb.py):
 
-* ``bitsandbytes.functional.optimizer_update_8bit_blockwise("adam", ...)`` has a CPU kernel that
-  dequantises both states (native ``dequantize_blockwise``), runs decoupled-weight-decay AdamW in
-  float32 torch ops and re-quantises (native ``quantize_blockwise``). It is AdamW, not Adam: the
-  weight decay is ``p *= 1 - lr * wd`` before the update, as in ``torch.optim.AdamW``.
+* CPU (``backends/cpu/ops.py``, ``_optimizer_update_8bit_blockwise_cpu``): dequantises both states
+  (native ``dequantize_blockwise``), runs AdamW in float32 torch ops and re-quantises (native
+  ``quantize_blockwise``, 64-bit element counts). Weight decay ``p *= 1 - lr * wd`` comes BEFORE the
+  update, as in ``torch.optim.AdamW``. Non-finite gradient elements propagate unevenly: NaN makes
+  that parameter NaN while the native quantiser ignores NaN in the block maximum (the moment is
+  stored as a finite code); +-inf makes the block's absmax inf, so all 256 moments of the block
+  dequantise to inf/NaN from then on.
+* CUDA (``backends/cuda/ops.py`` ``_optimizer_update_8bit_blockwise_impl``): one kernel launch with
+  no stream argument, on the legacy default stream; weight decay is applied AFTER the update,
+  ``p = (p - step) * (1 - lr * wd)``; elements whose gradient is non-finite are skipped (parameter
+  untouched, both moments of that element set to 0); the element count goes through
+  ``ct.c_int32``, so 2^31 or more elements wrap (a negative count is a launch error, on which the
+  library calls ``exit(1)``; 2^32 + k updates only k elements). The math uses fast approximate
+  ``sqrt``/``div``/``ex2`` with flush-to-zero, so CPU and CUDA agree closely, never bitwise.
 * The block size is fixed at 256 on CPU (``blocksize = 256`` inside the kernel) and on CUDA (the
-  8-bit blockwise kernels' compile-time block); it is not an argument. ``block_size`` other than
-  256 is therefore refused with an error instead of being silently ignored.
+  kernels' compile-time block); it is not an argument. ``block_size`` other than 256 is therefore
+  refused with an error instead of being silently ignored.
 * ``gnorm_scale`` is honoured on CPU (``grad = g.float() * gnorm_scale``) and CUDA: updating with
   ``gnorm_scale=c`` is bitwise identical to updating with ``c * g`` -- which is what makes the
   fused clip exact.
 * ``skip_zeros`` is accepted but ignored on CPU; we always pass False.
 * State 1 (exp_avg) uses the signed dynamic map, state 2 (exp_avg_sq) the unsigned one
   (``create_dynamic_map(signed=...)``), 256 float32 entries each, as ``bnb.optim.AdamW8bit``.
+
+What :func:`adamw_8bit_update` makes of it -- one semantics on both devices:
+
+* Weight decay: ours, ``p.mul_(1 - lr * wd)`` in the parameter's dtype before the kernel, which
+  then gets ``weight_decay=0`` (torch AdamW's order and rounding; on CPU with float32 parameters
+  this is bitwise what the kernel's own decay did).
+* Non-finite gradients: "propagate by block". An element with a NaN/inf gradient gets a NaN
+  parameter (as in torch AdamW, where its update is NaN) and the block scales (absmax) of its
+  256-element block become NaN in both moments, so the block's moments read as NaN and its
+  parameters turn NaN at the next update. (An 8-bit code cannot hold NaN, so per-element
+  propagation is impossible; a block is the finest unit.) HybridAdamW normally never gets here:
+  a non-finite global norm skips the whole step; only with ``skip_nonfinite=False`` and no
+  clipping does a non-finite gradient reach the update, and the optimizer tells the update when
+  the norm proved every gradient finite (``grads_finite=True``) so the check costs nothing then.
+* Size: updates run in block-aligned chunks (``CPU_CHUNK_NUMEL``/``CUDA_CHUNK_NUMEL``), so any
+  tensor works on CUDA; chunking is bitwise identical to one call (blocks are independent).
+* Streams: CUDA work is ordered on the caller's current stream (see the Note in
+  :func:`_legacy_stream_bridge`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -123,6 +156,85 @@ def check_8bit_state(p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
 #: (tests/test_optim_bnb.py checks this).
 CPU_CHUNK_NUMEL = 1 << 20
 
+#: CUDA updates run in block-aligned chunks of this many elements: the kernel takes its element
+#: count as a C ``int`` (``ct.c_int32(g.numel())`` in bitsandbytes/backends/cuda/ops.py) and indexes
+#: with 32-bit offsets, so one launch must cover fewer than 2^31 elements. 2^30 keeps a wide
+#: margin and costs one extra launch per 1G elements. Read at call time (tests shrink it).
+CUDA_CHUNK_NUMEL = 1 << 30
+
+#: Largest block-aligned element count one CUDA launch can take (``n < 2^31``).
+CUDA_KERNEL_MAX_NUMEL = (1 << 31) - BNB_BLOCK_SIZE
+
+
+def default_chunk_numel(device: torch.device) -> int:
+    """The chunk length :func:`adamw_8bit_update` uses on ``device`` when none is given."""
+    return CUDA_CHUNK_NUMEL if device.type == "cuda" else CPU_CHUNK_NUMEL
+
+
+def chunk_spans(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``range(numel)``; every start is a multiple of ``chunk_numel``."""
+    if chunk_numel <= 0 or chunk_numel % BNB_BLOCK_SIZE:
+        raise ValueError(f"chunk_numel must be a positive multiple of {BNB_BLOCK_SIZE}, got {chunk_numel}")
+    return [(a, min(numel, a + chunk_numel)) for a in range(0, numel, chunk_numel)]
+
+
+@contextlib.contextmanager
+def _legacy_stream_bridge(device: torch.device) -> Iterator[None]:
+    """Run the body on the legacy default stream, ordered after and before the caller's stream.
+
+    Note: [bitsandbytes' 8-bit optimizer kernels ignore the current stream]
+    ``_optimizer_update_8bit_blockwise_impl`` (bitsandbytes/backends/cuda/ops.py) calls
+    ``cadam_8bit_blockwise_grad_*`` without a stream argument (unlike its quantise/dequantise ops,
+    which pass ``torch._C._cuda_getCurrentRawStream``); the host launcher
+    ``optimizerStatic8bitBlockwise`` pushes its call configuration with stream 0 and the library
+    imports ``cudaLaunchKernel``, not the per-thread ``cudaLaunchKernel_ptsz``, so the kernel runs on
+    the *legacy* default stream -- which is torch's default stream (``cuda_stream == 0``). Wrapping
+    the call in ``torch.cuda.stream(...)`` therefore changes nothing for the kernel. PyTorch's own
+    side streams are created non-blocking, so the legacy stream does not implicitly wait for them:
+    called on a side stream, the kernel would race with the caller's pending work (the gradient
+    not yet written, the weights still being uploaded) and the caller's next kernels would race
+    with it. So when the current stream is not the default stream, the legacy stream waits for the
+    current one (an event, no host sync), the whole update -- our decay and non-finite handling
+    included, so that the caching allocator sees every temporary used on the stream that used it --
+    runs on the legacy stream, and the current stream then waits for the legacy one. The caller sees
+    the update as if it ran on its stream. The price: the legacy stream also serialises with other
+    blocking streams' work (none of ours: torch's streams are non-blocking), and the update cannot
+    be captured in a CUDA graph (bitsandbytes' launch on stream 0 could not be either).
+    """
+    if device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    legacy = torch.cuda.default_stream(device)
+    if current == legacy:
+        yield
+        return
+    legacy.wait_stream(current)
+    try:
+        with torch.cuda.stream(legacy):
+            yield
+    finally:
+        current.wait_stream(legacy)
+
+
+def _propagate_nonfinite(
+    p: torch.Tensor, grad: torch.Tensor, absmax1: torch.Tensor, absmax2: torch.Tensor
+) -> None:
+    """The "propagate by block" policy for one block-aligned chunk (flat views); no host sync.
+
+    Elements whose gradient is non-finite get a NaN parameter; the block scales of their blocks
+    become NaN in both moments (whatever the kernel stored there: CUDA skipped the element, CPU
+    stored a NaN as a finite code or made the block's scale inf).
+    """
+    bad = ~torch.isfinite(grad)
+    p.masked_fill_(bad, math.nan)
+    blocks = absmax1.numel()
+    padded = torch.zeros(blocks * BNB_BLOCK_SIZE, dtype=torch.bool, device=bad.device)
+    padded[: bad.numel()] = bad
+    bad_blocks = padded.view(blocks, BNB_BLOCK_SIZE).any(dim=1)
+    absmax1.masked_fill_(bad_blocks, math.nan)
+    absmax2.masked_fill_(bad_blocks, math.nan)
+
 
 def adamw_8bit_update(
     p: torch.Tensor,
@@ -135,54 +247,66 @@ def adamw_8bit_update(
     eps: float,
     weight_decay: float,
     gnorm_scale: float,
-    chunk_numel: int | None = CPU_CHUNK_NUMEL,
+    chunk_numel: int | None = None,
+    grads_finite: bool = False,
 ) -> None:
-    """One AdamW step on 8-bit states; the gradient is multiplied by ``gnorm_scale`` in-kernel.
+    """One AdamW step on 8-bit states, torch AdamW semantics on CPU and CUDA (see module doc).
 
-    Increments ``state["step"]``. ``grad`` is read, never written. On CPU the tensor is updated in
-    chunks of ``chunk_numel`` elements (a multiple of 256; None = one call); CUDA is one call.
+    The gradient is multiplied by ``gnorm_scale`` in-kernel. Increments ``state["step"]``. ``grad``
+    is read, never written. The tensor is updated in chunks of ``chunk_numel`` elements (a
+    multiple of 256; None: :func:`default_chunk_numel`; on CUDA at most ``CUDA_KERNEL_MAX_NUMEL``).
+    ``grads_finite=True`` promises that every gradient element is finite (the caller's global
+    norm was finite) and skips the non-finite handling. On CUDA the work is ordered on the
+    caller's current stream, nothing waits on the host.
     """
     bnb_f = require_bnb()
     if grad.is_sparse:
         raise RuntimeError("HybridAdamW does not support sparse gradients")
-    if chunk_numel is not None and chunk_numel % BNB_BLOCK_SIZE:
-        raise ValueError(f"chunk_numel must be a multiple of {BNB_BLOCK_SIZE}")
+    if chunk_numel is None:
+        chunk_numel = default_chunk_numel(p.device)
+    if p.device.type == "cuda" and chunk_numel > CUDA_KERNEL_MAX_NUMEL:
+        raise ValueError(
+            f"chunk_numel={chunk_numel} is too large for bitsandbytes' CUDA kernel (32-bit element count); "
+            f"at most {CUDA_KERNEL_MAX_NUMEL}"
+        )
     n = p.numel()
-    if chunk_numel is None or p.device.type != "cpu" or n <= chunk_numel:
-        spans = [(0, n)]
-    else:
-        spans = [(a, min(n, a + chunk_numel)) for a in range(0, n, chunk_numel)]
-    grad = grad.contiguous()
+    spans = chunk_spans(n, chunk_numel)
     state["step"] += 1
     step = int(state["step"].item())  # CPU tensor: no device sync
-    flat = (p.view(-1), grad.view(-1), state["state1"].view(-1), state["state2"].view(-1))
-    for a, b in spans:
-        blocks = slice(a // BNB_BLOCK_SIZE, blocks_for(b))
-        if len(spans) == 1:
-            p_c, g_c, s1, s2 = p, grad, state["state1"], state["state2"]
-        else:
+    if n == 0:  # the CUDA launcher would fail on an empty grid (and bitsandbytes exits on launch errors)
+        return
+    decay = 1.0 - lr * weight_decay
+    with torch.no_grad(), _legacy_stream_bridge(p.device):
+        flat = (p.view(-1), grad.contiguous().view(-1), state["state1"].view(-1), state["state2"].view(-1))
+        for a, b in spans:
+            blocks = slice(a // BNB_BLOCK_SIZE, blocks_for(b))
             p_c, g_c, s1, s2 = (t[a:b] for t in flat)
-        bnb_f.optimizer_update_8bit_blockwise(
-            "adam",
-            g_c,
-            p_c,
-            s1,
-            s2,
-            beta1,
-            beta2,
-            0.0,  # beta3: AdEMAMix only
-            0.0,  # alpha: AdEMAMix only
-            eps,
-            step,
-            lr,
-            state["qmap1"],
-            state["qmap2"],
-            state["absmax1"][blocks],
-            state["absmax2"][blocks],
-            weight_decay=weight_decay,
-            gnorm_scale=gnorm_scale,
-            skip_zeros=False,
-        )
+            absmax1, absmax2 = state["absmax1"][blocks], state["absmax2"][blocks]  # views: written in place
+            if weight_decay != 0.0:
+                p_c.mul_(decay)  # torch AdamW's decoupled decay, before the update, in p's dtype
+            bnb_f.optimizer_update_8bit_blockwise(
+                "adam",
+                g_c,
+                p_c,
+                s1,
+                s2,
+                beta1,
+                beta2,
+                0.0,  # beta3: AdEMAMix only
+                0.0,  # alpha: AdEMAMix only
+                eps,
+                step,
+                lr,
+                state["qmap1"],
+                state["qmap2"],
+                absmax1,
+                absmax2,
+                weight_decay=0.0,  # applied above: CUDA would apply it after the update
+                gnorm_scale=gnorm_scale,
+                skip_zeros=False,
+            )
+            if not grads_finite:
+                _propagate_nonfinite(p_c, g_c, absmax1, absmax2)
 
 
 def dequantized_moments(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -262,6 +262,9 @@ class HybridAdamW(Optimizer):
 
     def _update_layer(self, layer: Hashable, plan: _StepPlan) -> None:
         scale = plan.clip.scale
+        # A finite global norm proves every gradient element finite: the 8-bit update can skip
+        # its non-finite handling (bnb8bit.py). No norm computed (nan): it must check.
+        grads_finite = math.isfinite(plan.clip.grad_norm)
         for gi in self._layer_groups[layer]:
             hp = plan.hyper[gi]
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -273,7 +276,7 @@ class HybridAdamW(Optimizer):
                 if self._bits[p] == 8:
                     adamw_8bit_update(
                         p, grad, state, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                        weight_decay=hp.weight_decay, gnorm_scale=scale,
+                        weight_decay=hp.weight_decay, gnorm_scale=scale, grads_finite=grads_finite,
                     )
                 else:
                     params.append(p)
