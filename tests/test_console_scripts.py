@@ -4,6 +4,7 @@ repository. The entry points are read from pyproject.toml (the source of the ins
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,14 +44,55 @@ def test_lazytrain_plan_exit_codes(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
-def test_lazytrain_train_exit_code(tmp_path):
-    ok = run_script("lazytrain-train", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.max_bytes=200000",
-                    "data.val_windows=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-                    cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr
-    assert "final val loss" in ok.stdout
+# lazytrain-train three times in one interpreter (Lightning imports once): two configs that cannot run, then a run
+RUN_MANY = ("import contextlib, io, json, os, sys\n"
+            "from importlib import import_module\n"
+            "module, _, attr = sys.argv[1].partition(':')\n"
+            "entry = getattr(import_module(module), attr)\n"
+            "runs = json.loads(sys.argv[2])\n"
+            "report = []\n"
+            "for args in runs:\n"
+            "    sys.argv = [args[0], *args[1:]]\n"
+            "    out, err = io.StringIO(), io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+            "        try:\n"
+            "            code = entry()\n"
+            "        except SystemExit as e:\n"
+            "            code = e.code\n"
+            "    report.append({'code': 0 if code is None else code, 'stdout': out.getvalue(), 'stderr': err.getvalue(),\n"
+            "                   'left': sorted(os.listdir('.'))})\n"
+            "print('REPORT=' + json.dumps(report))\n")
 
 
+@pytest.mark.slow
+def test_lazytrain_train_exit_codes_one_line_and_no_directory_left(tmp_path):
+    """Exit 0 after a run; a strategy name nobody knows, or trainer=gpu on a machine without one: exit 2, one line
+    on stderr, no traceback, no output directory left behind (issue 10, item 9)."""
+    import torch
+
+    bad = {"strategy.name=nonsense": "strategy.name='nonsense' is not a strategy: use lazytrain or lazytrain_megatrain"}
+    if not torch.cuda.is_available():
+        bad["trainer=gpu"] = "needs a CUDA GPU and this machine has none"
+    runs = [["lazytrain-train", override] for override in bad]
+    runs.append(["lazytrain-train", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.max_bytes=200000",
+                 "data.val_windows=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"])
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run([sys.executable, "-c", RUN_MANY, SCRIPTS["lazytrain-train"], json.dumps(runs)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *failed, ok = json.loads(proc.stdout.split("REPORT=")[-1])
+    for run, message in zip(failed, bad.values()):
+        assert run["code"] == 2, run
+        lines = [line for line in run["stderr"].splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("lazytrain-train: ") and message in lines[0], run
+        assert "Traceback" not in run["stdout"] + run["stderr"]
+        assert run["left"] == [], run  # no outputs/ directory
+    assert ok["code"] == 0, ok
+    assert "final val loss" in ok["stdout"] and ok["left"] == ["outputs"]
+
+
+@pytest.mark.slow
 def test_lazytrain_cli_fit_exits_0_and_prints_no_object(tmp_path):
     ok = run_script("lazytrain-cli", "fit", "--trainer.fast_dev_run=2", "--trainer.accelerator=cpu",
                     "--trainer.strategy=lazytrain", "--trainer.enable_progress_bar=false",
@@ -59,5 +101,3 @@ def test_lazytrain_cli_fit_exits_0_and_prints_no_object(tmp_path):
                     cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "LightningCLI object" not in ok.stdout + ok.stderr
-    bad = run_script("lazytrain-cli", "fit", "--trainer.no_such_option=1", cwd=tmp_path)
-    assert bad.returncode == 2

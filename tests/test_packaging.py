@@ -63,6 +63,7 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
+@pytest.mark.slow
 def test_wheel_ships_every_config(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {"lightning_lazytrain/conf/" + p.relative_to(REPO / "conf").as_posix()
@@ -83,6 +84,7 @@ def venv(wheel, tmp_path_factory) -> Path:
     return env_dir
 
 
+@pytest.mark.slow
 def test_installed_wheel_finds_its_configs(venv, tmp_path):
     code = (
         "import json, lightning_lazytrain\n"
@@ -99,6 +101,7 @@ def test_installed_wheel_finds_its_configs(venv, tmp_path):
     assert info["h800"] == "h800" and info["params"] > 0
 
 
+@pytest.mark.slow
 def test_installed_console_scripts_run_outside_the_repository(venv, tmp_path):
     assert REPO not in tmp_path.resolve().parents
     plan = _run([venv / "bin" / "lazytrain-plan", "hardware=h800", "model=qwen3.6-27b", "train.micro_batch_size=72",

@@ -113,6 +113,7 @@ def test_cli_invalid_batch_exits_2(tmp_path):
     assert "train.micro_batch_size" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_multirun_writes_one_csv(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(tmp_path, "-m", "hardware=cpu,rtx3090", "model=tiny,qwen2.5-3b", "train=cpu", "plan.time_limit=10",

@@ -59,6 +59,7 @@ def test_h800_profile_holds_the_calibrated_efficiency():
     assert "`efficiency: 0.2709`" in section("Predicted vs measured (H800")
 
 
+@pytest.mark.slow
 def test_readme_h800_table_is_what_lazytrain_plan_prints(tmp_path, capsys):
     rows = h800_table()
     assert [r["model"] for r in rows] == ["qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen3.6-27b"]
@@ -119,3 +120,21 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch, capsys):
     if index == 3:
         assert namespace["ex"].device.type in ("cpu", "cuda")
         assert namespace["loss"].item() < 5.6  # a byte-level model, three steps from ln 256
+
+
+# ---- the test commands (issue 10, item 8) -----------------------------------------------------------------
+def test_readme_gives_the_test_time_and_a_quick_subset_that_ci_keeps_in_step():
+    two = section("Two commands")
+    assert "```bash\npython -m pytest -q\n```" in two
+    assert re.search(r"Run the tests \(about \d+ minutes on a quiet 2-core machine", two)
+    assert re.search(r'`python -m pytest -q -m "not slow"` \(about [\d.]+ minutes?\)', two)
+    # CI runs exactly the README's command
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci[-1] == "python -m pytest -q"
+    # the marks of the quick subset point at tests that exist (a renamed test would silently turn quick)
+    import conftest
+
+    assert conftest.SLOW
+    for node in conftest.SLOW:
+        path, name = node.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), node

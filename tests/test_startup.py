@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HEAVY = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers", "bitsandbytes")
 
 REPORT_HEAVY = ("import json, sys\n"
@@ -92,6 +94,7 @@ def test_import_registers_before_lightning_is_imported(tmp_path):
     assert "REGISTERED" in proc.stdout
 
 
+@pytest.mark.slow
 def test_import_registers_when_only_fabric_is_imported(tmp_path):
     code = ("import sys\n"
             "import lightning_lazytrain\n"
@@ -101,6 +104,7 @@ def test_import_registers_when_only_fabric_is_imported(tmp_path):
     assert "REGISTERED" in proc.stdout
 
 
+@pytest.mark.slow
 def test_import_registers_when_lightning_came_first(tmp_path):
     code = ("import sys\n"
             "import lightning.pytorch\n"
