@@ -111,6 +111,18 @@ def test_write_tensor_reports_direct_and_handles_unaligned_memory(tmp_path: Path
         nvme.read_tensor(p, torch.empty(x.numel() + 10, dtype=torch.uint8), direct=True)
 
 
+def test_nvme_read_buffer_is_kept_until_its_h2d(store: ActivationStore) -> None:
+    """A reload's file read lands in a pooled host buffer that the later H2D reads: a ``reap``
+    between the two (the executor reaps at every window) must not hand it to another offload."""
+    x = torch.randn(64, 64)
+    store.offload("a", x, "nvme").wait()
+    store.read_to_host("a").wait()
+    store.reap()
+    for k in range(3):  # take pooled buffers of the same size and fill them
+        store.offload(f"other{k}", torch.full((64, 64), float(k)), "nvme").wait()
+    assert torch.equal(store.get("a"), x)
+
+
 def test_device_byte_accounting(store: ActivationStore) -> None:
     a, b = torch.randn(256), torch.randn(512)  # 1 KiB, 2 KiB
     store.offload("a", a, "gpu")

@@ -17,6 +17,7 @@ from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.models import LlamaLM
 from lightning_lazytrain.planner import Hardware, ModelSpec, Schedule, keep_all, megatrain, recompute_all, simulate, solve
+from lightning_lazytrain.planner.simulator import MEM_TOL
 
 SPEC = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, head_dim=16, vocab=256)
 L = SPEC.num_layers
@@ -169,6 +170,39 @@ def test_bytes_per_lane_recompute_and_peak_match_the_simulator(reference, tmp_pa
         assert stats.lane_bytes[lane] == pytest.approx(sim.lane_bytes.get(lane, 0.0), abs=0), lane
     assert stats.recomputed_forwards == sim.recomputed_forwards
     assert 0 < stats.peak_tracked_bytes <= sim.peak_gpu_bytes
+
+
+RESIDENT_LAYER0 = custom(["gpu"] * (L + 1), keep=[False, True, False, False], res=[True, False, False, True])
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("name", list(SCHEDULES) + ["milp", "resident_layer0"])
+def test_real_device_bytes_stay_within_the_plan(reference, tmp_path, name, micro):
+    """Real device bytes (live_bytes: every allocation, not the executor's bookkeeping) stay within
+    what the simulator predicts in every window, and the step's real peak is at least 0.8x the
+    predicted one: a plan does not run out of memory at its cap, nor waste it. The recompute slot
+    and resident layers' slots hold memory only in the windows the plan counts them; the second
+    step finds what the first one left."""
+    model, tokens = reference
+    wl = measured(model, tokens[0::micro], tmp_path)  # one micro-batch's workload
+    schedule = {"milp": lambda: milp_schedule(wl), "resident_layer0": lambda: RESIDENT_LAYER0}.get(
+        name, lambda: SCHEDULES[name])()
+    sim = simulate(schedule, wl, big_host(wl))
+    m = copy.deepcopy(model)
+    ex = Executor(m, schedule, nvme_dir=tmp_path)
+    ex.measure_memory = True
+    try:
+        for _ in range(2):
+            for k in range(micro):
+                ex.begin_microbatch(first=k == 0, last=k == micro - 1)
+                m.loss(tokens[k::micro]).backward()
+                stats = ex.end_microbatch()
+    finally:
+        ex.close()
+    over = {w: b - sim.window_bytes[w] for w, b in stats.window_peak_bytes.items() if b > sim.window_bytes[w] + MEM_TOL}
+    assert not over, f"windows over the plan (bytes): {over}"
+    assert set(stats.window_peak_bytes) == set(sim.window_bytes)
+    assert 0.8 * sim.peak_gpu_bytes <= stats.real_peak_bytes <= sim.peak_gpu_bytes + MEM_TOL
 
 
 def block_forward_flops(model, tokens) -> int:

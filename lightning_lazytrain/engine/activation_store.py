@@ -187,7 +187,7 @@ class ActivationStore:
 
     @property
     def device_bytes(self) -> int:
-        self._reap()
+        self.reap()
         return self._device_bytes
 
     @property
@@ -195,7 +195,7 @@ class ActivationStore:
         return self._peak
 
     def reset_peak(self) -> None:
-        self._reap()
+        self.reap()
         self._peak = self._device_bytes
 
     @property
@@ -228,13 +228,15 @@ class ActivationStore:
     def tier_of(self, key: Hashable) -> Tier:
         return self._entries[key].tier
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         """Release what finished copies no longer need (sources, staging buffers)."""
         for e in self._entries.values():
             if e.src is not None and e.moved is not None and e.moved.done():
                 e.src = None
                 self._count(-e.nbytes)
-            if e.staging and all(h.done() for h in e.handles()):
+            # A reload's read buffer is still needed after its file read finishes, until the
+            # H2D (prefetch) that reads it has been issued and is done.
+            if e.staging and all(h.done() for h in e.handles()) and (e.read_buf is None or e.prefetch is not None):
                 for buf in e.staging:
                     self.pool.put(buf)
                 e.staging = None
@@ -253,7 +255,7 @@ class ActivationStore:
         tier = Tier.parse(tier)
         n = nbytes_of(t)
         e = _Entry(tier, t.shape, t.dtype, n)
-        self._reap()
+        self.reap()
         if tier is Tier.GPU:
             e.device = t
             e.offload = DoneHandle("d2h")
@@ -282,7 +284,7 @@ class ActivationStore:
             return e.offload or DoneHandle()
         if e.prefetch is not None:
             return e.prefetch
-        self._reap()
+        self.reap()
         assert e.offload is not None
         dst = self.engine.new_device_buffer(e.shape, e.dtype, self.device)
         tag = f"act:{key}"

@@ -108,6 +108,9 @@ class StepStats:
     window_work: dict[str, int] = field(default_factory=dict)
     window_peak_bytes: dict[str, int] = field(default_factory=dict)
     real_peak_bytes: int = 0
+    # Device bytes of the tensors the block calls receive besides the hidden state (rotary tables,
+    # masks, encoder states; each storage once), kept for the re-runs until the block's backward.
+    call_bytes: int = 0
 
 
 class Executor:
@@ -156,8 +159,10 @@ class Executor:
         if self.params is None or self.params.num_slots != slots:
             if self.params is not None:
                 self.params.close()
+            # The recompute slot and the resident slots hold device memory only while the plan counts
+            # them (lazy slots: allocated by stage, given back by evict).
             self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
-                                     num_slots=slots)
+                                     num_slots=slots, lazy_slots=range(2, slots))
         uses_nvme = "nvme" in schedule.homes
         if uses_nvme and self._nvme_dir is None:
             raise ValueError("the schedule puts activations on NVMe: pass nvme_dir= (a directory on the NVMe drive)")
@@ -291,6 +296,7 @@ class Executor:
         assert self.acts is not None
         self._finish_grads()
         self._exit.close()
+        self._evict_lazy_slots()
         self.acts.end_step()
         self.engine.synchronize()
         self._micro = None
@@ -327,6 +333,8 @@ class Executor:
             self._adhoc_used = False
         self._pending_offload: dict[int, torch.Tensor] = {}
         self._pending_grads: list[PendingGrads] = []
+        self._retiring: list[int] = []  # resident layers whose gradient D2H was issued
+        self._call_storages: dict[int, int] = {}  # see StepStats.call_bytes
         self._states: dict[int, ForwardState] = {}
         if first:
             self.engine.synchronize()
@@ -346,6 +354,7 @@ class Executor:
             self._stage(0)
             self.params.stage(REST).wait()
             self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
+        self._memory_window("F0")
 
     def end_microbatch(self) -> StepStats | None:
         """Finish the micro-batch; on the last one, run T's transfers and return the step's stats."""
@@ -356,12 +365,14 @@ class Executor:
         if self._saved or self._recomputed or self._pending_offload:
             raise RuntimeError("the backward did not reach every block; call loss.backward() before end_microbatch()")
         self._finish_grads()
+        self._retire_residents()
         if not last:
             self._flush_adhoc_grads()
             self._micro = None
             return None
         self._window("T")
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
+        self._retire_residents(0)  # layer 0's slot lives on between the micro-batches of a step
         self._flush_adhoc_grads()
         self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST)
         self._exit.close()
@@ -429,6 +440,11 @@ class Executor:
         args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)
         rcall, rrouted = BlockCall.pack(args, kwargs)
         self._calls[j] = (rcall, [t.detach() for t in rrouted])
+        for t in (*rrouted, *rcall.leaves):
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                storage = t.untyped_storage()
+                self._call_storages[storage.data_ptr()] = storage.nbytes()
+        self.stats.call_bytes = max(self.stats.call_bytes, sum(self._call_storages.values()))
 
     def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """Evaluation: stream the weights through the two slots, keep nothing. Inside a training
@@ -437,8 +453,11 @@ class Executor:
         assert self.params is not None
         if self._micro is not None:
             self.params.stage(j, RECOMPUTE_SLOT)
-            with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
-                return self._orig[j](x, *args, **kwargs)
+            try:
+                with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
+                    return self._orig[j](x, *args, **kwargs)
+            finally:
+                self.params.evict(RECOMPUTE_SLOT)
         if j == 0 or not self.params.staged(j, j % 2):
             self.params.stage(j, j % 2)
         if j + 1 < len(self.stack):
@@ -456,11 +475,11 @@ class Executor:
         assert self.params is not None and self.acts is not None
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
+        self._reap_offloads()  # before the mark: sources whose offload finished are let go
         self._window(name)
         self._store_call(j, call, routed)
         self._share_routed_inputs(ctx, routed)
         self.stats.boundary_bytes[j] = self._nbytes(x)
-        self._reap_offloads()
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "offload":
                 src = x if op.index == j else self._pending_offload.pop(op.index)
@@ -527,9 +546,12 @@ class Executor:
         args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)  # before the cache grows
         rcall, rrouted = BlockCall.pack(args, kwargs)
         self.params.stage(j, RECOMPUTE_SLOT)
-        with self.params.bind(j, RECOMPUTE_SLOT, grads=False), \
-                state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
-            spec, outs = self._run_block(j, x, call, routed, first=True)
+        try:
+            with self.params.bind(j, RECOMPUTE_SLOT, grads=False), \
+                    state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
+                spec, outs = self._run_block(j, x, call, routed, first=True)
+        finally:
+            self.params.evict(RECOMPUTE_SLOT)
         ctx.adhoc = (x.detach(), rcall, [t.detach() for t in rrouted], state)
         self._last_output = (spec, len(spec.routed))
         ctx.n_outputs = len(outs)
@@ -548,6 +570,7 @@ class Executor:
             self._check_outputs(ctx, j, outs)
             _backprop(outs, grads)
         grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT))
+        self.params.evict(RECOMPUTE_SLOT)
         if j in self._adhoc_grads:  # in arrival order, as autograd's input buffer sums them
             acc, touched = self._adhoc_grads[j]
             grads_j = (acc.add_(grads_j[0]), touched | grads_j[1])
@@ -569,8 +592,10 @@ class Executor:
         assert self.params is not None
         s = self.schedule
         name = f"B{t}"
-        self._window(name)
+        self._retire_residents()  # before the mark: their grads left in the previous window
         self._reap_offloads()
+        # The incoming output gradient is part of the backward's working set.
+        self._window(name, carried=sum(self._nbytes(g) for g in grads if isinstance(g, torch.Tensor)))
         block = s.block_ending_at(t + 1)
         # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
         # last user, B{t+1}, is done; only its grad buffer is still being read), so the recompute
@@ -614,8 +639,12 @@ class Executor:
                 self.tracker.drop(f"internals{t}")
         grad_in = xg.grad
         self._free_boundary(t)
-        if t in self.resident_slot:
+        if t in self.resident_slot and (t > 0 or self._micro[1]):
+            # Its weights are done (layer 0's serve the next micro-batch's F0); its gradients leave
+            # in the next window.
+            self.params.evict(slot, keep_grads=True)
             self.tracker.drop(f"resident{t}")
+            self.tracker.add(f"resident{t}", self.params.slot_bytes(t, slot))
         return grad_in, self._routed_input_grads(ctx, rin)
 
     # Note: [one gradient per shared input] A tensor passed to several blocks (the encoder's output
@@ -654,9 +683,9 @@ class Executor:
         """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
         assert self.params is not None
         x = self._boundary(s)
-        self.tracker.add("recompute_slot", self.params.slot_bytes(s, RECOMPUTE_SLOT))
         bufs = [RECOMPUTE_SLOT] if spare is None else [RECOMPUTE_SLOT, spare]
         self.params.stage(s, bufs[0])
+        self.tracker.add("recompute_slot", self.params.slot_bytes(s, RECOMPUTE_SLOT))
         for k, j in enumerate(range(s, t)):
             slot = bufs[k % len(bufs)]
             if j + 1 < t and len(bufs) == 2:
@@ -671,6 +700,7 @@ class Executor:
             self._recomputed[j + 1] = x
             self.tracker.add(f"recomputed{j + 1}", self._nbytes(x))
             self.stats.recomputed_forwards[j] = self.stats.recomputed_forwards.get(j, 0) + 1
+        self.params.evict(RECOMPUTE_SLOT)
         self.tracker.drop("recompute_slot")
 
     # ---- transfers ---------------------------------------------------------------------------
@@ -681,6 +711,8 @@ class Executor:
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "grads":
                 self._pending_grads.append(self.params.send_grads(op.index, self.slot_of(op.index)))
+                if op.index in self.resident_slot:
+                    self._retiring.append(op.index)
             elif op.lane == "h2d" and op.kind == "weights":
                 if op.index != defer_weights:
                     self._stage(op.index)
@@ -690,6 +722,24 @@ class Executor:
             elif op.lane == "nvme_read":
                 with self._host_side():
                     self.acts.read_to_host(op.index)
+
+    def _retire_residents(self, *layers: int) -> None:
+        """Give back the slots of resident layers whose gradients went to the host (those sent in
+        an earlier window, and ``layers``): the plan counts a resident layer's slot from its fetch
+        to the window that sends its gradients."""
+        assert self.params is not None
+        for j in [*self._retiring, *(j for j in layers if j in self.resident_slot)]:
+            slot = self.slot_of(j)
+            self._finish_grads(slot=slot)
+            self.params.evict(slot)
+            self.tracker.drop(f"resident{j}")
+        self._retiring = []
+
+    def _evict_lazy_slots(self) -> None:
+        assert self.params is not None
+        for slot in range(2, self.params.num_slots):
+            if self.params.allocated(slot):
+                self.params.evict(slot)
 
     def _finish_grads(self, pending: list[PendingGrads] | None = None, *, slot: int | None = None) -> None:
         """Complete grad D2Hs: the given ones, those from ``slot``, or all pending ones."""
@@ -706,13 +756,19 @@ class Executor:
                 self._pending_grads.remove(p)
 
     # ---- real device memory -------------------------------------------------------------------
-    def _window(self, name: str) -> None:
+    def _window(self, name: str, *, carried: int = 0) -> None:
         """Mark the start of window ``name``: the trace, and the memory of the window that ends."""
         self.trace.window(name)
+        self._memory_window(name, carried=carried)
+
+    def _memory_window(self, name: str, *, carried: int = 0) -> None:
+        """Close the open memory window and open ``name`` (a no-op when ``name`` is open: F0 opens
+        before the embedding runs, as the plan counts boundary 0 and its making in F0).
+        ``carried``: bytes alive at the mark that belong to the new window's working set."""
         mem = self._mem
-        if mem is None:
+        if mem is None or (self._mem_open is not None and self._mem_open[0] == name):
             return
-        static = 0 if self.device.type == "cuda" else self.params.device_bytes  # CUDA counts it all
+        static = self._static_device_bytes
         if self._mem_open is not None:
             prev, real0, tracked0 = self._mem_open
             work = max(0, (mem.peak - real0) - (self.tracker.window_peak - tracked0))
@@ -721,7 +777,7 @@ class Executor:
             self.stats.real_peak_bytes = max(self.stats.real_peak_bytes, static + mem.peak)
         mem.mark()
         self.tracker.reset_window()
-        self._mem_open = (name, mem.current, self.tracker.current)
+        self._mem_open = (name, mem.current - carried, self.tracker.current)
 
     def _start_memory(self) -> None:
         if not (self.measure_memory or self.profiling) or self._mem is not None:
@@ -732,6 +788,9 @@ class Executor:
         for slot in (self.params.slot(0), self.params.slot(min(1, self.params.num_slots - 1)),
                      self.params._slot(REST, None)):
             self.params._ensure_grad_buffers(slot)
+        # On CPU the tracker sees allocations from here on; what the store holds already is added.
+        # CUDA's counters see everything.
+        self._static_device_bytes = 0 if self.device.type == "cuda" else self.params.device_bytes
         self._mem = DeviceBytes(self.device)
         self._mem.start()
         self._mem_open = None
@@ -754,8 +813,9 @@ class Executor:
         self._adhoc_grads = {}
 
     def _reap_offloads(self) -> None:
-        """Stop counting offloaded boundaries whose D2H has finished."""
+        """Let go of offloaded boundaries whose D2H has finished, and stop counting them."""
         assert self.acts is not None
+        self.acts.reap()
         for owner in [o for o in self.tracker.by_owner if o.startswith("offload")]:
             if self.acts.offloaded(int(owner[len("offload"):])):
                 self.tracker.drop(owner)

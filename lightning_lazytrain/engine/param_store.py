@@ -37,6 +37,11 @@ Why swap ``_parameters`` entries rather than ``param.data`` or functional_call?
     when a grad exists) and one D2H moves a block's grads. Tied parameters
     get one wrapper installed at every site, so their grads are summed.
 
+Lazy slots
+    Slots named in ``lazy_slots`` (the executor's recompute slot and resident-weight slots) hold no
+    device memory until ``stage`` allocates them and give it back at ``evict``, so the device holds
+    them only in the windows the plan counts them.
+
 Note: [slot reuse] Staging into a slot overwrites weights the previous
     occupant's kernels may still read: ``bind`` records a compute event on exit
     and the next ``stage`` into that slot waits for it (``after=``). Run the
@@ -52,7 +57,7 @@ Note: [grad write-back ordering] ``write_back_grads`` issues the D2H after an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -94,13 +99,16 @@ class _Group:
 
 @dataclass(eq=False)
 class _Slot:
-    weights: torch.Tensor  # flat device, compute dtype
+    numel: int
+    weights: torch.Tensor | None  # flat device, compute dtype (None: a lazy slot not staged)
     grads: torch.Tensor | None  # flat device, compute dtype; allocated at the first bind with grads
     cast: torch.Tensor | None  # host compute-dtype staging for the H2D (None when no master needs a cast)
     grad_host: torch.Tensor  # host compute-dtype landing buffer for the grad D2H
     gid: int | None = None  # group currently staged here
     ready: CopyHandle | None = None  # its H2D
     free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
+    sending: CopyHandle | None = None  # the last gradient D2H out of it
+    lazy: bool = False  # device buffers exist only from stage() to evict()
     bound: bool = False
     wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
     touched: set = field(default_factory=set)  # ids of the _Params a gradient reached since the bind
@@ -129,6 +137,7 @@ class ParamStore:
         *,
         num_slots: int = 2,
         pin_memory: bool | None = None,
+        lazy_slots: Iterable[int] = (),
     ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -158,11 +167,10 @@ class ParamStore:
         e = esize[compute_dtype]
         self._staging_arena = HostArena.for_sizes([n * e for n in sizes] * (2 if cast else 1), pin=pin,
                                                   name="staging")
-        self._slots = [self._new_slot(n, cast) for n in sizes]
-        # Fresh device buffers may reuse memory that queued compute still reads
-        # (caching allocator, compute stream); the first H2D into them must wait.
-        for s in self._slots:
-            s.free = self.engine.record_compute()
+        lazy = set(lazy_slots)
+        if not lazy <= set(range(num_slots)):
+            raise ValueError(f"lazy_slots must be in 0..{num_slots - 1}, got {sorted(lazy)}")
+        self._slots = [self._new_slot(n, cast, lazy=k in lazy) for k, n in enumerate(sizes)]
 
     # ---- construction ----------------------------------------------------
     def _build_groups(self) -> dict[int, _Group]:
@@ -231,19 +239,52 @@ class ParamStore:
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, cast: bool) -> _Slot:
+    def _new_slot(self, numel: int, cast: bool, *, lazy: bool = False) -> _Slot:
         # Device gradient buffers are allocated at the first bind with grads: a slot used only for
         # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
         # staging comes from the staging arena, so no pinned allocation happens mid-step.
-        dt, dev, arena = self.compute_dtype, self.device, self._staging_arena
+        dt, arena = self.compute_dtype, self._staging_arena
         grad_host = arena.take(numel, dt)
-        return _Slot(weights=torch.empty(numel, dtype=dt, device=dev), grads=None,
-                     cast=arena.take(numel, dt) if cast else None, grad_host=grad_host)
+        s = _Slot(numel=numel, weights=None, grads=None, cast=arena.take(numel, dt) if cast else None,
+                  grad_host=grad_host, lazy=lazy)
+        if not lazy:
+            self._allocate(s)
+        return s
 
-    @staticmethod
-    def _ensure_grad_buffers(s: _Slot) -> torch.Tensor:
+    def _allocate(self, s: _Slot) -> None:
+        s.weights = torch.empty(s.numel, dtype=self.compute_dtype, device=self.device)
+        # A fresh device buffer may reuse memory that queued compute still reads (caching
+        # allocator, compute stream): the first H2D into it must wait (Note: [slot reuse]).
+        s.free = self.engine.record_compute()
+
+    def evict(self, slot: int, *, keep_grads: bool = False) -> None:
+        """Give a lazy slot's device buffers back (after its copies): it holds nothing until the
+        next ``stage``. ``keep_grads``: only the weights go (the block's backward is done, its
+        gradients still wait for ``send_grads``). Compute still queued on the buffers is ordered
+        before any reuse (the allocator's stream order)."""
+        s = self._slot(0, slot)
+        if not s.lazy:
+            raise ValueError(f"slot {slot} is not lazy")
+        if s.bound:
+            raise RuntimeError(f"evict() of slot {slot} inside bind()")
+        for h in (s.ready,) if keep_grads else (s.ready, s.sending):
+            if h is not None:
+                h.wait()
+        if keep_grads and s.grads is not None:
+            self._collect_grads(s)  # the wrappers are views of the weights: they go too
+        s.wrappers = []
+        s.weights, s.ready = None, None
+        if not keep_grads:
+            s.grads = None
+            s.gid, s.free, s.sending = None, None, None
+
+    def allocated(self, slot: int) -> bool:
+        """Does block slot ``slot`` hold device memory now (always, unless it is a lazy one)?"""
+        return self._slot(0, slot).weights is not None
+
+    def _ensure_grad_buffers(self, s: _Slot) -> torch.Tensor:
         if s.grads is None:
-            s.grads = torch.zeros(s.weights.numel(), dtype=s.weights.dtype, device=s.weights.device)
+            s.grads = torch.zeros(s.numel, dtype=self.compute_dtype, device=self.device)
         return s.grads
 
     @staticmethod
@@ -300,12 +341,16 @@ class ParamStore:
 
     @property
     def device_bytes(self) -> int:
-        return sum(s.weights.nbytes + (s.grads.nbytes if s.grads is not None else 0) for s in self._slots)
+        """Device bytes the slots hold now."""
+        return sum(self._held(s) for s in self._slots)
 
     def slot_bytes(self, layer: int, slot: int | None = None) -> int:
-        """Device bytes of a slot (weights, plus grads once allocated)."""
-        s = self._slot(layer, slot)
-        return s.weights.nbytes + (s.grads.nbytes if s.grads is not None else 0)
+        """Device bytes a slot holds now (weights once allocated, plus grads once allocated)."""
+        return self._held(self._slot(layer, slot))
+
+    @staticmethod
+    def _held(s: _Slot) -> int:
+        return sum(t.nbytes for t in (s.weights, s.grads) if t is not None)
 
     def slot(self, index: int) -> _Slot:
         """Block slot ``index`` (identity is what ``PendingGrads.slot`` refers to)."""
@@ -313,7 +358,10 @@ class ParamStore:
 
     def slot_weights(self, layer: int, slot: int | None = None) -> torch.Tensor:
         """The flat device weight buffer of a slot (for re-viewing saved weights, see the executor)."""
-        return self._slot(layer, slot).weights
+        w = self._slot(layer, slot).weights
+        if w is None:
+            raise RuntimeError(f"slot {slot} holds no weights (a lazy slot before stage())")
+        return w
 
     def staged(self, layer: int, slot: int | None = None) -> bool:
         """Is ``layer`` the group staged in ``slot``?"""
@@ -349,6 +397,8 @@ class ParamStore:
         if s.bound:
             raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
         self._repair_master(g)
+        if s.weights is None:
+            self._allocate(s)
         src = g.master
         if s.cast is not None and g.master.dtype != s.cast.dtype:
             # Cast on the host so only compute-dtype bytes cross the link; the
@@ -451,6 +501,13 @@ class ParamStore:
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
         n = g.numel
+        grads = self._collect_grads(s)
+        h = self.engine.d2h(s.grad_host[:n], grads[:n], tag=f"grad:{layer}")  # Note: [grad write-back ordering]
+        s.sending = h
+        return PendingGrads(layer, s, h, frozenset(s.touched))
+
+    def _collect_grads(self, s: _Slot) -> torch.Tensor:
+        """The slot's flat grad buffer with every wrapper's gradient in it."""
         grads = self._ensure_grad_buffers(s)
         with torch.no_grad():
             for info, w in s.wrappers:
@@ -465,8 +522,7 @@ class ParamStore:
                 else:
                     view.copy_(w.grad)
                 w.grad = view
-        h = self.engine.d2h(s.grad_host[:n], grads[:n], tag=f"grad:{layer}")  # Note: [grad write-back ordering]
-        return PendingGrads(layer, s, h, frozenset(s.touched))
+        return grads
 
     def take_grads(self, pending: PendingGrads) -> tuple[torch.Tensor, frozenset]:
         """Wait for a ``send_grads`` copy and return it (host, compute dtype) instead of accumulating
@@ -525,7 +581,7 @@ class ParamStore:
             self.engine.synchronize()
         finally:
             for s in self._slots:
-                s.gid, s.ready, s.free, s.wrappers = None, None, None, []
+                s.gid, s.ready, s.free, s.sending, s.wrappers = None, None, None, None, []
             self._slots = []
             self._staging_arena.release()  # its memory goes with the last slot view
             for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)

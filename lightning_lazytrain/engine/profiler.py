@@ -71,6 +71,8 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     # Transient working sets, measured per window (real device bytes beyond what the executor
     # tracks: a layer's temporaries, the loss head's logits and their gradient); see live_bytes.py.
     work = stats.window_work
+    # Present in every window: the non-block weights and their grads, and what every block call
+    # receives besides the hidden state (rotary tables, masks; kept for the re-runs).
     total = sum(numel) + rest
     # Host: what the parameter store holds (its pinned arenas: masters and slot staging, exactly; the
     # flat host grads) plus the optimizer states. Host activations are the schedule's (simulator).
@@ -80,7 +82,7 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
         fwd_work_bytes=[float(work.get(f"F{j}", 0)) for j in range(L)],
         bwd_work_bytes=[float(work.get(f"B{j}", 0)) for j in range(L)], opt_seconds=[n / opt_params_per_s for n in numel],
-        head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e,
+        head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e + stats.call_bytes,
         nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
         nonblock_opt_seconds=rest / opt_params_per_s,
         host_static_bytes=float(host_static),

@@ -190,6 +190,8 @@ class ScheduleModel:
             expr += A[i] * sum(self.off(i, ww) for ww in range(w, self.L))
         for j in range(w + 1):
             expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
+        if w + 1 < self.L:  # a resident layer's buffer exists from its fetch, one window early
+            expr += lay[w + 1].param_bytes * m.r[w + 1]
         return expr
 
     def gpu_bytes_head(self):
@@ -212,6 +214,8 @@ class ScheduleModel:
                 expr += sum(A[i] for i in range(s + 1, u + 1)) * m.x[s, e]
         for j in range(u + 1):
             expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
+        if u + 1 < L:  # a resident layer's gradients until their D2H, one window after its backward
+            expr += lay[u + 1].grad_bytes * m.r[u + 1]
         expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
         return expr
 

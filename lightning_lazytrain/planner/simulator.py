@@ -114,7 +114,7 @@ def _run_window(window: Window, start: float, wl: Workload, hw: Hardware,
 def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
     """(first window, last window, bytes, what) of every non-static device tensor in a micro-batch.
 
-    Window indices: F{j}=j, H=L, B{t}=2L-t (see ``schedule.window_index``).
+    Window indices: F{j}=j, H=L, B{t}=2L-t, T=2L+1 (see ``schedule.window_index``).
     """
     L, A, layers = s.num_layers, wl.boundary_bytes, wl.layers
     nxt = s.next_materialised()
@@ -134,7 +134,12 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
         if s.keep_internals[j]:
             out.append((j, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals"))
         if s.resident_weights[j]:
-            out.append((j, 2 * L - j, layer.param_bytes + layer.grad_bytes, f"layer {j} resident weights"))
+            # Its own buffer from the fetch (in F{j-1}; layer 0's in T) to B{j}; its gradients from
+            # F{j} until their D2H in the next window (B{j-1}; layer 0's in T) is done.
+            out.append((j - 1 if j else 0, 2 * L - j, layer.param_bytes, f"layer {j} resident weights"))
+            out.append((j, 2 * L - j + 1, layer.grad_bytes, f"layer {j} resident gradients"))
+            if j == 0:
+                out.append((2 * L + 1, 2 * L + 1, layer.param_bytes, "layer 0 resident weights (T)"))
         out.append((j, j, layer.fwd_work_bytes, f"layer {j} forward work"))
         saved = 0.0 if s.keep_internals[j] else layer.internal_bytes - A[j]
         out.append((2 * L - j, 2 * L - j, saved + layer.bwd_work_bytes, f"layer {j} backward"))
