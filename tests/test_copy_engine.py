@@ -57,6 +57,32 @@ def test_factory_and_import_on_cpu() -> None:
             cc.CudaCopyEngine(torch.device("cuda"))
 
 
+def test_host_lane_runs_in_order_and_feeds_copies(engine: CopyEngine) -> None:
+    """Host work runs off the calling thread, FIFO, after its dependencies; a copy may wait for it."""
+    import threading
+
+    master = torch.randn(1000)
+    staging = torch.empty(1000, dtype=torch.bfloat16)
+    dst = torch.empty(1000, dtype=torch.bfloat16)
+    threads, order = set(), []
+
+    def cast() -> None:
+        threads.add(threading.get_ident())
+        time.sleep(0.05)  # the H2D must not start before this is done
+        staging.copy_(master)
+        order.append("cast")
+
+    h_cast = engine.host(cast, tag="cast:0", nbytes=6000)
+    h_copy = engine.h2d(dst, staging, after=[h_cast], tag="param:0")
+    h_next = engine.host(lambda: order.append("next"), after=[h_copy], tag="accum:0")
+    h_next.wait()
+    assert torch.equal(dst, master.to(torch.bfloat16)) and order == ["cast", "next"]
+    assert threading.get_ident() not in threads
+    assert engine.bytes_moved["host"] == 6000 and engine.copies["host"] == 2
+    recs = {r.tag: r for r in engine.records()}
+    assert recs["param:0"].start >= recs["cast:0"].end and recs["cast:0"].lane == "host"
+
+
 def test_copies_are_correct_and_counted(engine: CopyEngine) -> None:
     src = torch.randn(1000)
     dst = torch.empty(1000)
@@ -66,7 +92,7 @@ def test_copies_are_correct_and_counted(engine: CopyEngine) -> None:
     h2.wait()
     assert h1.done() and h2.done()
     assert torch.equal(dst, src) and torch.equal(back, src.double())
-    assert engine.bytes_moved == {"h2d": 4000, "d2h": 4000, "nvme_read": 0, "nvme_write": 0}
+    assert engine.bytes_moved == {"h2d": 4000, "d2h": 4000, "nvme_read": 0, "nvme_write": 0, "host": 0}
     assert engine.copies["h2d"] == 1
     recs = {r.tag: r for r in engine.records()}
     assert recs["b"].start >= recs["a"].end  # the dependency was honoured

@@ -1,7 +1,9 @@
 """Copy engine: one interface for every byte the engine moves.
 
-Four lanes, each FIFO: ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and
-``nvme_write`` (host <-> spill files). Every copy returns a :class:`CopyHandle`
+Four copy lanes, each FIFO: ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and
+``nvme_write`` (host <-> spill files); and a ``host`` lane (one worker thread) for host-side work
+that belongs to the copies (casting masters into the H2D staging, accumulating landed gradients)
+so that it runs off the thread that launches compute. Every copy returns a :class:`CopyHandle`
 (``wait()`` / ``done()``), bumps a per-lane byte counter and, once finished,
 leaves a :class:`CopyRecord` with perf_counter start/end times, so a step's
 measured transfer timeline can be compared with the planner's model.
@@ -50,8 +52,8 @@ __all__ = [
     "nbytes_of",
 ]
 
-Lane = Literal["h2d", "d2h", "nvme_read", "nvme_write"]
-LANES: tuple[Lane, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
+Lane = Literal["h2d", "d2h", "nvme_read", "nvme_write", "host"]
+LANES: tuple[Lane, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "host")
 
 
 def nbytes_of(t: torch.Tensor) -> int:
@@ -244,8 +246,8 @@ class CopyEngine(ABC):
         self._records: list[CopyRecord] = []
         self._pending: list[CopyHandle] = []
         self._closed = False
-        self._nvme_workers: dict[str, LaneWorker] = {
-            lane: LaneWorker(self, lane, links.get(lane)) for lane in ("nvme_read", "nvme_write")
+        self._host_workers: dict[str, LaneWorker] = {
+            lane: LaneWorker(self, lane, links.get(lane)) for lane in ("nvme_read", "nvme_write", "host")
         }
 
     # ---- statistics -------------------------------------------------------
@@ -316,7 +318,7 @@ class CopyEngine(ABC):
         if src.device.type != "cpu":
             raise ValueError(f"nvme_write needs a host tensor, got one on {src.device}")
         fpath = os.fspath(path)
-        worker = self._nvme_workers["nvme_write"]
+        worker = self._host_workers["nvme_write"]
         h = worker.submit(nbytes_of(src), lambda: _spill_io("writing", fpath, write_tensor, src, direct), list(after),
                           tag, (src,))
         return self._track(h)
@@ -337,9 +339,23 @@ class CopyEngine(ABC):
         if dst.device.type != "cpu" or not dst.is_contiguous():
             raise ValueError("nvme_read needs a contiguous host tensor as destination")
         fpath = os.fspath(path)
-        worker = self._nvme_workers["nvme_read"]
+        worker = self._host_workers["nvme_read"]
         h = worker.submit(nbytes_of(dst), lambda: _spill_io("reading", fpath, read_tensor, dst, direct), list(after),
                           tag, (dst,))
+        return self._track(h)
+
+    def host(self, fn: Callable[[], object], *, after: Iterable[CopyHandle] = (), tag: str | None = None,
+             nbytes: int = 0) -> CopyHandle:
+        """Run ``fn()`` on the host lane's worker thread after ``after``; FIFO with other host work.
+        A device copy may take the returned handle as ``after=`` (CUDA: dispatched when it is done).
+        ``nbytes``: host bytes the work touches (for the timeline; the lane's byte counter)."""
+        self._check_open()
+
+        def run() -> None:
+            with torch.no_grad():
+                fn()
+
+        h = self._host_workers["host"].submit(nbytes, run, list(after), tag, ())
         return self._track(h)
 
     # ---- one clock for compute and copies --------------------------------------------------
@@ -395,7 +411,7 @@ class CopyEngine(ABC):
             self._close_workers()
 
     def _close_workers(self) -> None:
-        for w in self._nvme_workers.values():
+        for w in self._host_workers.values():
             w.close()
 
     def __enter__(self) -> CopyEngine:

@@ -351,8 +351,8 @@ class Executor:
             if self.wait_updated is not None:
                 self.wait_updated(REST)
                 self.wait_updated(0)
+            self.params.stage(REST)  # first: the embedding needs it first; bind makes compute wait for it
             self._stage(0)
-            self.params.stage(REST).wait()
             self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
         self._memory_window("F0")
 
@@ -368,6 +368,7 @@ class Executor:
         self._retire_residents()
         if not last:
             self._flush_adhoc_grads()
+            self.params.wait_host()  # the host grads hold this micro-batch's gradients when it ends
             self._micro = None
             return None
         self._window("T")
@@ -749,7 +750,7 @@ class Executor:
             pending = [p for p in self._pending_grads if target is None or p.slot is target]
         last = self._micro is not None and self._micro[1]
         for p in pending:
-            norm = self.params.finish_grads(p, norm=last, extra=self._adhoc_grads.pop(p.layer, None))
+            norm = self.params.finish_grads(p, norm=last, extra=self._adhoc_grads.pop(p.layer, None), wait=False)
             if norm is not None:
                 self.stats.layer_sq_norms[p.layer] = norm
             if p in self._pending_grads:
@@ -808,6 +809,8 @@ class Executor:
         """Ad-hoc gradients that met no planned ones (layer 0 between micro-batches of a step, or a
         layer whose planned grads went first) go straight to the host grads."""
         assert self.params is not None
+        if self._adhoc_grads:
+            self.params.wait_host()  # after the host lane's accumulations, in order
         for j, (grads, touched) in self._adhoc_grads.items():
             self.params.accumulate_host(j, grads, touched)
         self._adhoc_grads = {}

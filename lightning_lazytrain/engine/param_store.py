@@ -48,10 +48,23 @@ Note: [slot reuse] Staging into a slot overwrites weights the previous
     block's backward inside ``bind`` (or call ``release`` after it) for that
     event to cover the backward kernels too.
 
-Note: [grad write-back ordering] ``write_back_grads`` issues the D2H after an
-    event on the current (compute) stream, so it sees the finished backward,
-    and waits for it on the host before accumulating into the fp32 master grad
-    and zeroing the device grads for the next use of the slot.
+Note: [grad write-back ordering] ``send_grads`` issues the D2H after an
+    event on the current (compute) stream, so it sees the finished backward;
+    ``finish_grads`` makes the compute stream wait for the D2H (so ``bind`` may
+    zero the device grads for the next use of the slot) and accumulates into
+    the fp32 master grad once the bytes have landed.
+
+Note: [host lane] The host-side work of a copy -- casting fp32 masters into a
+    slot's 16-bit staging before its H2D, adding a landed gradient into the
+    fp32 host grad and taking the group's norm after its D2H -- runs on the copy
+    engine's ``host`` lane (one worker thread, FIFO), not on the thread that
+    launches compute: the H2D waits for its cast, the accumulation for its D2H,
+    the next D2H into the landing buffer for the accumulation reading it. One
+    FIFO thread keeps the accumulation order of a group's micro-batches (the
+    sums are bit-identical to synchronous ones). The planner counts this work as
+    its ``host`` lane. Masters change only between micro-batches (the optimizer;
+    the pipelined one before the layer's stage), after the engine has
+    synchronised, so a queued cast reads the values the stage saw.
 """
 
 from __future__ import annotations
@@ -108,6 +121,7 @@ class _Slot:
     ready: CopyHandle | None = None  # its H2D
     free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
     sending: CopyHandle | None = None  # the last gradient D2H out of it
+    accumulated: CopyHandle | None = None  # the host work reading ``grad_host`` after that D2H
     lazy: bool = False  # device buffers exist only from stage() to evict()
     bound: bool = False
     wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
@@ -400,14 +414,13 @@ class ParamStore:
         if s.weights is None:
             self._allocate(s)
         src = g.master
-        if s.cast is not None and g.master.dtype != s.cast.dtype:
-            # Cast on the host so only compute-dtype bytes cross the link; the
-            # cast buffer may still feed this slot's previous H2D.
-            if s.ready is not None:
-                s.ready.wait()
-            s.cast[: g.numel].copy_(g.master)
-            src = s.cast[: g.numel]
         after = [s.free] if s.free is not None else []
+        if s.cast is not None and g.master.dtype != s.cast.dtype:
+            # Cast on the host so only compute-dtype bytes cross the link, on the host lane (Note:
+            # [host lane]); the cast buffer may still feed this slot's previous H2D.
+            src, master = s.cast[: g.numel], g.master
+            after.append(self.engine.host(lambda: src.copy_(master), after=[s.ready] if s.ready else [],
+                                          tag=f"cast:{layer}", nbytes=master.nbytes + src.nbytes))
         s.ready = self.engine.h2d(s.weights[: g.numel], src, after=after, tag=f"param:{layer}")
         s.gid = layer
         return s.ready
@@ -502,7 +515,10 @@ class ParamStore:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
         n = g.numel
         grads = self._collect_grads(s)
-        h = self.engine.d2h(s.grad_host[:n], grads[:n], tag=f"grad:{layer}")  # Note: [grad write-back ordering]
+        # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
+        # of this slot's previous D2H.
+        h = self.engine.d2h(s.grad_host[:n], grads[:n], after=[s.accumulated] if s.accumulated else [],
+                            tag=f"grad:{layer}")
         s.sending = h
         return PendingGrads(layer, s, h, frozenset(s.touched))
 
@@ -535,26 +551,43 @@ class ParamStore:
             return s.grad_host[: g.numel].clone(), pending.touched
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True,
-                     extra: tuple[torch.Tensor, frozenset] | None = None) -> torch.Tensor | None:
-        """Wait for a ``send_grads`` copy, accumulate into the host fp32 grads, zero the device grads.
+                     extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True) -> torch.Tensor | None:
+        """Accumulate a ``send_grads`` copy into the host fp32 grads once it has landed.
+
+        The accumulation (and the squared norm of the group's accumulated host grad, returned as a
+        0-dim fp32 tensor, or None with ``norm=False``) runs on the host lane (Note: [host lane]);
+        ``wait=False`` returns at once: the result is valid once the engine has synchronised
+        (``wait_host``). The slot's device grads may be overwritten by compute queued from here on
+        (the current stream waits for the D2H); ``bind`` zeroes them before the next use.
 
         ``extra`` (from ``take_grads``): gradients of further uses of the same weights in this
         backward, summed with these *before* they join the host grad, as autograd sums every use of
         a leaf before accumulating into its ``.grad``."""
         g, s = self._group(pending.layer), pending.slot
-        n = g.numel
-        pending.handle.wait()
-        assert s.grads is not None
-        touched = pending.touched
-        with torch.no_grad():
-            s.grads[:n].zero_()
+        n, layer = g.numel, pending.layer
+        touched = pending.touched | (extra[1] if extra is not None else frozenset())
+        out = torch.zeros((), dtype=torch.float32) if norm else None
+
+        def accumulate() -> None:
+            landed = s.grad_host[:n]
             if extra is not None:
-                s.grad_host[:n].add_(extra[0])
-                touched = touched | extra[1]
-        self.accumulate_host(pending.layer, s.grad_host[:n], touched)
-        if not norm:
-            return None
-        return torch.linalg.vector_norm(g.grad).square()
+                landed.add_(extra[0])
+            self.accumulate_host(layer, landed, touched)
+            if out is not None:
+                out.copy_(torch.linalg.vector_norm(g.grad).square())
+
+        s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{layer}",
+                                         nbytes=2 * s.grad_host[:n].nbytes + 3 * g.grad.nbytes)
+        pending.handle.sync_current_stream()
+        if wait:
+            s.accumulated.wait()
+        return out
+
+    def wait_host(self) -> None:
+        """Wait for the host lane's work on every slot (casts, gradient accumulation)."""
+        for s in self._slots:
+            if s.accumulated is not None:
+                s.accumulated.wait()
 
     def accumulate_host(self, layer: int, grads: torch.Tensor, touched: frozenset | set) -> None:
         """Add a group's flat gradients (host) into the host ``.grad`` of the parameters ``touched``."""
@@ -569,6 +602,7 @@ class ParamStore:
                     self._view(g.grad, info).add_(self._view(grads, info))
 
     def zero_grad(self) -> None:
+        self.wait_host()
         for g in self._groups.values():
             g.grad.zero_()
             self._ensure_host_grads(g)
@@ -581,7 +615,7 @@ class ParamStore:
             self.engine.synchronize()
         finally:
             for s in self._slots:
-                s.gid, s.ready, s.free, s.sending, s.wrappers = None, None, None, None, []
+                s.gid, s.ready, s.free, s.sending, s.accumulated, s.wrappers = None, None, None, None, None, []
             self._slots = []
             self._staging_arena.release()  # its memory goes with the last slot view
             for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)

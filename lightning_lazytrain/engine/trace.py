@@ -13,7 +13,7 @@ from typing import Any
 from lightning_lazytrain.engine.copy_engine import CopyRecord
 from lightning_lazytrain.planner.simulator import Segment
 
-_KIND = {"param": "weights", "grad": "grads", "act": "activation"}
+_KIND = {"param": "weights", "grad": "grads", "act": "activation", "cast": "cast", "accum": "accumulate"}
 
 
 @dataclass
