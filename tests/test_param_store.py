@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_lazytrain.engine.copy_cpu import ThreadCopyEngine
 from lightning_lazytrain.engine.param_store import ALIGN, REST, ParamStore
 
 V, D, L = 11, 16, 4
@@ -54,11 +56,14 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (3, 7), generator=g), torch.randint(0, V, (3, 7), generator=g)
 
 
-def streamed_step(m: Tiny, ps: ParamStore, ids: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A minimal executor: block-boundary checkpointing with double-buffered weights."""
+def streamed_step(m: Tiny, ps: ParamStore, ids: torch.Tensor, tgt: torch.Tensor,
+                  *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A minimal executor: block-boundary checkpointing with double-buffered weights. ``wait=False``:
+    gradients are accumulated on the host lane without waiting (``wait_host`` at the end)."""
     dev = ps.device
     ids, tgt = ids.to(dev), tgt.to(dev)
     sq = torch.zeros((), dtype=torch.float32)
+    norms = []
     ps.stage(REST)
     with ps.bind(REST):
         x0 = m.emb(ids)
@@ -81,10 +86,11 @@ def streamed_step(m: Tiny, ps: ParamStore, ids: torch.Tensor, tgt: torch.Tensor)
                 xin = acts[i].detach().requires_grad_()
                 m.layers[i](xin).backward(g)
                 g = xin.grad
-                sq += ps.write_back_grads(i, i % 2)
+                norms.append(ps.finish_grads(ps.send_grads(i, i % 2), wait=wait))
         x0.backward(g)
     sq += ps.write_back_grads(REST)
-    return loss.detach(), sq
+    ps.wait_host()
+    return loss.detach(), sq + sum(norms)
 
 
 def _reference(m: Tiny, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -95,6 +101,47 @@ def _reference(m: Tiny, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> lis
         loss.backward()
         losses.append(loss.detach())
     return losses
+
+
+class SlowHostEngine(ThreadCopyEngine):
+    """Delay injection: every piece of host-lane work starts 20 ms late."""
+
+    def host(self, fn, **kw):
+        def late():
+            time.sleep(0.02)
+            fn()
+        return super().host(late, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_host_lane_work_is_asynchronous_and_exact(dtype: torch.dtype) -> None:
+    """Casts (fp32 masters -> bf16 staging) and gradient accumulation run on the host lane, not in
+    the caller: stage() returns before its cast has run, finish_grads(wait=False) before the
+    accumulation. With every host job started late, two accumulated micro-batches give bit-equal
+    grads, norms and losses to the same run without delays (fp32: no casts, so only the landing
+    buffer's own dependency keeps the next D2H from overwriting grads not yet accumulated)."""
+    torch.manual_seed(0)
+    base = Tiny(tied=False)
+    results = []
+    for engine in (ThreadCopyEngine(), SlowHostEngine()):
+        m = copy.deepcopy(base)
+        ps = ParamStore(m, "layers", compute_dtype=dtype, copy_engine=engine)
+        try:
+            if isinstance(engine, SlowHostEngine) and dtype != torch.float32:
+                h = ps.stage(1, 1)
+                assert not h.done()  # its cast is still queued
+                h.wait()
+            out = [streamed_step(m, ps, *_batch(k), wait=False) for k in range(2)]
+            results.append((out, [p.grad.clone() for p in m.parameters()]))
+            records = engine.records()
+        finally:
+            ps.close()
+            engine.close()
+        kinds = {r.tag.split(":")[0] for r in records if r.lane == "host"}
+        assert kinds == ({"accum"} if dtype == torch.float32 else {"cast", "accum"})
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert all(torch.equal(x, y) for pa, pb in zip(out_a, out_b) for x, y in zip(pa, pb))
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
