@@ -26,3 +26,55 @@ def hardware(cap, *, cpu=1000 * G, h2d=FAST, d2h=FAST, nvme_cap=0.0, nvme_bw=0.0
                     h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, nvme_read_bytes_per_s=nvme_bw,
                     nvme_write_bytes_per_s=nvme_bw, nvme_capacity_bytes=nvme_cap, cpu_memory_bytes=cpu,
                     cpu_adam_params_per_s=1e12, cpu_adam8_params_per_s=1e12).validate()
+
+
+def with_host_costs(wl: Workload, cast, accum, *, nonblock_cast: float = 0.0, nonblock_accum: float = 0.0) -> Workload:
+    """``wl`` with per-layer host-lane seconds (a number for every layer, or a list)."""
+    from dataclasses import replace
+
+    L = wl.num_layers
+    cast = [cast] * L if isinstance(cast, (int, float)) else list(cast)
+    accum = [accum] * L if isinstance(accum, (int, float)) else list(accum)
+    layers = tuple(replace(layer, cast_seconds=c, accum_seconds=a) for layer, c, a in zip(wl.layers, cast, accum))
+    return replace(wl, layers=layers, nonblock_cast_seconds=nonblock_cast,
+                   nonblock_accum_seconds=nonblock_accum).validate()
+
+
+def milp_space(L: int, *, nvme: bool = False, pipelined: bool = True):
+    """Every schedule in the MILP's space for ``L`` layers (L <= 8 = max_block; offload in the
+    boundary's own forward window, any legal reload window, backward prefetch)."""
+    from itertools import product
+
+    from lightning_lazytrain.planner import InvalidInput, Schedule
+
+    tiers = ("gpu", "cpu", "nvme", "recompute") if nvme else ("gpu", "cpu", "recompute")
+    for inner in product(tiers, repeat=L - 1):
+        homes = ("gpu",) + inner + ("gpu",)
+        try:  # the latest reload windows: legal unless an NVMe boundary has none (boundary L - 1)
+            probe = Schedule(num_layers=L, homes=homes, keep_internals=(False,) * L, resident_weights=(False,) * L,
+                             offload_window=tuple(i if h in ("cpu", "nvme") else None for i, h in enumerate(homes)),
+                             reload_window=tuple(L if h == "cpu" else L - 1 if h == "nvme" else None for h in homes))
+        except InvalidInput:
+            continue
+        nxt = probe.next_materialised()
+        moved = [i for i, h in enumerate(homes) if h in ("cpu", "nvme")]
+        reloads = [range(nxt[i], (L if homes[i] == "cpu" else L - 1) + 1) for i in moved]
+        in_block = {j for s, e in probe.recompute_blocks for j in range(s, e - 1)}
+        kept = [j for j in range(L) if homes[j] == "gpu"]
+        free = [j for j in range(L) if j not in in_block]
+        for rel in product(*reloads):
+            reload_window = [None] * (L + 1)
+            for i, t in zip(moved, rel):
+                reload_window[i] = t
+            for keep in product((False, True), repeat=len(kept)):
+                keep_internals = [False] * L
+                for j, k in zip(kept, keep):
+                    keep_internals[j] = k
+                for res in product((False, True), repeat=len(free)):
+                    resident = [False] * L
+                    for j, r in zip(free, res):
+                        resident[j] = r
+                    yield Schedule(num_layers=L, homes=homes, keep_internals=tuple(keep_internals),
+                                   resident_weights=tuple(resident), offload_window=probe.offload_window,
+                                   reload_window=tuple(reload_window),
+                                   optimizer="pipelined" if pipelined else "serial")

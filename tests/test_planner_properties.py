@@ -12,7 +12,7 @@ from hypothesis import strategies as st  # noqa: E402
 from lightning_lazytrain.planner import (  # noqa: E402
     InfeasibleSchedule, keep_all, megatrain, min_memory, recompute_all, simulate, solve,
 )
-from planner_helpers import G, hardware, workload  # noqa: E402
+from planner_helpers import G, hardware, with_host_costs, workload  # noqa: E402
 
 
 @st.composite
@@ -28,6 +28,10 @@ def instances(draw):
     accum = draw(st.integers(1, 2))
     wl = workload(fwd, A=A, internal=internal, param_bytes=param_bytes, fwd_work=0.2 * A, bwd_work=0.5 * A,
                   head=head, opt=opt, grad_accum=accum)
+    if draw(st.booleans()):  # host lane: casts before fetches, accumulation after gradient D2Hs
+        seconds = st.floats(0.0, 1.0)
+        wl = with_host_costs(wl, [draw(seconds) for _ in range(L)], [draw(seconds) for _ in range(L)],
+                             nonblock_cast=draw(seconds), nonblock_accum=draw(seconds))
     nvme = draw(st.booleans())
     cpu_room = draw(st.floats(0.0, 6.0)) * A
     peak = lambda s: simulate(s, wl, hardware(1e15), check=False).peak_gpu_bytes  # noqa: E731

@@ -9,6 +9,13 @@ from .errors import InvalidInput
 
 GB = 1e9
 GIB = 1024**3
+# Bytes/s one host thread streams through memory in elementwise casts and adds (the engine's host
+# lane: master -> compute-dtype cast before each weight fetch, gradient accumulation after each D2H).
+# Estimate: one core's sustained streaming rate on a current x86 server (~10-20 GB/s). Measured on
+# the 2-core development VM (AMD EPYC, one torch thread, 256 MB tensors, machine shared): fp32 -> bf16
+# copy_ 13 GB/s, fp32 norm 17 GB/s, but the mixed-dtype fp32 += bf16 add_ only 2-3 GB/s. Torch's
+# intra-op threads, if the host lane's ops get them, raise it toward the socket's memory bandwidth.
+DEFAULT_HOST_BYTES_PER_S = 10e9
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -17,7 +24,9 @@ class Hardware:
 
     Bandwidths are *achieved* figures (bytes/s), not link peaks: the paper measured 12 GB/s on a
     PCIe Gen5 x16 link. ``efficiency`` is the one calibration factor: achieved dense bf16 matmul
-    rate as a fraction of ``peak_tflops``.
+    rate as a fraction of ``peak_tflops``. ``host_bytes_per_s`` is the rate of the engine's one
+    host worker thread for elementwise work (casts, gradient accumulation); see
+    ``DEFAULT_HOST_BYTES_PER_S``.
     """
 
     name: str
@@ -33,6 +42,7 @@ class Hardware:
     cpu_memory_bytes: float
     cpu_adam_params_per_s: float  # 32-bit AdamW states, whole host
     cpu_adam8_params_per_s: float  # 8-bit blockwise AdamW states, whole host
+    host_bytes_per_s: float = DEFAULT_HOST_BYTES_PER_S  # one host thread, elementwise streaming
 
     @property
     def flops_per_s(self) -> float:
@@ -41,7 +51,7 @@ class Hardware:
     def validate(self) -> Hardware:
         for key in ("gpu_memory_bytes", "gpu_memory_cap_bytes", "peak_tflops", "h2d_bytes_per_s",
                     "d2h_bytes_per_s", "cpu_memory_bytes", "cpu_adam_params_per_s",
-                    "cpu_adam8_params_per_s"):
+                    "cpu_adam8_params_per_s", "host_bytes_per_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise InvalidInput(f"hardware.{key}", value, "must be a finite number > 0")
@@ -69,7 +79,8 @@ class Hardware:
     def from_gb(cls, *, name: str, gpu_memory_gb: float, gpu_memory_cap_gb: float, peak_tflops: float,
                 efficiency: float, h2d_gb_per_s: float, d2h_gb_per_s: float, nvme_read_gb_per_s: float,
                 nvme_write_gb_per_s: float, nvme_capacity_gb: float, cpu_memory_gb: float,
-                cpu_adam_gparams_per_s: float, cpu_adam8_gparams_per_s: float) -> Hardware:
+                cpu_adam_gparams_per_s: float, cpu_adam8_gparams_per_s: float,
+                host_gb_per_s: float = DEFAULT_HOST_BYTES_PER_S / GB) -> Hardware:
         """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
         return cls(
             name=name,
@@ -85,4 +96,5 @@ class Hardware:
             cpu_memory_bytes=cpu_memory_gb * GB,
             cpu_adam_params_per_s=cpu_adam_gparams_per_s * 1e9,
             cpu_adam8_params_per_s=cpu_adam8_gparams_per_s * 1e9,
+            host_bytes_per_s=host_gb_per_s * GB,
         ).validate()

@@ -16,7 +16,9 @@ Constraint groups (each a named method so an ablation is one switch):
     _create_transfers    every offload gets one window, every reload one window before first use
     _create_host         CPU bytes and NVMe bytes within capacity
     _create_gpu_memory   device bytes <= cap in *every* window (or, ablated, one aggregate sum)
-    _create_window_times tau_w >= each lane's load in w; chains (optimizer -> fetch) are summed
+    _create_window_times tau_w >= each lane's load in w; chains are summed: optimizer -> cast -> fetch,
+                         grads D2H -> accumulate, the host lane's FIFO casts -> their fetches (and
+                         the fetches' lane behind them), casts -> accumulate (see ``schedule``)
     _create_objective    iteration time = T + sum tF1 + (g-1) sum tF + g (tH + sum tB) (+ tie-breaks);
                          ablated: LazyTrain's objective (recompute time + exposed transfer)
 ``solve.py`` runs it. The simulator re-derives everything from the returned ``Schedule``; the two agree by construction
@@ -249,6 +251,8 @@ class ScheduleModel:
         nvw = hw.nvme_write_bytes_per_s or 1.0
         pipelined = self.opt.pipelined_optimizer
         loads = self.lane_loads
+        cast = [l.cast_seconds for l in lay] + [0.0]  # host lane; cast[L] = 0 (no layer L to fetch)
+        acc = [l.accum_seconds for l in lay] + [0.0]
 
         def bound(var, name: str, exprs: list) -> None:
             loads[name] = (var, exprs)
@@ -261,11 +265,19 @@ class ScheduleModel:
             d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
             optimizer = lay[j + 1].opt_seconds if (pipelined and j + 1 < L) else 0.0
-            bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, optimizer + fetch, d2h_load, nvw_load])
+            # chain: optimizer -> cast -> fetch of layer j + 1
+            bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, optimizer + cast[j + 1] + fetch, d2h_load, nvw_load])
             if wl.grad_accum > 1:
-                extra = lay[0].grad_bytes / d2h if j == 0 else 0.0
-                bound(m.tF[j], f"tF[{j}]", [lay[j].fwd_seconds, fetch, d2h_load + extra, nvw_load])
+                exprs = [lay[j].fwd_seconds, cast[j + 1] + fetch, d2h_load, nvw_load]
+                if j == 0:  # layer 0's grads of the previous micro-batch, accumulated after the cast
+                    g0 = lay[0].grad_bytes / d2h
+                    exprs[2] = d2h_load + g0
+                    if acc[0]:
+                        exprs += [g0 + acc[0], cast[1] + acc[0]]
+                bound(m.tF[j], f"tF[{j}]", exprs)
         h2d_h = (lay[L - 1].param_bytes * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
+        if cast[L - 1]:
+            h2d_h += cast[L - 1] * (1 - m.r[L - 1])  # the fetch, and the reloads behind it, wait for its cast
         nvw_h = sum(A[i] * self.off(i, L - 1, ("n",)) for i in self.inner) / nvw
         nvr_h = sum(A[i] * self.rel(i, L - 1, ("n",)) for i in self.inner) / nvr
         bound(m.tH, "tH", [wl.head_seconds, h2d_h, nvw_h, nvr_h])
@@ -277,18 +289,53 @@ class ScheduleModel:
             if u >= 1:
                 h2d_b += lay[u - 1].param_bytes * (1 - m.r[u - 1])
             h2d_b += sum(A[i] * self.rel(i, u) for i in self.inner)
+            h2d_b = h2d_b / h2d
             grads = lay[u + 1].grad_bytes / d2h if u + 1 < L else 0.0
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
-            bound(m.tB[u], f"tB[{u}]", [compute, h2d_b / h2d, grads, nvr_b])
-        # T has no decisions: layer 0's and the non-block grads arrive, the non-block update and its
-        # fetch, layer 0's update and its fetch (behind the non-block fetch on the H2D lane)
+            exprs = [compute, h2d_b, grads + acc[u + 1], nvr_b]
+            if u >= 1 and any(cast[max(0, u + 1 - self.E):u]):  # a cast of a layer B{u} may fetch
+                extra, host = self._cast_chains(u, h2d)
+                exprs[1] = h2d_b + extra
+                if acc[u + 1]:
+                    exprs.append(host + acc[u + 1])  # the accumulate queues behind the window's casts
+            bound(m.tB[u], f"tB[{u}]", exprs)
+        bound(m.tT, "tT", self._t_window())
+
+    def _cast_chains(self, u: int, h2d: float):
+        """B{u}'s host casts (recompute block ``s..u-1``, then the prefetch of ``u-1``; FIFO) ahead of
+        the H2D fetches that wait for them: (extra H2D-lane time over the fetches' own, host casts' end).
+
+        With block ``(s, u+1)`` the H2D lane ends its fetches at ``Q_s = max(M_s, C_s + c[u-1]) +
+        p[u-1]`` (``C_s`` = the block's casts, ``M_s = max_k (c[s..k] + p[k..u-1])`` two-stage flow
+        shop, ``p`` = fetch seconds); without one at ``(c + p)[u-1] (1 - r[u-1])``. At most one block
+        ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sum below is exact."""
+        m, lay = self.m, self.lay
+        c = [l.cast_seconds for l in lay]
+        p = [l.param_bytes / h2d for l in lay]
+        extra = c[u - 1] * (1 - m.r[u - 1])
+        host = c[u - 1] * (1 - m.r[u - 1])
+        for (s, e) in self.block_into(u + 1):
+            casts = sum(c[s:u])
+            flow = max(sum(c[s:k + 1]) + sum(p[k:u]) for k in range(s, u))
+            extra += m.x[s, e] * (max(flow - c[u - 1], casts) - sum(p[s:u]))
+            host += m.x[s, e] * casts
+        return extra, host
+
+    def _t_window(self) -> list[float]:
+        """T has no decisions: layer 0's and the non-block grads arrive and are accumulated (host,
+        FIFO), the non-block update (then layer 0's; serial: every layer's) runs, each updated group
+        is cast and fetched (layer 0's fetch behind the non-block fetch on the H2D lane)."""
+        wl, lay, hw = self.wl, self.lay, self.hw
+        h2d, d2h = hw.h2d_bytes_per_s, hw.d2h_bytes_per_s
         grads_t = (lay[0].grad_bytes + wl.nonblock_grad_bytes) / d2h
-        after_nb = grads_t + wl.nonblock_opt_seconds
-        tail = [after_nb + wl.nonblock_param_bytes / h2d + lay[0].param_bytes / h2d,
-                after_nb + lay[0].opt_seconds + lay[0].param_bytes / h2d]
-        if not pipelined:
+        accumulated = max(lay[0].grad_bytes / d2h + lay[0].accum_seconds, grads_t) + wl.nonblock_accum_seconds
+        after_nb = accumulated + wl.nonblock_opt_seconds
+        tail = [after_nb + wl.nonblock_cast_seconds + wl.nonblock_param_bytes / h2d + lay[0].param_bytes / h2d,
+                after_nb + max(wl.nonblock_cast_seconds, lay[0].opt_seconds) + lay[0].cast_seconds
+                + lay[0].param_bytes / h2d]
+        if not self.opt.pipelined_optimizer:
             tail.append(after_nb + sum(l.opt_seconds for l in lay))
-        bound(m.tT, "tT", tail)
+        return tail
 
     def iteration_time(self):
         m, L, g = self.m, self.L, self.wl.grad_accum

@@ -8,8 +8,14 @@ Windows (one micro-batch; ``L`` layers)::
     B{L-1} .. B0   backward of layer t                     index 2L - t
     T              once per iteration: last grads to host, optimizer, first weights   index 2L + 1
 
-A window lasts as long as its busiest lane (compute, h2d, d2h, nvme_read, nvme_write, cpu); the
-transfers assigned to a window start with it and end within it (see ``simulator``).
+A window lasts as long as its busiest lane (compute, h2d, d2h, nvme_read, nvme_write, cpu, host) or
+its longest chain of dependent ops; the transfers assigned to a window start with it and end within
+it (see ``simulator``). ``cpu`` is the host optimizer; ``host`` is the engine's one host worker
+thread (FIFO): it casts a layer's masters to the compute dtype right before each weight fetch
+(``cast``; the fetch waits for it) and adds each landed gradient D2H into the fp32 host grads,
+with the layer's squared norm (``accumulate``; it waits for the D2H). A window's accumulates come
+after its casts in the op list (so a fetch never queues behind a gradient D2H); in T the
+optimizer waits for the accumulates.
 
 Decisions:
 - ``homes[i]`` for boundary ``i`` (the hidden state entering layer ``i``; ``L`` enters the head):
@@ -43,7 +49,7 @@ from .errors import InvalidInput
 
 SCHEDULE_VERSION = 1
 HOMES = ("gpu", "cpu", "nvme", "recompute")
-LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu")
+LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu", "host")
 
 Home = Literal["gpu", "cpu", "nvme", "recompute"]
 
@@ -53,8 +59,10 @@ class Op:
     """One item of work in a window: a compute op or a transfer on a lane.
 
     ``kind``: forward, head, recompute, local_recompute, backward (compute); weights,
-    recompute_weights, reload (h2d); grads, offload (d2h); nvme_write, nvme_read; optimizer (cpu).
-    ``index``: a layer (weights, grads, compute, optimizer) or a boundary (offload, reload);
+    recompute_weights, reload (h2d); grads, offload (d2h); nvme_write, nvme_read; optimizer (cpu);
+    cast (before every weights/recompute_weights op of the same index, which has ``after`` on
+    it), accumulate (after every grads op of the same index, ``after`` on it) (host).
+    ``index``: a layer (weights, grads, compute, optimizer, cast, accumulate) or a boundary (offload, reload);
     -1 for the non-block parameters. ``after``: position in the window's op list of an op that
     must finish before this one starts, or -1.
     """
@@ -69,6 +77,26 @@ class Op:
 class Window:
     name: str
     ops: tuple[Op, ...]
+
+
+def _fetch(ops: list[Op], kind: str, index: int, after: int = -1) -> int:
+    """Append a weight fetch (``kind``: weights / recompute_weights) behind its host cast; the cast
+    takes ``after``. Returns the fetch's position."""
+    ops.append(Op("host", "cast", index, after=after))
+    ops.append(Op("h2d", kind, index, after=len(ops) - 1))
+    return len(ops) - 1
+
+
+def _grads(ops: list[Op], index: int) -> int:
+    """Append a gradient D2H; returns its position (its accumulate is appended by ``_accumulate``)."""
+    ops.append(Op("d2h", "grads", index))
+    return len(ops) - 1
+
+
+def _accumulate(ops: list[Op], grads: list[int]) -> None:
+    """Append the host accumulate of each gradient D2H at positions ``grads``."""
+    for pos in grads:
+        ops.append(Op("host", "accumulate", ops[pos].index, after=pos))
 
 
 def window_index(name: str, num_layers: int) -> int:
@@ -184,14 +212,19 @@ class Schedule:
 
         ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
         ``last_microbatch``: the T window follows; otherwise layer 0's grads go in the next F0.
+
+        Host lane: every weight fetch is preceded by its cast (the fetch waits for it); every
+        gradient D2H is followed by its accumulate (which waits for it). The accumulates of F and B
+        windows come last in the window, so the FIFO host lane runs the window's casts first.
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
         out: list[Window] = []
         for j in range(L):
             ops: list[Op] = [Op("compute", "forward", j)]
+            grads: list[int] = []
             if j == 0 and not first_microbatch:
-                ops.append(Op("d2h", "grads", 0))  # layer 0's grads of the previous micro-batch
+                grads.append(_grads(ops, 0))  # layer 0's grads of the previous micro-batch
             for i in range(L + 1):
                 if self.homes[i] in ("cpu", "nvme") and self.offload_window[i] == j:
                     ops.append(Op("d2h", "offload", i))
@@ -200,47 +233,51 @@ class Schedule:
             if j + 1 < L:
                 if pipelined and first_microbatch:
                     ops.append(Op("cpu", "optimizer", j + 1))
-                    ops.append(Op("h2d", "weights", j + 1, after=len(ops) - 1))
+                    _fetch(ops, "weights", j + 1, after=len(ops) - 1)
                 else:
-                    ops.append(Op("h2d", "weights", j + 1))
+                    _fetch(ops, "weights", j + 1)
+            _accumulate(ops, grads)
             out.append(Window(f"F{j}", tuple(ops)))
         ops = [Op("compute", "head", -1)]
         for i in range(L + 1):
             if self.homes[i] == "nvme" and self.offload_window[i] == L - 1:
                 ops.append(Op("nvme_write", "offload", i))
         if self.backward_prefetch and not self.resident_weights[L - 1]:
-            ops.append(Op("h2d", "weights", L - 1))
+            _fetch(ops, "weights", L - 1)
         ops += self._reload_ops(L)
         out.append(Window("H", tuple(ops)))
         for t in range(L - 1, -1, -1):
             ops = []
+            grads = []
             fetch_here = not self.backward_prefetch and not self.resident_weights[t]
-            if fetch_here:
-                ops.append(Op("h2d", "weights", t))
-            dep = 0 if fetch_here else -1
+            dep = _fetch(ops, "weights", t) if fetch_here else -1
             block = self.block_ending_at(t + 1)
             if block is not None:
                 for j in range(block[0], t):
                     ops.append(Op("compute", "recompute", j, after=dep))
-                    ops.append(Op("h2d", "recompute_weights", j))
+                    _fetch(ops, "recompute_weights", j)
             if not self.keep_internals[t]:
                 ops.append(Op("compute", "local_recompute", t, after=dep))
             ops.append(Op("compute", "backward", t, after=dep))
             if t + 1 < L:
-                ops.append(Op("d2h", "grads", t + 1))
+                grads.append(_grads(ops, t + 1))
             if self.backward_prefetch and t >= 1 and not self.resident_weights[t - 1]:
-                ops.append(Op("h2d", "weights", t - 1))
+                _fetch(ops, "weights", t - 1)
             ops += self._reload_ops(t)
+            _accumulate(ops, grads)
             out.append(Window(f"B{t}", tuple(ops)))
         if last_microbatch:
-            # grads of layer 0 and of the non-block parameters -> host, then the optimizer; each
-            # group's fresh weights go back to the device as soon as its update is done.
-            ops = [Op("d2h", "grads", 0), Op("d2h", "grads", -1)]
+            # grads of layer 0 and of the non-block parameters -> host and accumulated there (ops
+            # 0-3), then the optimizer; each group's fresh weights are cast and go back to the device
+            # as soon as its update is done.
+            ops = []
+            _accumulate(ops, [_grads(ops, 0)])
+            _accumulate(ops, [_grads(ops, -1)])
             order = [-1, 0] if pipelined else [-1] + list(range(L))
             for j in order:
-                ops.append(Op("cpu", "optimizer", j, after=1))
-            ops.append(Op("h2d", "weights", -1, after=2))  # op 2: the non-block update
-            ops.append(Op("h2d", "weights", 0, after=3))  # op 3: layer 0's update, in both orders
+                ops.append(Op("cpu", "optimizer", j, after=3))  # op 3: the last accumulate
+            _fetch(ops, "weights", -1, after=4)  # op 4: the non-block update
+            _fetch(ops, "weights", 0, after=5)  # op 5: layer 0's update, in both orders
             out.append(Window("T", tuple(ops)))
         return out
 

@@ -47,7 +47,7 @@ class SimResult:
     exposed_transfer_seconds: float
     compute_seconds: float
     recompute_seconds: float
-    lane_bytes: dict[str, float]
+    lane_bytes: dict[str, float]  # per lane that ran an op; compute, cpu and host move 0 bytes
     recomputed_forwards: dict[int, int]  # layer -> extra forward runs per iteration (block + local)
     window_seconds: dict[str, float]  # one micro-batch (the first), plus T
     window_bytes: dict[str, float]  # device bytes per window
@@ -77,6 +77,10 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
         return (layer.bwd_seconds if op.kind == "backward" else layer.fwd_seconds), 0.0
     if op.lane == "cpu":
         return (wl.nonblock_opt_seconds if op.index < 0 else layers[op.index].opt_seconds), 0.0
+    if op.lane == "host":  # cast before a weight fetch, or accumulate after a gradient D2H
+        if op.kind == "cast":
+            return (wl.nonblock_cast_seconds if op.index < 0 else layers[op.index].cast_seconds), 0.0
+        return (wl.nonblock_accum_seconds if op.index < 0 else layers[op.index].accum_seconds), 0.0
     if op.kind in ("weights", "recompute_weights"):
         nbytes = wl.nonblock_param_bytes if op.index < 0 else layers[op.index].param_bytes
     elif op.kind == "grads":

@@ -3,7 +3,9 @@
 A ``Workload`` is hardware-specific (times are seconds on that hardware). It is built analytically
 from (ModelSpec, TrainSpec, Hardware) or from measured numbers (``Workload.from_measured``; the
 engine's profiler fills it). Boundary ``i`` is the hidden state entering layer ``i``; boundary
-``L`` enters the head. Everything is bytes and seconds.
+``L`` enters the head. Everything is bytes and seconds. Host-lane seconds (``cast_seconds`` per
+weight fetch, ``accum_seconds`` per gradient D2H) come from ``Hardware.host_bytes_per_s`` in the
+analytic workload and default to 0 in a measured one.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, maste
     return masters + host_arena_bytes(slots * (2 if cast else 1))
 
 
+def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware) -> tuple[float, float]:
+    """Host-lane seconds per parameter (one thread streaming ``hardware.host_bytes_per_s``):
+
+    - cast, before each weight fetch: read the master, write the compute copy into pinned staging
+      (``HOST_MASTER_BYTES + compute_bytes``; 0 when the masters already are in the compute dtype);
+    - accumulate, after each gradient D2H: read the landed gradient (``grad_bytes``), read and write
+      the fp32 host gradient (``2 * HOST_GRAD_BYTES``), read it again for the squared norm
+      (``HOST_GRAD_BYTES``).
+    """
+    cast = HOST_MASTER_BYTES + compute_bytes if compute_bytes != HOST_MASTER_BYTES else 0
+    accum = grad_bytes + 3 * HOST_GRAD_BYTES
+    return cast / hardware.host_bytes_per_s, accum / hardware.host_bytes_per_s
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerWork:
     params: int
@@ -62,6 +78,10 @@ class LayerWork:
     fwd_work_bytes: float
     bwd_work_bytes: float
     opt_seconds: float  # host optimizer update of this layer's parameters
+    # host lane, seconds: cast the masters to the compute dtype before ONE weight fetch (0: same dtype);
+    # add ONE landed gradient D2H into the fp32 host grads, plus the layer's squared norm
+    cast_seconds: float = 0.0
+    accum_seconds: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,6 +95,8 @@ class Workload:
     nonblock_param_bytes: float  # their weights, sent to the device once per step (after the update)
     nonblock_grad_bytes: float  # their grads, sent to the host once per step
     nonblock_opt_seconds: float
+    nonblock_cast_seconds: float = 0.0  # host lane, non-block group (index -1): as LayerWork.cast_seconds
+    nonblock_accum_seconds: float = 0.0  # ... and as LayerWork.accum_seconds
     host_static_bytes: float  # pinned masters and staging (param_store_host_bytes), host grads, optimizer states
     tokens: int  # per micro-batch
     grad_accum: int = 1
@@ -116,7 +138,8 @@ class Workload:
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise InvalidInput(f"workload.layers[{j}].{key}", value, "must be a finite number >= 0")
         for key in ("head_seconds", "head_work_bytes", "nonblock_gpu_bytes", "nonblock_param_bytes", "nonblock_grad_bytes",
-                    "nonblock_opt_seconds", "host_static_bytes"):
+                    "nonblock_opt_seconds", "nonblock_cast_seconds", "nonblock_accum_seconds",
+                    "host_static_bytes"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
@@ -146,12 +169,18 @@ class Workload:
                       nonblock_params: int, nonblock_gpu_bytes: float, nonblock_param_bytes: float,
                       nonblock_grad_bytes: float,
                       nonblock_opt_seconds: float, host_static_bytes: float, tokens: int, grad_accum: int = 1,
-                      name: str = "measured") -> Workload:
-        """Build from measured per-layer lists (the profiler's output)."""
+                      name: str = "measured", cast_seconds: list[float] | None = None,
+                      accum_seconds: list[float] | None = None, nonblock_cast_seconds: float = 0.0,
+                      nonblock_accum_seconds: float = 0.0) -> Workload:
+        """Build from measured per-layer lists (the profiler's output). The host-lane costs
+        (``cast_seconds``, ``accum_seconds``: per layer, per fetch / per gradient D2H) default to 0."""
         n = len(fwd_seconds)
+        cast_seconds = [0.0] * n if cast_seconds is None else cast_seconds
+        accum_seconds = [0.0] * n if accum_seconds is None else accum_seconds
         lists = dict(bwd_seconds=bwd_seconds, params=params, param_bytes=param_bytes, grad_bytes=grad_bytes,
                      internal_bytes=internal_bytes, fwd_work_bytes=fwd_work_bytes,
-                     bwd_work_bytes=bwd_work_bytes, opt_seconds=opt_seconds)
+                     bwd_work_bytes=bwd_work_bytes, opt_seconds=opt_seconds, cast_seconds=cast_seconds,
+                     accum_seconds=accum_seconds)
         for key, values in lists.items():
             if len(values) != n:
                 raise InvalidInput(key, len(values), f"need {n} entries (one per layer, like fwd_seconds)")
@@ -159,13 +188,15 @@ class Workload:
             LayerWork(params=int(params[j]), param_bytes=float(param_bytes[j]), grad_bytes=float(grad_bytes[j]),
                       fwd_seconds=float(fwd_seconds[j]), bwd_seconds=float(bwd_seconds[j]),
                       internal_bytes=float(internal_bytes[j]), fwd_work_bytes=float(fwd_work_bytes[j]),
-                      bwd_work_bytes=float(bwd_work_bytes[j]), opt_seconds=float(opt_seconds[j]))
+                      bwd_work_bytes=float(bwd_work_bytes[j]), opt_seconds=float(opt_seconds[j]),
+                      cast_seconds=float(cast_seconds[j]), accum_seconds=float(accum_seconds[j]))
             for j in range(n))
         return cls(layers=layers, boundary_bytes=tuple(float(a) for a in boundary_bytes),
                    head_seconds=head_seconds, head_work_bytes=head_work_bytes, nonblock_params=nonblock_params,
                    nonblock_gpu_bytes=nonblock_gpu_bytes, nonblock_param_bytes=nonblock_param_bytes,
                    nonblock_grad_bytes=nonblock_grad_bytes,
-                   nonblock_opt_seconds=nonblock_opt_seconds, host_static_bytes=host_static_bytes,
+                   nonblock_opt_seconds=nonblock_opt_seconds, nonblock_cast_seconds=float(nonblock_cast_seconds),
+                   nonblock_accum_seconds=float(nonblock_accum_seconds), host_static_bytes=host_static_bytes,
                    tokens=tokens, grad_accum=grad_accum, total_params=sum(params) + nonblock_params,
                    name=name).validate()
 
@@ -181,10 +212,12 @@ class Workload:
         rate = hardware.flops_per_s
         frac8 = train.eight_bit_fraction
         opt_per_param = (1 - frac8) / hardware.cpu_adam_params_per_s + frac8 / hardware.cpu_adam8_params_per_s
+        cast_per_param, accum_per_param = host_lane_seconds_per_param(e, ge, hardware)
         layer = LayerWork(params=cost.params, param_bytes=cost.params * e, grad_bytes=cost.params * ge,
                           fwd_seconds=cost.fwd_flops / rate, bwd_seconds=cost.bwd_flops / rate,
                           internal_bytes=cost.internal_bytes, fwd_work_bytes=cost.fwd_work_bytes,
-                          bwd_work_bytes=cost.bwd_work_bytes, opt_seconds=cost.params * opt_per_param)
+                          bwd_work_bytes=cost.bwd_work_bytes, opt_seconds=cost.params * opt_per_param,
+                          cast_seconds=cost.params * cast_per_param, accum_seconds=cost.params * accum_per_param)
         n_tok = train.tokens
         nonblock = model.embedding_params + model.head_params
         head_matmul = model.vocab * model.hidden  # LM head (tied or not, same FLOPs)
@@ -208,6 +241,8 @@ class Workload:
             nonblock_param_bytes=float(nonblock * e),
             nonblock_grad_bytes=float(nonblock * ge),
             nonblock_opt_seconds=nonblock / hardware.cpu_adam_params_per_s,
+            nonblock_cast_seconds=nonblock * cast_per_param,
+            nonblock_accum_seconds=nonblock * accum_per_param,
             host_static_bytes=float(host),
             tokens=n_tok,
             grad_accum=train.grad_accum,
