@@ -172,6 +172,22 @@ def test_bytes_per_lane_recompute_and_peak_match_the_simulator(reference, tmp_pa
     assert 0 < stats.peak_tracked_bytes <= sim.peak_gpu_bytes
 
 
+def test_profile_measures_host_lane_work(reference, tmp_path):
+    """The profile times the host lane: one cast per weight fetch (fp32 masters, bf16 compute
+    copies) and one gradient accumulation per D2H, for every layer and the non-block group, so a
+    measured plan counts the host work the engine does."""
+    model, tokens = reference
+    m = copy.deepcopy(model)
+    ex = Executor(m, recompute_all(L), compute_dtype=torch.bfloat16, nvme_dir=tmp_path)
+    try:
+        wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel())
+    finally:
+        ex.close()
+    assert all(layer.cast_seconds > 0 and layer.accum_seconds > 0 for layer in wl.layers)
+    assert wl.nonblock_cast_seconds > 0 and wl.nonblock_accum_seconds > 0
+    assert all(layer.cast_seconds == 0 for layer in measured(model, tokens, tmp_path).layers)  # fp32: no cast
+
+
 RESIDENT_LAYER0 = custom(["gpu"] * (L + 1), keep=[False, True, False, False], res=[True, False, False, True])
 
 

@@ -478,6 +478,7 @@ class Executor:
         name = f"F{j}"
         self._reap_offloads()  # before the mark: sources whose offload finished are let go
         self._window(name)
+        sent: list[PendingGrads] = []
         self._store_call(j, call, routed)
         self._share_routed_inputs(ctx, routed)
         self.stats.boundary_bytes[j] = self._nbytes(x)
@@ -494,7 +495,8 @@ class Executor:
                 if op.index in self.resident_slot:
                     self.tracker.add(f"resident{op.index}", self.params.slot_bytes(op.index, self.slot_of(op.index)))
             elif op.lane == "d2h" and op.kind == "grads":
-                self._finish_grads([self.params.send_grads(op.index, self.slot_of(op.index))])
+                sent.append(self.params.send_grads(op.index, self.slot_of(op.index)))
+        self._finish_grads(sent)  # their host-lane accumulation queues after the window's casts
         home = s.homes[j]
         if home == "gpu":
             self._saved[j] = x.detach()

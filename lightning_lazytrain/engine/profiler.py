@@ -61,6 +61,13 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     k = max(1, micro_batches)
     fwd = [t / k for t in fwd]
     bwd = [t / k for t in bwd]
+    # Host lane (Note: [host lane] in param_store.py): seconds of one cast (per weight fetch) and of
+    # one gradient accumulation (per D2H), averaged per layer; index -1 is the non-block group.
+    host: dict[tuple[str, int], list[float]] = {}
+    for s in seg:
+        if s.lane == "host":
+            host.setdefault((s.kind, s.index), []).append(s.end - s.start)
+    mean = lambda kind, j: sum(host.get((kind, j), [0.0])) / len(host.get((kind, j), [0.0]))  # noqa: E731
     starts = dict(executor.trace.windows[::-1])  # first start of each window name
     head = max(0.0, starts.get(f"B{L - 1}", 0.0) - starts.get("H", 0.0))
     e = torch.empty((), dtype=executor.compute_dtype).element_size()
@@ -85,5 +92,7 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e + stats.call_bytes,
         nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
         nonblock_opt_seconds=rest / opt_params_per_s,
+        cast_seconds=[mean("cast", j) for j in range(L)], accum_seconds=[mean("accumulate", j) for j in range(L)],
+        nonblock_cast_seconds=mean("cast", REST), nonblock_accum_seconds=mean("accumulate", REST),
         host_static_bytes=float(host_static),
         tokens=tokens, grad_accum=grad_accum, name="measured")
