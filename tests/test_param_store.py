@@ -392,3 +392,22 @@ def test_host_pinned_bytes_equal_the_planner_formula(case: str) -> None:
     gc.collect()
     assert ps.host_pinned_bytes == masters["reserved_bytes"]  # staging gone; the masters are the module's
     assert all(p.data_ptr() for p in m.parameters())
+
+
+def test_widened_accumulation_is_bit_identical_to_the_mixed_dtype_add() -> None:
+    """16-bit grads are added into fp32 host grads through a chunked fp32 scratch (faster on the
+    host); the sums must be those of the plain mixed-dtype ``add_``, across chunk boundaries."""
+    from lightning_lazytrain.engine.param_store import WIDEN_CHUNK
+
+    ps = ParamStore(Tiny(tied=False), "layers")
+    try:
+        n = 2 * WIDEN_CHUNK + 5
+        for dtype in (torch.bfloat16, torch.float16):
+            base = torch.randn(n)
+            src = torch.randn(n).to(dtype)
+            want, got = base.clone(), base.clone()
+            want.add_(src)
+            ps._add(got, src)
+            assert torch.equal(got, want), dtype
+    finally:
+        ps.close()

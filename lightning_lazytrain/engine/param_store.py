@@ -88,6 +88,7 @@ REST: Final[int] = -1  # group id of the non-block parameters
 # in bf16), as a tensor of its own would: CPU GEMM and reduction kernels round differently on
 # misaligned operands, and the streamed training must compute what plain autograd computes.
 ALIGN: Final[int] = 64
+WIDEN_CHUNK: Final[int] = 1 << 20  # elements of the fp32 scratch that widens 16-bit grads (4 MiB)
 
 
 @dataclass(eq=False)
@@ -163,6 +164,7 @@ class ParamStore:
         self._own_engine = copy_engine is None
         self.engine = copy_engine if copy_engine is not None else make_copy_engine(self.device)
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self._scratch: torch.Tensor | None = None  # see _add (host lane only)
         self._groups = self._build_groups()
         groups = list(self._groups.values())
         for g in groups:
@@ -596,10 +598,26 @@ class ParamStore:
             self._ensure_host_grads(g, touched)
             receiving = [i for i in g.params if id(i) in touched and i.param.requires_grad]
             if len(receiving) == len(g.params):
-                g.grad.add_(grads)
+                self._add(g.grad, grads)
             else:  # only parameters a gradient reached (and that still want one) accumulate
                 for info in receiving:
-                    self._view(g.grad, info).add_(self._view(grads, info))
+                    self._add(self._view(g.grad, info), self._view(grads, info))
+
+    def _add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst += src``. A 16-bit ``src`` into an fp32 ``dst`` is widened chunk by chunk into a
+        small fp32 scratch first: the same sums bit for bit (widening is exact), ~3x faster on the
+        host than the mixed-dtype kernel."""
+        if src.dtype == dst.dtype:
+            dst.add_(src)
+            return
+        if self._scratch is None or self._scratch.dtype != dst.dtype:
+            self._scratch = torch.empty(WIDEN_CHUNK, dtype=dst.dtype)
+        d, s_ = dst.reshape(-1), src.reshape(-1)
+        for i in range(0, d.numel(), WIDEN_CHUNK):
+            n = min(WIDEN_CHUNK, d.numel() - i)
+            tmp = self._scratch[:n]
+            tmp.copy_(s_[i:i + n])
+            d[i:i + n].add_(tmp)
 
     def zero_grad(self) -> None:
         self.wait_host()
