@@ -70,6 +70,7 @@ class HardwareConfig:
     cpu_memory_gb: float = MISSING  # host memory the run may use
     cpu_adam_gparams_per_s: float = MISSING  # 32-bit AdamW update rate, whole host
     cpu_adam8_gparams_per_s: float = MISSING  # 8-bit blockwise AdamW update rate, whole host
+    host_gb_per_s: float = 10.0  # the engine's host lane (casts, grad accumulation), elementwise streaming
     # ---- descriptive -----------------------------------------------------------------------
     description: str = ""
     nvme_drives: int = 0
@@ -171,7 +172,7 @@ def _node(cfg: Any, key: str) -> Any:
 
 _FROM_GB_KEYS = ("name", "gpu_memory_gb", "gpu_memory_cap_gb", "peak_tflops", "efficiency", "h2d_gb_per_s",
                  "d2h_gb_per_s", "nvme_read_gb_per_s", "nvme_write_gb_per_s", "nvme_capacity_gb",
-                 "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s")
+                 "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s", "host_gb_per_s")
 
 
 def to_hardware(cfg: Any) -> Hardware:

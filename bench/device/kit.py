@@ -307,12 +307,13 @@ def run_plain(model: torch.nn.Module, batches, device: str, lr: float = 0.05) ->
 
 
 def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir: Path,
-                 lr: float = 0.05) -> RunResult:
-    """The same training through the executor (fp32 compute, host SGD on the masters)."""
+                 lr: float = 0.05, compute_dtype: torch.dtype = torch.float32) -> RunResult:
+    """The same training through the executor (fp32 compute unless ``compute_dtype``: 16-bit
+    compute copies of the fp32 masters, cast on the host lane; host SGD on the masters)."""
     from lightning_lazytrain.engine.executor import Executor
 
     m = copy.deepcopy(model)
-    ex = Executor(m, schedule, device=device, nvme_dir=workdir)
+    ex = Executor(m, schedule, device=device, nvme_dir=workdir, compute_dtype=compute_dtype)
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     r = RunResult()
     try:

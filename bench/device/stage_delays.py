@@ -10,6 +10,10 @@ comparison means nothing), then under each delay pattern (see ``kit.Delays``):
 * ``compute``: compute late by ``--delay-ms`` at every ``ParamStore.bind``;
 * ``jitter0``, ``jitter1``: both, each delay drawn from [0, 2 x delay] with seeds 0 and 1.
 
+The first schedule also runs with bf16 compute copies of the fp32 masters (``<name>@bf16``): its
+casts run on the host lane and each H2D waits for its cast (CUDA: dispatched when the cast is
+done), so the host lane's dependencies are raced too (``copies`` delays every host-lane job).
+
 Every loss, gradient and parameter must be bitwise equal to the undelayed run. On CUDA the runs
 use deterministic algorithms and the math attention kernel, so equal inputs give equal bits.
 On the CPU the same runs use host sleeps: the CPU engine's copies run on worker threads, so the
@@ -72,14 +76,18 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         schedules["milp"] = milp_schedule(measure(model, batches[0][0].to(dev), dev, args.workdir), st)
     if wanted:
         schedules = {k: v for k, v in schedules.items() if k in wanted}
+    runs = [(name, schedule, torch.float32) for name, schedule in schedules.items()]
+    if runs:
+        runs.append((f"{runs[0][0]}@bf16", runs[0][1], torch.bfloat16))
     patterns = [p for p in args.patterns.split(",") if p]
     results: dict[str, dict] = {}
-    for name, schedule in schedules.items():
+    for name, schedule, dtype in runs:
         row: dict[str, object] = {}
         results[name] = row
+        run = lambda: run_executor(model, schedule, batches, dev, args.workdir, compute_dtype=dtype)  # noqa: E731
         try:
-            base = run_executor(model, schedule, batches, dev, args.workdir)
-            again = run_executor(model, schedule, batches, dev, args.workdir)
+            base = run()
+            again = run()
         except Exception as e:  # noqa: BLE001
             st.fail(f"{name} undelayed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             continue
@@ -95,7 +103,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             try:
                 with d.installed():
-                    got = run_executor(model, schedule, batches, dev, args.workdir)
+                    got = run()
             except Exception as e:  # noqa: BLE001
                 st.fail(f"{name} [{pat}]: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 row[pat] = {"error": f"{type(e).__name__}: {e}"[:2000]}

@@ -1,0 +1,92 @@
+"""Host lane benchmark on CPU: host-side copy work (fp32 -> bf16 casts before each weight fetch,
+gradient accumulation and norms after each gradient copy) on the host lane's worker thread vs
+done inline on the thread that launches compute (how the engine worked before the host lane).
+
+    python bench/bench_host_lane.py [torch threads, default 1]   # ~1 minute on a 2-core machine
+
+Same process, same model and data, fp32 masters with bf16 compute copies (so every fetch casts),
+for keep_all (one fetch per layer per step) and megatrain K=4 (two fetches, re-runs). Reports the
+median step time of each (after a warm-up step), the ratio inline / host lane, and the host
+lane's busy seconds per step (the work moved off the launching thread). The simulator's host lane
+(``planner``: ``Op("host", ...)``) is what a plan counts for the same work.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+import lightning_lazytrain.engine.executor as executor_module
+from lightning_lazytrain.engine.copy_cpu import ThreadCopyEngine
+from lightning_lazytrain.engine.copy_engine import CopyRecord, DoneHandle
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.models import LlamaLM
+from lightning_lazytrain.planner import ModelSpec, keep_all, megatrain
+
+SPEC = ModelSpec(name="bench", num_layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=4, head_dim=64,
+                 vocab=4096)
+BATCH, SEQ = 1, 33  # few tokens: compute is cheap next to the weights, as on a GPU
+STEPS = 5
+
+
+class InlineHostEngine(ThreadCopyEngine):
+    """The baseline: host work runs in the caller, before the call returns."""
+
+    def host(self, fn, *, after=(), tag=None, nbytes=0):
+        for h in after:
+            h.wait()
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn()
+        self._add_record(CopyRecord("host", nbytes, start, time.perf_counter(), tag))
+        return self._track(DoneHandle("host"))
+
+
+def run(base, tokens, schedule, inline: bool) -> tuple[list[float], float]:
+    make = executor_module.make_copy_engine
+    if inline:
+        executor_module.make_copy_engine = lambda device, links=None: InlineHostEngine(links)
+    try:
+        m = copy.deepcopy(base)
+        ex = Executor(m, schedule, compute_dtype=torch.bfloat16)
+    finally:
+        executor_module.make_copy_engine = make
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    times, busy = [], []
+    try:
+        for _ in range(STEPS + 1):
+            t0 = time.perf_counter()
+            ex.begin_microbatch()
+            m.loss(tokens).backward()
+            ex.end_microbatch()
+            times.append(time.perf_counter() - t0)
+            busy.append(sum(r.duration for r in ex.engine.records() if r.lane == "host"))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        ex.close()
+    return times[1:], statistics.median(busy[1:])
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)  # 1: the host lane needs the other core
+    base = LlamaLM(SPEC)
+    tokens = torch.randint(0, SPEC.vocab, (BATCH, SEQ))
+    print(f"# bench_host_lane: {SPEC.num_layers} layers, hidden {SPEC.hidden}, batch {BATCH}x{SEQ - 1}, "
+          f"{SPEC.total_params / 1e6:.1f}M params, fp32 masters, bf16 compute, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}")
+    for name, schedule in (("keep_all", keep_all(SPEC.num_layers)), ("megatrain K=4", megatrain(SPEC.num_layers, 4))):
+        lane, lane_busy = run(base, tokens, schedule, inline=False)
+        inline, inline_busy = run(base, tokens, schedule, inline=True)
+        a, b = statistics.median(lane), statistics.median(inline)
+        print(f"{name}: host lane {a:.3f} s/step (host work {lane_busy:.3f} s on its thread), inline {b:.3f} s/step "
+              f"(host work {inline_busy:.3f} s in the launching thread): inline / host lane = {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
