@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .planner.units import format_bytes
+
 GB = 1e9
 
 # column key -> (header with unit, format)
@@ -192,7 +194,7 @@ def plot_timeline(sim: Any, path: str | os.PathLike, title: str = "", cap_bytes:
         top = max(ys) if ys else 0.0
         if cap_bytes:
             mx.axhline(cap_bytes / GB, color="#c44e52", linestyle="--", linewidth=1.2,
-                       label=f"cap {cap_bytes / GB:.1f} GB")
+                       label=f"cap {format_bytes(cap_bytes)}")
             top = max(top, cap_bytes / GB)
         mx.set_ylim(0, top * 1.1 if top > 0 else 1)
         mx.set_ylabel("GPU memory [GB]")

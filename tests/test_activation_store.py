@@ -217,6 +217,19 @@ def test_check_dir_too_small(tmp_path: Path) -> None:
         ActivationStore("cpu", nvme_dir=tmp_path, nvme_required_bytes=need)
 
 
+def test_check_dir_too_small_prints_small_sizes_readably(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a nearly full drive: 1.5 KiB free against a 96 MiB plan used to read "has 0.00 GiB free, ... needs 0.09 GiB"
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda _p: usage._replace(free=1536))
+    need = 96 * 2**20
+    with pytest.raises(NvmeDirError) as ei:
+        check_nvme_dir(tmp_path, need)
+    msg = str(ei.value)
+    assert f"has 1.50 KiB free, but the plan needs 96.0 MiB ({need} bytes)" in msg, msg
+    rest = msg.replace(str(tmp_path), "<dir>")
+    assert "0.0" not in rest and "GiB" not in rest, msg
+
+
 # ---------------------------------------------------------- stale cleanup
 _CHILD = textwrap.dedent(
     """

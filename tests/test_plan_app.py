@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from lightning_lazytrain.cli.plan import ROW_FILE, plan_job
 from lightning_lazytrain.config import CONF_DIR
 from lightning_lazytrain.planner import InfeasibleBudget, PlannerError
 from lightning_lazytrain.planner.simulator import Segment
+from lightning_lazytrain.planner.units import format_bytes
 from lightning_lazytrain.report import format_table, plot_timeline, write_sweep_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -196,8 +198,9 @@ def test_plan_over_the_cap_is_marked_in_table_and_plan_json(tmp_path, capsys):
     gpu = data["over_cap_by"]["gpu_memory"]
     assert gpu["excess_bytes"] == pytest.approx(peak - cap) and gpu["cap_bytes"] == cap and gpu["window"]
     plan_line = next(line for line in printed.splitlines() if line.startswith("plan (milp)"))
-    assert f"OVER CAP: gpu_memory {peak / 1e9:.2f} GB in window {gpu['window']} > cap 70.00 GB" in plan_line
-    assert f"(+{(peak - cap) / 1e9:.2f} GB)" in plan_line
+    assert f"OVER CAP: gpu_memory {format_bytes(peak)} in window {gpu['window']} > cap 70.0 GB" in plan_line
+    assert f"(+{format_bytes(peak - cap)})" in plan_line
+    assert re.search(r"OVER CAP: gpu_memory \d\d\.\d GB in window", plan_line), plan_line  # 3 significant digits
     assert "warning: replayed window by window, the plan exceeds its budget" in printed
     assert "plan.window_memory=true" in printed
     assert row["over_cap"] is True and row["over_cap_gb"] == pytest.approx((peak - cap) / 1e9)

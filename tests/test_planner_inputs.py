@@ -10,8 +10,9 @@ import pytest
 
 from lightning_lazytrain.planner import (
     Hardware, InfeasibleBudget, InfeasibleSchedule, InvalidInput, ModelSpec, Schedule, TrainSpec, Workload,
-    diagnose, keep_all, largest_batch, make_plan, megatrain, simulate, solve,
+    diagnose, keep_all, largest_batch, make_plan, megatrain, min_memory, simulate, solve,
 )
+from lightning_lazytrain.planner.units import format_bytes
 from planner_helpers import G, hardware, workload
 
 H800 = dict(name="h800", gpu_memory_gb=80, gpu_memory_cap_gb=70, peak_tflops=989, efficiency=0.5, h2d_gb_per_s=12,
@@ -42,6 +43,33 @@ def test_budget_below_static_footprint_is_rejected_with_the_shortfall():
     assert err.value.tier == "gpu"
     assert err.value.shortfall_bytes == pytest.approx(wl.static_gpu_bytes - hw.gpu_memory_cap_bytes)
     assert "smallest GPU budget" in str(err.value) and "GB" in str(err.value)
+
+
+def test_small_budgets_print_in_a_readable_unit_not_as_zero_gb():
+    # a 0.2M-parameter model against sub-MB budgets: every figure keeps three significant digits
+    # (these messages used to read "need 0.00 GB ..., the cap is 0.00 GB (gpu memory short by 0.00 GB)")
+    tiny = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, head_dim=16,
+                     vocab=256)
+    train = TrainSpec(micro_batch_size=1, seq_len=64)
+    small = {**H800, "gpu_memory_gb": 1, "gpu_memory_cap_gb": 1}
+    wl = Workload.analytic(tiny, train, Hardware.from_gb(**small))
+    tight = simulate(min_memory(4), wl, Hardware.from_gb(**small), check=False)
+    cases = [  # (budget override, short tier, figures the message must show)
+        ({"gpu_memory_cap_gb": 250e-6}, "gpu",
+         [f"need {format_bytes(wl.static_gpu_bytes)} before", "the cap is 250 kB"]),
+        ({"gpu_memory_cap_gb": (tight.peak_gpu_bytes - 100e3) / 1e9}, "gpu",
+         [f"the peak is {format_bytes(tight.peak_gpu_bytes)}", "short by 100 kB",
+          f"smallest GPU budget for this batch: {format_bytes(tight.peak_gpu_bytes, digits=4)}"]),
+        ({"cpu_memory_gb": 2e-3}, "cpu", [f"need {format_bytes(wl.host_static_bytes)} of", "has 2.00 MB"]),
+    ]
+    for override, tier, figures in cases:
+        with pytest.raises(InfeasibleBudget) as err:
+            make_plan(tiny, train, Hardware.from_gb(**{**small, **override}))
+        msg = str(err.value)
+        assert err.value.tier == tier and "0.00" not in msg and " GB" not in msg, msg
+        assert f"({tier} memory short by {format_bytes(err.value.shortfall_bytes)})" in msg, msg
+        for figure in figures:
+            assert figure in msg, (figure, msg)
 
 
 def test_batch_too_large_names_gpu_shortfall_and_largest_batch():

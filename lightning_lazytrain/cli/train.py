@@ -59,6 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import CONF_DIR, HardwareConfig, ModelConfig, to_container, to_hardware, to_model
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import ModelSpec, PlannerError
+from ..planner.units import format_bytes
 from ..report import format_table
 from .plan import ROW_FILE, SweepSummary
 
@@ -538,8 +539,8 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
             f"x{t.devices}, {t.precision}, strategy {cfg.strategy.name}{where}, torch threads "
             f"{torch.get_num_threads()}", out)
         say(f"data: Python {sys.version_info.major}.{sys.version_info.minor} stdlib .py source, "
-            f"train {info['train_files']} files / {info['train_bytes'] / 1e6:.2f} MB, held-out "
-            f"{info['val_files']} files / {info['val_bytes'] / 1e6:.2f} MB ({info['val_windows']} val windows); "
+            f"train {info['train_files']} files / {format_bytes(info['train_bytes'])}, held-out "
+            f"{info['val_files']} files / {format_bytes(info['val_bytes'])} ({info['val_windows']} val windows); "
             f"batch {info['batch_size']} x seq {info['seq_len']}, {t.max_steps} steps, validation every "
             f"{t.val_check_interval}", out)
         start = time.perf_counter()

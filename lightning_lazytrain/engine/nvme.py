@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_lazytrain.planner.units import format_bytes
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX
@@ -216,10 +218,6 @@ class NvmeDirError(RuntimeError):
     """The NVMe spill directory is unusable; the message names path, problem and fix."""
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def check_nvme_dir(path: str | os.PathLike[str], required_bytes: int = 0) -> Path:
     """Check (creating it if needed) that ``path`` can hold ``required_bytes`` of spill files."""
     p = Path(path).expanduser()
@@ -248,7 +246,8 @@ def check_nvme_dir(path: str | os.PathLike[str], required_bytes: int = 0) -> Pat
     free = shutil.disk_usage(p).free
     if required_bytes > free:
         raise NvmeDirError(
-            f"NVMe spill directory {p} has {_gib(free)} free, but the plan needs {_gib(required_bytes)} "
+            f"NVMe spill directory {p} has {format_bytes(free, binary=True)} free, but the plan needs "
+            f"{format_bytes(required_bytes, binary=True)} "
             f"({required_bytes} bytes) of spill space. Fix: free space on that file system, point "
             "nvme_dir at a larger drive, or plan with fewer activations on NVMe (more recompute / CPU)."
         )

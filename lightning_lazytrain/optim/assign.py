@@ -158,10 +158,11 @@ class StateBytes:
         return self.eight_bit_numel / self.numel if self.numel else 0.0
 
     def summary(self) -> str:
-        gib = self.total / 2**30
+        from lightning_lazytrain.planner.units import format_bytes  # torch-free; keeps optim's imports as they are
+
         return (
             f"{self.eight_bit_numel:,}/{self.numel:,} elements 8-bit ({100 * self.eight_bit_fraction:.2f}%), "
-            f"state {gib:.3f} GiB = {self.bytes_per_param:.3f} B/param"
+            f"state {format_bytes(self.total, binary=True, digits=4)} = {self.bytes_per_param:.3f} B/param"
         )
 
 

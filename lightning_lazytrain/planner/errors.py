@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .units import format_bytes
+
 
 class PlannerError(ValueError):
     """Base class for planner errors."""
@@ -23,7 +25,7 @@ class InfeasibleBudget(PlannerError):
         self.tier = tier
         self.shortfall_bytes = shortfall_bytes
         self.suggestion = suggestion
-        text = f"{message} ({tier} memory short by {shortfall_bytes / 1e9:.2f} GB)"
+        text = f"{message} ({tier} memory short by {format_bytes(shortfall_bytes)})"
         if suggestion:
             text += f"; {suggestion}"
         super().__init__(text)

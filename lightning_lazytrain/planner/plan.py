@@ -13,6 +13,7 @@ from .model import ModelSpec, TrainSpec
 from .policies import BASELINES, baseline, min_memory
 from .schedule import Schedule
 from .simulator import MEM_TOL, SimResult, simulate
+from .units import format_bytes
 from .workload import Workload
 
 GB = 1e9
@@ -43,8 +44,8 @@ class PlanResult:
         parts = []
         for v in self.violations:
             where = f" in window {v['window']}" if v.get("window") else ""
-            parts.append(f"{v['resource']} {v['need_bytes'] / GB:.2f} GB{where} > cap {v['cap_bytes'] / GB:.2f} GB "
-                         f"(+{v['excess_bytes'] / GB:.2f} GB)")
+            parts.append(f"{v['resource']} {format_bytes(v['need_bytes'])}{where} > cap {format_bytes(v['cap_bytes'])} "
+                         f"(+{format_bytes(v['excess_bytes'])})")
         return "; ".join(parts)
 
     def to_json(self) -> dict:
@@ -116,17 +117,17 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
     if wl.host_static_bytes > hw.cpu_memory_bytes:
         short = wl.host_static_bytes - hw.cpu_memory_bytes
         raise InfeasibleBudget(
-            "cpu", short, f"master weights, gradients and optimizer states need {wl.host_static_bytes / GB:.1f} GB "
-            f"of host memory, {hw.name} has {hw.cpu_memory_bytes / GB:.1f} GB",
-            f"smallest host memory that works: {wl.host_static_bytes / GB:.1f} GB (8-bit optimizer states "
+            "cpu", short, f"master weights, gradients and optimizer states need {format_bytes(wl.host_static_bytes)} "
+            f"of host memory, {hw.name} has {format_bytes(hw.cpu_memory_bytes)}",
+            f"smallest host memory that works: {format_bytes(wl.host_static_bytes, digits=4)} (8-bit optimizer states "
             "shrink it: train.eight_bit_fraction=1.0)")
     floor = wl.static_gpu_bytes
     if floor > hw.gpu_memory_cap_bytes:
         raise InfeasibleBudget(
             "gpu", floor - hw.gpu_memory_cap_bytes,
-            f"resident non-block weights, their grads and two layer buffers need {floor / GB:.2f} GB before any "
-            f"activation, the cap is {hw.gpu_memory_cap_bytes / GB:.2f} GB",
-            f"smallest GPU budget that works: above {floor / GB:.2f} GB")
+            f"resident non-block weights, their grads and two layer buffers need {format_bytes(floor)} before any "
+            f"activation, the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
+            f"smallest GPU budget that works: above {format_bytes(floor, digits=4)}")
     tight = simulate(min_memory(wl.num_layers), wl, hw, check=False)
     if tight.peak_gpu_bytes > hw.gpu_memory_cap_bytes:
         hint = ""
@@ -135,9 +136,9 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             hint = (f"largest micro-batch that fits: {best}; " if best else "no micro-batch fits; ")
         raise InfeasibleBudget(
             "gpu", tight.peak_gpu_bytes - hw.gpu_memory_cap_bytes,
-            f"even with every activation on the host the peak is {tight.peak_gpu_bytes / GB:.2f} GB "
-            f"(window {tight.peak_window}), the cap is {hw.gpu_memory_cap_bytes / GB:.2f} GB",
-            hint + f"smallest GPU budget for this batch: {tight.peak_gpu_bytes / GB:.2f} GB")
+            f"even with every activation on the host the peak is {format_bytes(tight.peak_gpu_bytes)} "
+            f"(window {tight.peak_window}), the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
+            hint + f"smallest GPU budget for this batch: {format_bytes(tight.peak_gpu_bytes, digits=4)}")
 
 
 def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy: str = "milp",
