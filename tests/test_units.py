@@ -51,3 +51,15 @@ def test_no_small_value_prints_as_zero_point_zero_zero():
             number, unit = text.split(" ")
             assert not number.startswith("0"), text
             assert len(number.replace(".", "")) >= 3 or unit == "B", text
+
+
+def test_simulator_messages_use_human_units():
+    """A schedule over a small device cap says how many kB/MB it needs, not "0.00 GB"."""
+    from lightning_lazytrain.planner import InfeasibleSchedule, keep_all, simulate
+    from planner_helpers import hardware, workload
+
+    wl = workload([1e-3] * 2, A=20e3, internal=80e3, param_bytes=30e3)
+    with pytest.raises(InfeasibleSchedule) as err:
+        simulate(keep_all(2), wl, hardware(50e3))
+    text = str(err.value)
+    assert "0.00" not in text and "cap is 50.0 kB" in text and "needs " in text

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from .errors import InfeasibleSchedule
 from .hardware import Hardware
 from .schedule import LANES, Op, Schedule, Window
+from .units import format_bytes
 from .workload import Workload
 
 # Memory checks allow this many bytes over a capacity (float noise; the MILP uses the same).
@@ -184,16 +185,16 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
     if check:
         if mem[peak_index] > hw.gpu_memory_cap_bytes + MEM_TOL:
             raise InfeasibleSchedule(
-                "gpu_memory", f"window {names[peak_index]} needs {mem[peak_index] / 1e9:.2f} GB, "
-                f"cap is {hw.gpu_memory_cap_bytes / 1e9:.2f} GB", window=names[peak_index],
+                "gpu_memory", f"window {names[peak_index]} needs {format_bytes(mem[peak_index])}, "
+                f"cap is {format_bytes(hw.gpu_memory_cap_bytes)}", window=names[peak_index],
                 need_bytes=mem[peak_index], have_bytes=hw.gpu_memory_cap_bytes)
         if cpu_bytes > hw.cpu_memory_bytes + MEM_TOL:
-            raise InfeasibleSchedule("cpu_memory", f"needs {cpu_bytes / 1e9:.2f} GB of host memory, "
-                                     f"have {hw.cpu_memory_bytes / 1e9:.2f} GB", need_bytes=cpu_bytes,
+            raise InfeasibleSchedule("cpu_memory", f"needs {format_bytes(cpu_bytes)} of host memory, "
+                                     f"have {format_bytes(hw.cpu_memory_bytes)}", need_bytes=cpu_bytes,
                                      have_bytes=hw.cpu_memory_bytes)
         if nvme_bytes > hw.nvme_capacity_bytes + MEM_TOL:
-            raise InfeasibleSchedule("nvme_capacity", f"needs {nvme_bytes / 1e9:.2f} GB on NVMe, "
-                                     f"have {hw.nvme_capacity_bytes / 1e9:.2f} GB", need_bytes=nvme_bytes,
+            raise InfeasibleSchedule("nvme_capacity", f"needs {format_bytes(nvme_bytes)} on NVMe, "
+                                     f"have {format_bytes(hw.nvme_capacity_bytes)}", need_bytes=nvme_bytes,
                                      have_bytes=hw.nvme_capacity_bytes)
 
     timeline: list[Segment] = []
