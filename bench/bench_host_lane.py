@@ -6,8 +6,9 @@ done inline on the thread that launches compute (how the engine worked before th
 
 Same process, same model and data, fp32 masters with bf16 compute copies (so every fetch casts),
 for keep_all (one fetch per layer per step) and megatrain K=4 (two fetches, re-runs). Reports the
-median step time of each (after a warm-up step), the ratio inline / host lane, and the host
-lane's busy seconds per step (the work moved off the launching thread). The simulator's host lane
+median step time of each (after a warm-up step) in 3 alternating rounds, the ratio inline / host
+lane per round and its median, and the host lane's busy seconds per step (the work moved off the
+launching thread). The simulator's host lane
 (``planner``: ``Op("host", ...)``) is what a plan counts for the same work.
 """
 
@@ -31,6 +32,7 @@ SPEC = ModelSpec(name="bench", num_layers=8, hidden=512, intermediate=1408, head
                  vocab=4096)
 BATCH, SEQ = 1, 33  # few tokens: compute is cheap next to the weights, as on a GPU
 STEPS = 5
+ROUNDS = 3
 
 
 class InlineHostEngine(ThreadCopyEngine):
@@ -81,11 +83,17 @@ def main() -> None:
           f"{SPEC.total_params / 1e6:.1f}M params, fp32 masters, bf16 compute, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
     for name, schedule in (("keep_all", keep_all(SPEC.num_layers)), ("megatrain K=4", megatrain(SPEC.num_layers, 4))):
-        lane, lane_busy = run(base, tokens, schedule, inline=False)
-        inline, inline_busy = run(base, tokens, schedule, inline=True)
-        a, b = statistics.median(lane), statistics.median(inline)
-        print(f"{name}: host lane {a:.3f} s/step (host work {lane_busy:.3f} s on its thread), inline {b:.3f} s/step "
-              f"(host work {inline_busy:.3f} s in the launching thread): inline / host lane = {b / a:.3f}")
+        ratios = []
+        for rnd in range(ROUNDS):  # alternating, so a drifting machine speed hits both sides alike
+            lane, lane_busy = run(base, tokens, schedule, inline=False)
+            inline, inline_busy = run(base, tokens, schedule, inline=True)
+            a, b = statistics.median(lane), statistics.median(inline)
+            ratios.append(b / a)
+            print(f"{name} round {rnd + 1}: host lane {a:.3f} s/step (host work {lane_busy:.3f} s on its thread), "
+                  f"inline {b:.3f} s/step (host work {inline_busy:.3f} s in the launching thread): "
+                  f"inline / host lane = {b / a:.3f}", flush=True)
+        print(f"{name}: median inline / host lane = {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 if __name__ == "__main__":
