@@ -12,7 +12,8 @@ offload or recompute. Then, one after the other:
 * ``plain``: the model in bf16 on the GPU with plain autograd (everything resident).
 
 Each runs one warm-up step and ``--repeats`` timed steps (median reported): tokens/s, measured vs
-predicted step seconds, ``max_memory_allocated``/``max_memory_reserved`` against the predicted
+predicted step seconds, busy seconds per lane (measured in the last step and predicted; ``host``:
+the host lane's casts and gradient accumulation), ``max_memory_allocated``/``max_memory_reserved`` against the predicted
 peak and the cap, the executor's tracked peak, and ``num_alloc_retries`` during the timed steps.
 
 Hard failures: the MILP plan's ``max_memory_allocated`` above the cap; an executor's tracked peak
@@ -145,13 +146,14 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         pred = simulate(schedule, wl, hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
         m = copy.deepcopy(model)
         ex = Executor(m, schedule, device=dev, compute_dtype=dtype, nvme_dir=args.workdir)
-        peaks = []
+        peaks, last = [], {}
 
-        def step(ex=ex, m=m, peaks=peaks):
+        def step(ex=ex, m=m, peaks=peaks, last=last):
             ex.begin_microbatch()
             m.loss(tokens).backward()
             stats = ex.end_microbatch()
             peaks.append(stats.peak_tracked_bytes)
+            last["segments"] = stats.segments
 
         try:
             r = time_steps(dev, step, warmup, repeats, between=ex.params.zero_grad)
@@ -165,6 +167,16 @@ def body(st: Stage, args: argparse.Namespace) -> None:
                   "measured_over_predicted": r["median_step_seconds"] / pred.iteration_seconds,
                   "predicted_peak_gb": pred.peak_gpu_bytes / GB, "tracked_peak_gb": max(peaks) / GB,
                   "homes": "".join(h[0] for h in schedule.homes)})
+        # Busy seconds per lane in the last step (the host lane: casts and gradient accumulation off
+        # the launching thread), measured and predicted.
+        busy: dict[str, float] = {}
+        for seg in last.get("segments", []):
+            busy[seg.lane] = busy.get(seg.lane, 0.0) + seg.end - seg.start
+        pbusy: dict[str, float] = {}
+        for seg in pred.timeline:
+            pbusy[seg.lane] = pbusy.get(seg.lane, 0.0) + seg.end - seg.start
+        r["lane_busy_seconds"] = {k: round(v, 4) for k, v in sorted(busy.items())}
+        r["predicted_lane_busy_seconds"] = {k: round(v, 4) for k, v in sorted(pbusy.items())}
         if cuda:  # what the allocator saw that the executor does not track (logits, a block's transients, ...)
             r["untracked_gb"] = r["max_memory_allocated_gb"] - max(peaks) / GB
             r["over_cap_gb"] = r["max_memory_allocated_gb"] - cap / GB
