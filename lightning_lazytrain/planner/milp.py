@@ -18,7 +18,10 @@ Constraint groups (each a named method so an ablation is one switch):
     _create_gpu_memory   device bytes <= cap in *every* window (or, ablated, one aggregate sum)
     _create_window_times tau_w >= each lane's load in w; chains are summed: optimizer -> cast -> fetch,
                          grads D2H -> accumulate, the host lane's FIFO casts -> their fetches (and
-                         the fetches' lane behind them), casts -> accumulate (see ``schedule``)
+                         the fetches' lane behind them), casts -> accumulate; in a recompute block
+                         cast -> fetch -> re-run per layer, the re-runs FIFO, each cast after the
+                         re-run two layers back, the prefetch after the last re-run (see
+                         ``schedule`` and ``block_chain``: one exact constant per block edge)
     _create_objective    iteration time = T + sum tF1 + (g-1) sum tF + g (tH + sum tB) (+ tie-breaks);
                          ablated: LazyTrain's objective (recompute time + exposed transfer)
 ``solve.py`` runs it. The simulator re-derives everything from the returned ``Schedule``; the two agree by construction
@@ -283,43 +286,65 @@ class ScheduleModel:
         bound(m.tH, "tH", [wl.head_seconds, h2d_h, nvw_h, nvr_h])
         for u in range(L):
             blocks = self.block_into(u + 1)
-            compute = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u])
-            compute += sum(m.x[s, e] * sum(lay[j].fwd_seconds for j in range(s, u)) for (s, e) in blocks)
-            h2d_b = sum(m.x[s, e] * sum(lay[j].param_bytes for j in range(s, u)) for (s, e) in blocks)
-            if u >= 1:
-                h2d_b += lay[u - 1].param_bytes * (1 - m.r[u - 1])
-            h2d_b += sum(A[i] * self.rel(i, u) for i in self.inner)
-            h2d_b = h2d_b / h2d
+            tail = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u])  # after the block's re-runs
+            compute = tail + sum(m.x[s, e] * sum(lay[j].fwd_seconds for j in range(s, u)) for (s, e) in blocks)
+            reloads = sum(A[i] * self.rel(i, u) for i in self.inner) / h2d
             grads = lay[u + 1].grad_bytes / d2h if u + 1 < L else 0.0
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
-            exprs = [compute, h2d_b, grads + acc[u + 1], nvr_b]
-            if u >= 1 and any(cast[max(0, u + 1 - self.E):u]):  # a cast of a layer B{u} may fetch
-                extra, host = self._cast_chains(u, h2d)
-                exprs[1] = h2d_b + extra
-                if acc[u + 1]:
-                    exprs.append(host + acc[u + 1])  # the accumulate queues behind the window's casts
+            if u == 0:  # no prefetch, no block
+                bound(m.tB[u], f"tB[{u}]", [compute, reloads, grads + acc[u + 1], nvr_b])
+                continue
+            fetched, cast_end = self._b_chains(u, h2d)
+            exprs = [compute, fetched + reloads, grads + acc[u + 1], nvr_b]
+            for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
+                # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
+                exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
+            if acc[u + 1]:
+                exprs.append(cast_end + acc[u + 1])  # the accumulate queues behind the window's casts
             bound(m.tB[u], f"tB[{u}]", exprs)
         bound(m.tT, "tT", self._t_window())
 
-    def _cast_chains(self, u: int, h2d: float):
-        """B{u}'s host casts (recompute block ``s..u-1``, then the prefetch of ``u-1``; FIFO) ahead of
-        the H2D fetches that wait for them: (extra H2D-lane time over the fetches' own, host casts' end).
+    def block_chain(self, s: int, u: int, h2d: float) -> tuple[float, float, float, float, float]:
+        """Times (from the window's start) of recompute block ``(s, u+1)`` in ``B{u}``, as ``schedule``
+        orders it: (end of the block's casts, of its fetches, of its re-runs, of the prefetch of
+        ``u-1``'s cast, of that prefetch).
 
-        With block ``(s, u+1)`` the H2D lane ends its fetches at ``Q_s = max(M_s, C_s + c[u-1]) +
-        p[u-1]`` (``C_s`` = the block's casts, ``M_s = max_k (c[s..k] + p[k..u-1])`` two-stage flow
-        shop, ``p`` = fetch seconds); without one at ``(c + p)[u-1] (1 - r[u-1])``. At most one block
-        ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sum below is exact."""
+        Per layer j = s..u-1: cast j (host, FIFO; after the re-run of j-2, whose buffer it reuses),
+        fetch j (H2D, FIFO; after cast j), re-run j (compute, FIFO; after fetch j). Without the
+        buffer waits this is the three-stage flow-shop makespan ``max over a <= b of c[s..a] +
+        p[a..b] + f[b..u-1]``; with them, the longest path of the same max-plus recurrence. The
+        prefetch of ``u-1`` casts after the last re-run (the spare buffer), then fetches."""
+        lay = self.lay
+        cast_end = fetch_end = run_end = 0.0
+        runs: dict[int, float] = {}
+        for j in range(s, u):
+            cast_end = max(cast_end, runs.get(j - 2, 0.0)) + lay[j].cast_seconds
+            fetch_end = max(fetch_end, cast_end) + lay[j].param_bytes / h2d
+            run_end = max(run_end, fetch_end) + lay[j].fwd_seconds
+            runs[j] = run_end
+        pre_cast = max(cast_end, run_end) + lay[u - 1].cast_seconds
+        pre_fetch = max(fetch_end, pre_cast) + lay[u - 1].param_bytes / h2d
+        return cast_end, fetch_end, run_end, pre_cast, pre_fetch
+
+    def _b_chains(self, u: int, h2d: float):
+        """B{u} (u >= 1): (end of the H2D lane's weight fetches, end of the host lane's casts), linear
+        in the decisions; the block's re-runs are bounded per edge in ``_create_window_times``.
+
+        Without a block: the prefetch of ``u-1``, ``(c + p)[u-1] (1 - r[u-1])``, its cast ``c[u-1]
+        (1 - r[u-1])``. With block ``(s, u+1)`` (``x[s,u+1] = 1``): the constants of ``block_chain``.
+        At most one block ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sums below are
+        exact (each coefficient is >= 0, and only nonzero ones are added)."""
         m, lay = self.m, self.lay
-        c = [l.cast_seconds for l in lay]
-        p = [l.param_bytes / h2d for l in lay]
-        extra = c[u - 1] * (1 - m.r[u - 1])
-        host = c[u - 1] * (1 - m.r[u - 1])
+        c, p = lay[u - 1].cast_seconds, lay[u - 1].param_bytes / h2d
+        fetched = (c + p) * (1 - m.r[u - 1]) if c + p else 0
+        cast_end = c * (1 - m.r[u - 1]) if c else 0
         for (s, e) in self.block_into(u + 1):
-            casts = sum(c[s:u])
-            flow = max(sum(c[s:k + 1]) + sum(p[k:u]) for k in range(s, u))
-            extra += m.x[s, e] * (max(flow - c[u - 1], casts) - sum(p[s:u]))
-            host += m.x[s, e] * casts
-        return extra, host
+            _, _, _, pre_cast, pre_fetch = self.block_chain(s, u, h2d)
+            if pre_fetch - c - p:
+                fetched += m.x[s, e] * (pre_fetch - c - p)
+            if pre_cast - c:
+                cast_end += m.x[s, e] * (pre_cast - c)
+        return fetched, cast_end
 
     def _t_window(self) -> list[float]:
         """T has no decisions: layer 0's and the non-block grads arrive and are accumulated (host,

@@ -216,6 +216,11 @@ class Schedule:
         Host lane: every weight fetch is preceded by its cast (the fetch waits for it); every
         gradient D2H is followed by its accumulate (which waits for it). The accumulates of F and B
         windows come last in the window, so the FIFO host lane runs the window's casts first.
+
+        Recompute block in ``B{t}`` (layers ``s..t-1``): per layer j, ``cast j`` (after the
+        recompute of j-2: the buffer it reuses), ``recompute_weights j`` (after the cast), then
+        ``recompute j`` (after its fetch; after j-1 by the compute lane's order); the prefetch of
+        layer t-1 casts after the recompute of t-1 (the spare buffer). Nothing else changes order.
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
@@ -252,17 +257,24 @@ class Schedule:
             fetch_here = not self.backward_prefetch and not self.resident_weights[t]
             dep = _fetch(ops, "weights", t) if fetch_here else -1
             block = self.block_ending_at(t + 1)
+            rerun: dict[int, int] = {}  # layer -> position of its recompute
             if block is not None:
+                # Each re-run waits for its own weights. The engine streams the block through two
+                # buffers (Note: [recompute double buffer] in engine/executor.py): layer j's fetch
+                # reuses layer j-2's buffer, so it is issued once that layer's recompute is done
+                # (its cast waits for it); layer t-1's prefetch reuses the spare buffer, issued
+                # once the whole block is re-run.
                 for j in range(block[0], t):
-                    ops.append(Op("compute", "recompute", j, after=dep))
-                    _fetch(ops, "recompute_weights", j)
+                    fetch = _fetch(ops, "recompute_weights", j, after=rerun.get(j - 2, -1))
+                    ops.append(Op("compute", "recompute", j, after=fetch))
+                    rerun[j] = len(ops) - 1
             if not self.keep_internals[t]:
                 ops.append(Op("compute", "local_recompute", t, after=dep))
             ops.append(Op("compute", "backward", t, after=dep))
             if t + 1 < L:
                 grads.append(_grads(ops, t + 1))
             if self.backward_prefetch and t >= 1 and not self.resident_weights[t - 1]:
-                _fetch(ops, "weights", t - 1)
+                _fetch(ops, "weights", t - 1, after=rerun.get(t - 1, -1))
             ops += self._reload_ops(t)
             _accumulate(ops, grads)
             out.append(Window(f"B{t}", tuple(ops)))
