@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.models import LlamaLM
@@ -199,13 +200,25 @@ def test_real_device_bytes_stay_within_the_plan(reference, tmp_path, name, micro
     predicted one: a plan does not run out of memory at its cap, nor waste it. The recompute slot
     and resident layers' slots hold memory only in the windows the plan counts them; the second
     step finds what the first one left."""
-    model, tokens = reference
+    check_device_bytes_within_plan(*reference, tmp_path, name, micro)
+
+
+@pytest.mark.parametrize("name", ["cpu_homes", "nvme_homes"])
+def test_a_slow_offload_costs_time_not_memory(reference, tmp_path, name):
+    """Delay injection: with a D2H lane far slower than compute, an offloaded boundary still
+    leaves the device at the end of its offload window (compute waits for the copy there), so
+    every window stays within the plan; before, the source lived on until the copy finished."""
+    slow = {"d2h": LinkSpec(bandwidth_bytes_per_s=2e6, latency_s=0.02)}
+    check_device_bytes_within_plan(*reference, tmp_path, name, 2, links=slow)
+
+
+def check_device_bytes_within_plan(model, tokens, tmp_path, name, micro, **kw):
     wl = measured(model, tokens[0::micro], tmp_path)  # one micro-batch's workload
     schedule = {"milp": lambda: milp_schedule(wl), "resident_layer0": lambda: RESIDENT_LAYER0}.get(
         name, lambda: SCHEDULES[name])()
     sim = simulate(schedule, wl, big_host(wl))
     m = copy.deepcopy(model)
-    ex = Executor(m, schedule, nvme_dir=tmp_path)
+    ex = Executor(m, schedule, nvme_dir=tmp_path, **kw)
     ex.measure_memory = True
     try:
         for _ in range(2):

@@ -241,6 +241,19 @@ class ActivationStore:
                     self.pool.put(buf)
                 e.staging = None
 
+    def settle(self, key: Hashable) -> None:
+        """Let ``key``'s device source go now, its D2H finished or not: compute waits for that
+        copy (CUDA: in stream order, the host does not block; CPU: this thread waits). The plan
+        frees an offloaded boundary at the end of its offload window, whatever the copy's speed;
+        a late copy costs time there, never memory."""
+        e = self._entries.get(key)
+        if e is None or e.src is None or e.moved is None:
+            return
+        e.moved.sync_current_stream()
+        e.moved.release_device()
+        e.src = None
+        self._count(-e.nbytes)
+
     # ---- API -------------------------------------------------------------
     def offload(self, key: Hashable, tensor: torch.Tensor, tier: Tier | str) -> CopyHandle:
         """Hand ``tensor`` (detached) to the store on ``tier``; the handle finishes when it is there.

@@ -10,10 +10,16 @@ Note: [d2h waits for producer]
     write queued before the call (and none queued after: compute keeps going).
 
 Note: [allocator ownership]
-    The caching allocator hands memory back per stream. The device-side tensor
-    of a copy (h2d dst, d2h src) gets ``record_stream(copy_stream)`` so that if
-    the caller drops it before the copy finishes, its memory is not reused by
-    another allocation until the copy is done. Conversely, buffers from
+    The caching allocator hands memory back per stream. A handle references
+    the device-side tensor of its copy until the copy is done, so dropping it
+    early is safe. An h2d dst also gets ``record_stream(copy_stream)``. A d2h
+    src does not: the activation store lets an offloaded boundary go at the
+    end of the window the plan gives its offload, after the compute stream
+    waits for the copy (``sync_current_stream()`` then ``release_device()``);
+    from then on compute-stream order alone keeps the memory safe, and it is
+    reusable at once (a recorded copy stream would hold it until every copy
+    queued behind it on the D2H stream finished, past what the plan counts).
+    Conversely, buffers from
     ``new_device_buffer`` are allocated *on* the H2D stream (so the copy need
     not wait for unrelated compute that last used that memory) and get
     ``record_stream(consumer_stream)`` when the consumer syncs on the handle.
@@ -138,6 +144,11 @@ class CudaHandle(CopyHandle):
     def _release(self) -> None:
         self._keep = None
 
+    def release_device(self) -> None:
+        with self._lock:
+            if self._keep is not None:
+                self._keep = tuple(t for t in self._keep if not (isinstance(t, torch.Tensor) and t.is_cuda))
+
 
 class CudaCopyEngine(CopyEngine):
     kind = "cuda"
@@ -225,7 +236,8 @@ class CudaCopyEngine(CopyEngine):
                         start.record(stream)
                         dst.copy_(src, non_blocking=True)
                         end.record(stream)
-                    device_side.record_stream(stream)  # Note: [allocator ownership]
+                    if h.lane == "h2d":
+                        device_side.record_stream(stream)  # Note: [allocator ownership]
             except BaseException as e:  # noqa: BLE001 - delivered to the waiter
                 h._set_dispatched(None, None, e)
             else:

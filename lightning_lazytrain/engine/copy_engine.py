@@ -118,6 +118,11 @@ class CopyHandle(ABC):
         """
         self.wait()
 
+    def release_device(self) -> None:
+        """Drop this handle's references to device tensors. Only after ``sync_current_stream()``:
+        compute then runs after the copy, so the caching allocator may hand the memory to compute
+        at once (see copy_cuda's Note: [allocator ownership]). On CPU the finished copy holds none."""
+
 
 class ThreadHandle(CopyHandle):
     """Completed by a worker thread (CPU lanes, NVMe lanes)."""

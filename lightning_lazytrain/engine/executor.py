@@ -476,7 +476,7 @@ class Executor:
         assert self.params is not None and self.acts is not None
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
-        self._reap_offloads()  # before the mark: sources whose offload finished are let go
+        self._settle_offloads(j)  # before the mark: the plan frees boundaries offloaded before F{j}
         self._window(name)
         sent: list[PendingGrads] = []
         self._store_call(j, call, routed)
@@ -536,6 +536,7 @@ class Executor:
             self.stats.internal_bytes[j] = self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x)
         if j == L - 1:
             self.stats.boundary_bytes[L] = self._nbytes(out)
+            self._settle_offloads(L)
             self._window("H")
             self._issue_transfers("H")
         return tuple(outs)
@@ -816,6 +817,18 @@ class Executor:
         for j, (grads, touched) in self._adhoc_grads.items():
             self.params.accumulate_host(j, grads, touched)
         self._adhoc_grads = {}
+
+    def _settle_offloads(self, w: int) -> None:
+        """Before forward window ``w`` (H: ``w`` = L): boundaries whose offload window is over leave
+        the device now, their copy done or not (``ActivationStore.settle``: a slow copy makes
+        compute wait, it never holds memory past the window the plan frees it in)."""
+        assert self.acts is not None
+        s = self.schedule
+        for i, home in enumerate(s.homes):
+            off = s.offload_window[i]
+            if home in ("cpu", "nvme") and off is not None and off < w and i in self.acts:
+                self.acts.settle(i)
+        self._reap_offloads()
 
     def _reap_offloads(self) -> None:
         """Let go of offloaded boundaries whose D2H has finished, and stop counting them."""
