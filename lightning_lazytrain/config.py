@@ -123,7 +123,8 @@ class PlanConfig:
     # ---- MilpOptions -------------------------------------------------------------------------
     window_memory: bool = True
     time_objective: bool = True
-    pipelined_optimizer: bool = True
+    pipelined_optimizer: bool = True  # false: serial optimizer only
+    optimizer_mode: str = "auto"  # auto (the MILP chooses) | serial | pipelined
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True

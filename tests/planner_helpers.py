@@ -40,13 +40,16 @@ def with_host_costs(wl: Workload, cast, accum, *, nonblock_cast: float = 0.0, no
                    nonblock_accum_seconds=nonblock_accum).validate()
 
 
-def milp_space(L: int, *, nvme: bool = False, pipelined: bool = True):
+def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True):
     """Every schedule in the MILP's space for ``L`` layers (L <= 8 = max_block; offload in the
-    boundary's own forward window, any legal reload window, backward prefetch)."""
+    boundary's own forward window, any legal reload window, backward prefetch). ``pipelined``:
+    the optimizer mode (True: pipelined, False: serial, None: each schedule in both modes, the space
+    of ``MilpOptions(optimizer_mode="auto")``)."""
     from itertools import product
 
     from lightning_lazytrain.planner import InvalidInput, Schedule
 
+    modes = ("serial", "pipelined") if pipelined is None else ("pipelined",) if pipelined else ("serial",)
     tiers = ("gpu", "cpu", "nvme", "recompute") if nvme else ("gpu", "cpu", "recompute")
     for inner in product(tiers, repeat=L - 1):
         homes = ("gpu",) + inner + ("gpu",)
@@ -74,7 +77,7 @@ def milp_space(L: int, *, nvme: bool = False, pipelined: bool = True):
                     resident = [False] * L
                     for j, r in zip(free, res):
                         resident[j] = r
-                    yield Schedule(num_layers=L, homes=homes, keep_internals=tuple(keep_internals),
-                                   resident_weights=tuple(resident), offload_window=probe.offload_window,
-                                   reload_window=tuple(reload_window),
-                                   optimizer="pipelined" if pipelined else "serial")
+                    for mode in modes:
+                        yield Schedule(num_layers=L, homes=homes, keep_internals=tuple(keep_internals),
+                                       resident_weights=tuple(resident), offload_window=probe.offload_window,
+                                       reload_window=tuple(reload_window), optimizer=mode)

@@ -211,7 +211,7 @@ def test_milp_window_times_match_the_simulator_on_every_four_layer_schedule():
 
 def best_enumerated(wl, hw, nvme: bool) -> float:
     best = float("inf")
-    for s in milp_space(wl.num_layers, nvme=nvme):
+    for s in milp_space(wl.num_layers, nvme=nvme, pipelined=None):  # the MILP chooses the optimizer mode
         try:
             best = min(best, simulate(s, wl, hw).iteration_seconds)
         except InfeasibleSchedule:

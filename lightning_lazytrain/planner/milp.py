@@ -6,6 +6,8 @@ Symbols -> variables (``L`` layers, boundaries ``0..L``, window names as in ``sc
     g/c/n[i]  boundary i lives on the GPU / in host memory / on NVMe   (m_i = g_i + c_i + n_i)
     k[j]      layer j keeps its internals (no local recompute)          needs g_j
     r[j]      layer j's weights stay resident from F{j} to B{j}
+    pipe      the optimizer is pipelined (1) or serial (0): one global binary, only when
+              ``MilpOptions.optimizer_mode`` is ``auto`` (a forced mode is a constant)
     o[i,w,h]  boundary i (tier h in {c, n}) is offloaded by the D2H lane of F{w}
     q[i,t,h]  boundary i comes back by the H2D lane of B{t} (t = L: H)
     tF1[j], tF[j], tH, tB[t], tT   window durations (tF1: first micro-batch, carries the optimizer)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import InvalidInput
 from .hardware import Hardware
 from .schedule import Schedule
 from .simulator import MEM_TOL
@@ -44,7 +47,8 @@ class MilpOptions:
 
     window_memory: bool = True  # per-window device peak; False: one aggregate sum per tier (the paper)
     time_objective: bool = True  # iteration time; False: LazyTrain's recompute + exposure objective
-    pipelined_optimizer: bool = True
+    pipelined_optimizer: bool = True  # False: serial optimizer only (the ablation); True: the mode is optimizer_mode's
+    optimizer_mode: str = "auto"  # auto: the MILP chooses serial or pipelined; serial | pipelined: forced
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True
@@ -55,6 +59,21 @@ class MilpOptions:
     time_limit: float = 60.0
     threads: int | None = None
     seed: bool = True  # warm-start HiGHS from the best feasible baseline (see solve())
+
+    def optimizer_modes(self) -> tuple[str, ...]:
+        """The optimizer modes the MILP may choose from: ``("serial", "pipelined")`` for ``auto``, else
+        one. ``pipelined_optimizer=False`` (the older switch) forbids ``pipelined``. With the paper's
+        objective (``time_objective=False``), which cannot see the optimizer, ``auto`` is ``pipelined``."""
+        mode = self.optimizer_mode
+        if mode not in ("auto", "serial", "pipelined"):
+            raise InvalidInput("optimizer_mode", mode, "must be 'auto', 'serial' or 'pipelined'")
+        if not self.pipelined_optimizer:
+            if mode == "pipelined":
+                raise InvalidInput("optimizer_mode", mode, "contradicts pipelined_optimizer=False (serial only)")
+            return ("serial",)
+        if mode == "auto":
+            return ("serial", "pipelined") if self.time_objective else ("pipelined",)
+        return (mode,)
 
 
 class ScheduleModel:
@@ -89,6 +108,12 @@ class ScheduleModel:
         m.o = pyo.Var(self.off_idx, domain=pyo.Binary)
         m.q = pyo.Var(self.rel_idx, domain=pyo.Binary)
         m.any_nvme = pyo.Var(domain=pyo.Binary)
+        self.modes = opt.optimizer_modes()
+        if len(self.modes) > 1:
+            m.pipe = pyo.Var(domain=pyo.Binary)
+            self.pipe = m.pipe  # pipelined: 1
+        else:
+            self.pipe = 1 if self.modes == ("pipelined",) else 0
         m.tF1 = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tF = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tH = pyo.Var(domain=pyo.NonNegativeReals)
@@ -252,7 +277,7 @@ class ScheduleModel:
         h2d, d2h = hw.h2d_bytes_per_s, hw.d2h_bytes_per_s
         nvr = hw.nvme_read_bytes_per_s or 1.0
         nvw = hw.nvme_write_bytes_per_s or 1.0
-        pipelined = self.opt.pipelined_optimizer
+        pipe = self.pipe  # 1 / 0 for a forced mode, the binary m.pipe for auto
         loads = self.lane_loads
         cast = [l.cast_seconds for l in lay] + [0.0]  # host lane; cast[L] = 0 (no layer L to fetch)
         acc = [l.accum_seconds for l in lay] + [0.0]
@@ -267,8 +292,8 @@ class ScheduleModel:
             fetch = lay[j + 1].param_bytes / h2d if j + 1 < L else 0.0
             d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
-            optimizer = lay[j + 1].opt_seconds if (pipelined and j + 1 < L) else 0.0
-            # chain: optimizer -> cast -> fetch of layer j + 1
+            optimizer = lay[j + 1].opt_seconds * pipe if j + 1 < L else 0.0
+            # chain: optimizer (pipelined only) -> cast -> fetch of layer j + 1
             bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, optimizer + cast[j + 1] + fetch, d2h_load, nvw_load])
             if wl.grad_accum > 1:
                 exprs = [lay[j].fwd_seconds, cast[j + 1] + fetch, d2h_load, nvw_load]
@@ -346,10 +371,13 @@ class ScheduleModel:
                 cast_end += m.x[s, e] * (pre_cast - c)
         return fetched, cast_end
 
-    def _t_window(self) -> list[float]:
-        """T has no decisions: layer 0's and the non-block grads arrive and are accumulated (host,
-        FIFO), the non-block update (then layer 0's; serial: every layer's) runs, each updated group
-        is cast and fetched (layer 0's fetch behind the non-block fetch on the H2D lane)."""
+    def _t_window(self) -> list:
+        """T's only decision is the optimizer mode: layer 0's and the non-block grads arrive and are
+        accumulated (host, FIFO), the non-block update (then layer 0's; serial: every layer's) runs,
+        each updated group is cast and fetched (layer 0's fetch behind the non-block fetch on the H2D
+        lane). The two fetch chains are the same in both modes (they wait for the non-block and layer
+        0's updates, which come first either way); serial adds the CPU lane's every update, a row
+        gated by ``1 - pipe`` (exact for a binary: 0 when pipelined)."""
         wl, lay, hw = self.wl, self.lay, self.hw
         h2d, d2h = hw.h2d_bytes_per_s, hw.d2h_bytes_per_s
         grads_t = (lay[0].grad_bytes + wl.nonblock_grad_bytes) / d2h
@@ -358,8 +386,11 @@ class ScheduleModel:
         tail = [after_nb + wl.nonblock_cast_seconds + wl.nonblock_param_bytes / h2d + lay[0].param_bytes / h2d,
                 after_nb + max(wl.nonblock_cast_seconds, lay[0].opt_seconds) + lay[0].cast_seconds
                 + lay[0].param_bytes / h2d]
-        if not self.opt.pipelined_optimizer:
-            tail.append(after_nb + sum(l.opt_seconds for l in lay))
+        serial = after_nb + sum(l.opt_seconds for l in lay)
+        if len(self.modes) > 1:
+            tail.append((1 - self.m.pipe) * serial)
+        elif self.modes == ("serial",):
+            tail.append(serial)
         return tail
 
     def iteration_time(self):
@@ -411,6 +442,10 @@ class ScheduleModel:
                 m.r[j].set_value(int(s.resident_weights[j]))
         if not m.any_nvme.fixed:
             m.any_nvme.set_value(int(any(h == "nvme" for h in s.homes)))
+        if len(self.modes) > 1:
+            m.pipe.set_value(int(s.optimizer == "pipelined"))
+        elif s.optimizer not in self.modes:
+            raise InvalidInput("schedule.optimizer", s.optimizer, f"the model's optimizer mode is {self.modes[0]!r}")
         for var, exprs in self.lane_loads.values():
             if not var.fixed:
                 var.set_value(max(pyo.value(e) for e in exprs))
@@ -434,5 +469,10 @@ class ScheduleModel:
                 rel[i] = t
         return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(on(m.k[j]) for j in range(L)),
                         resident_weights=tuple(on(m.r[j]) for j in range(L)), offload_window=tuple(off),
-                        reload_window=tuple(rel), backward_prefetch=True,
-                        optimizer="pipelined" if self.opt.pipelined_optimizer else "serial", policy=policy)
+                        reload_window=tuple(rel), backward_prefetch=True, optimizer=self.optimizer(), policy=policy)
+
+    def optimizer(self) -> str:
+        """The optimizer mode of the current solution (the forced one, or the value of ``pipe``)."""
+        if len(self.modes) == 1:
+            return self.modes[0]
+        return "pipelined" if self.m.pipe.value is not None and self.m.pipe.value > 0.5 else "serial"

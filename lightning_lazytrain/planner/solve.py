@@ -51,29 +51,33 @@ def solver_version() -> str:
     return f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
 
 
-def in_space(s: Schedule, opt: MilpOptions) -> Schedule:
-    """The nearest schedule in the MILP's space (backward prefetch on, optimizer per the options)."""
+def in_space(s: Schedule, opt: MilpOptions, optimizer: str | None = None) -> Schedule:
+    """The nearest schedule in the MILP's space (backward prefetch on; the optimizer ``optimizer`` if
+    given, else the schedule's own when the options allow it, else the one they allow)."""
+    modes = opt.optimizer_modes()
+    mode = optimizer or (s.optimizer if s.optimizer in modes else modes[-1])
     return Schedule(num_layers=s.num_layers, homes=s.homes, keep_internals=s.keep_internals,
                     resident_weights=s.resident_weights, offload_window=s.offload_window,
-                    reload_window=s.reload_window, backward_prefetch=True,
-                    optimizer="pipelined" if opt.pipelined_optimizer else "serial", policy=s.policy)
+                    reload_window=s.reload_window, backward_prefetch=True, optimizer=mode, policy=s.policy)
 
 
 def best_baseline(wl: Workload, hw: Hardware, opt: MilpOptions, K: int = 4) -> tuple[Schedule, SimResult] | None:
-    """The fastest feasible baseline, mapped into the MILP's space (None if none fits)."""
+    """The fastest feasible baseline, mapped into the MILP's space (None if none fits); with
+    ``optimizer_mode="auto"`` each baseline is tried with both optimizer modes."""
     L = wl.num_layers
     candidates = [recompute_all(L), megatrain(L, min(K, opt.max_block, L))]
     if opt.keep_internals:
         candidates.append(keep_all(L))
     best = None
-    for cand in candidates:
-        cand = in_space(cand, opt)
-        try:
-            sim = simulate(cand, wl, hw)
-        except InfeasibleSchedule:
-            continue
-        if best is None or sim.iteration_seconds < best[1].iteration_seconds:
-            best = (cand, sim)
+    for base in candidates:
+        for mode in opt.optimizer_modes():
+            cand = in_space(base, opt, mode)
+            try:
+                sim = simulate(cand, wl, hw)
+            except InfeasibleSchedule:
+                break  # the mode changes no memory figure
+            if best is None or sim.iteration_seconds < best[1].iteration_seconds:
+                best = (cand, sim)
     return best
 
 
