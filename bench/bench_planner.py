@@ -1,6 +1,7 @@
 """Planner benchmark: solve time, calibration against the papers, predicted speedups, batch limits.
 
-    python bench/bench_planner.py            # ~1 minute on a 2-core machine
+    python bench/bench_planner.py            # ~2 minutes on a 2-core machine
+    python bench/bench_planner.py 1 5        # only sections 1 and 5 (5: optimizer mode, solve time under load)
 
 Prints every figure that bench/RESULTS.md quotes. Predictions are ratios within one simulator,
 so both sides of each comparison share the same hardware numbers and cost formulas.
@@ -8,7 +9,9 @@ so both sides of each comparison share the same hardware numbers and cost formul
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -54,81 +57,144 @@ def calibrate(hw: Hardware, model: ModelSpec, train: TrainSpec, target_s: float)
     return (lo + hi) / 2
 
 
-def main() -> int:
+def busy_processes(n: int) -> list[subprocess.Popen]:
+    """``n`` competing CPU-bound processes (``python -c "while True: pass"``); kill them afterwards."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    time.sleep(0.5)  # running before the solve starts
+    return procs
+
+
+def median_solve(wl: Workload, hw: Hardware, runs: int = 3, busy: int = 0, **options) -> dict:
+    """Median build and solve seconds of ``runs`` solves (with ``busy`` competing processes), the worst
+    proven gap, the status(es), the iteration time and optimizer mode of the (identical) results."""
+    procs = busy_processes(busy)
+    try:
+        results = [solve(wl, hw, **options) for _ in range(runs)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return {"solve": statistics.median(r.solve_seconds for r in results),
+            "build": statistics.median(r.build_seconds for r in results),
+            "all": [r.solve_seconds for r in results], "gap": max(r.mip_gap or 0.0 for r in results),
+            "status": "/".join(sorted({r.status for r in results})),
+            "iteration": results[0].simulated.iteration_seconds, "optimizer": results[0].schedule.optimizer}
+
+
+def optimizer_mode_and_load(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
+    """Section 5 (issue 12): the MILP's optimizer-mode binary against the two forced modes, and the
+    27B solve with other CPU-bound work on the machine."""
+    print("\n## 5a. Optimizer mode: one model with the binary (auto) vs the two forced modes, 27B / H800 / "
+          "batch 72, median of 3 solves")
+    print("link | mode | iteration s | optimizer | build s | solve s (median; runs) | gap")
+    for label, h in (("h800 profile", hw), ("3 GB/s", hw.replace(h2d_bytes_per_s=3e9, d2h_bytes_per_s=3e9))):
+        wl = Workload.analytic(m27, t27, h)
+        rows = {mode: median_solve(wl, h, optimizer_mode=mode) for mode in ("auto", "pipelined", "serial")}
+        for mode, r in rows.items():
+            runs = ", ".join(f"{x:.2f}" for x in r["all"])
+            print(f"{label} | {mode} | {r['iteration']:.2f} | {r['optimizer']} | {r['build']:.2f} | "
+                  f"{r['solve']:.2f} ({runs}) | {r['gap']:.1e}")
+        both = rows["pipelined"]["solve"] + rows["serial"]["solve"]
+        best = min(rows["pipelined"]["iteration"], rows["serial"]["iteration"])
+        print(f"{label}: auto {rows['auto']['iteration']:.2f} s vs better forced {best:.2f} s; solve auto "
+              f"{rows['auto']['solve']:.2f} s vs both forced solved {both:.2f} s (+ a second build)")
+
+    print("\n## 5b. 27B / H800 / batch 72 full-space solve (auto) under load: median of 3, with 0/1/2 "
+          "competing `python -c \"while True: pass\"` processes (target: <= 10 s at <= 0.1% gap with one)")
+    wl = Workload.analytic(m27, t27, hw)
+    print(f"(load average before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs: other work on the machine counts too)")
+    quiet = None
+    for busy in (0, 1, 2):
+        r = median_solve(wl, hw, busy=busy, mip_gap=1e-3, time_limit=60)
+        quiet = quiet or r["solve"]
+        runs = ", ".join(f"{x:.2f}" for x in r["all"])
+        print(f"competing processes {busy}: solve {r['solve']:.2f} s ({runs}), ratio to quiet "
+              f"{r['solve'] / quiet:.2f}x, build {r['build']:.2f} s, status {r['status']}, worst gap {r['gap']:.1e}, "
+              f"optimizer {r['optimizer']}")
+
+
+def main(sections: set[int]) -> int:
     print(f"# bench_planner  python {sys.version.split()[0]}")
     hw, m27, t27 = load("h800", "qwen3.6-27b")
 
-    print("\n## 1. 27B / H800 / batch 72 / seq 1024: full space, 0.1% gap")
-    runs = []
-    for _ in range(3):
-        res = solve(Workload.analytic(m27, t27, hw), hw, mip_gap=1e-3, time_limit=60)
-        runs.append(res)
-    for r in runs:
-        print(f"status={r.status} gap={r.mip_gap:.2e} build={r.build_seconds:.2f}s solve={r.solve_seconds:.2f}s "
-              f"warm_start={r.solver.get('warm_start')}")
-    print(f"median: build {statistics.median(r.build_seconds for r in runs):.2f} s, "
-          f"solve {statistics.median(r.solve_seconds for r in runs):.2f} s, HiGHS {runs[0].solver['version']}")
+    if 1 in sections:
+        print("\n## 1. 27B / H800 / batch 72 / seq 1024: full space, 0.1% gap")
+        runs = []
+        for _ in range(3):
+            res = solve(Workload.analytic(m27, t27, hw), hw, mip_gap=1e-3, time_limit=60)
+            runs.append(res)
+        for r in runs:
+            print(f"status={r.status} gap={r.mip_gap:.2e} build={r.build_seconds:.2f}s solve={r.solve_seconds:.2f}s "
+                  f"warm_start={r.solver.get('warm_start')}")
+        print(f"median: build {statistics.median(r.build_seconds for r in runs):.2f} s, "
+              f"solve {statistics.median(r.solve_seconds for r in runs):.2f} s, HiGHS {runs[0].solver['version']}")
 
-    print("\n## 2. Calibration on the paper's MegaTrain 27B/H800 row, then the other H800 rows")
-    batch, mt_tok, _ = PAPER_H800["qwen3.6-27b"]
-    eff = calibrate(hw, m27, t27, batch * 1024 / mt_tok)
-    print(f"efficiency = {eff:.4f} (megatrain 27B predicted = {batch * 1024 / mt_tok:.2f} s by construction)")
-    hw_cal = hw.replace(efficiency=eff)
-    print("model | batch | paper MegaTrain tok/s | predicted | error | paper LazyTrain tok/s | "
-          "predicted (paper space) | error | predicted (our plan) | error")
-    for name in MODELS:
-        _, model, train = load("h800", name)
-        batch, mt_tok, lt_tok = PAPER_H800[name]
-        train = train.replace(micro_batch_size=batch)
-        wl = Workload.analytic(model, train, hw_cal)
-        mt = simulate(megatrain(model.num_layers, 4), wl, hw_cal).tokens_per_second
-        paper_space = solve(wl, hw_cal, PAPER_SPACE)
-        ours = solve(wl, hw_cal).simulated.tokens_per_second
-        ps = paper_space.simulated.tokens_per_second
-        note = "" if paper_space.violation is None else " (violates per-window memory)"
-        print(f"{name} | {batch} | {mt_tok:.0f} | {mt:.0f} | {mt / mt_tok - 1:+.1%} | {lt_tok:.0f} | {ps:.0f}{note} | "
-              f"{ps / lt_tok - 1:+.1%} | {ours:.0f} | {ours / lt_tok - 1:+.1%}")
+    if sections & {2, 3}:  # section 3 needs section 2's calibration
+        print("\n## 2. Calibration on the paper's MegaTrain 27B/H800 row, then the other H800 rows")
+        batch, mt_tok, _ = PAPER_H800["qwen3.6-27b"]
+        eff = calibrate(hw, m27, t27, batch * 1024 / mt_tok)
+        print(f"efficiency = {eff:.4f} (megatrain 27B predicted = {batch * 1024 / mt_tok:.2f} s by construction)")
+        hw_cal = hw.replace(efficiency=eff)
+    if 2 in sections:
+        print("model | batch | paper MegaTrain tok/s | predicted | error | paper LazyTrain tok/s | "
+              "predicted (paper space) | error | predicted (our plan) | error")
+        for name in MODELS:
+            _, model, train = load("h800", name)
+            batch, mt_tok, lt_tok = PAPER_H800[name]
+            train = train.replace(micro_batch_size=batch)
+            wl = Workload.analytic(model, train, hw_cal)
+            mt = simulate(megatrain(model.num_layers, 4), wl, hw_cal).tokens_per_second
+            paper_space = solve(wl, hw_cal, PAPER_SPACE)
+            ours = solve(wl, hw_cal).simulated.tokens_per_second
+            ps = paper_space.simulated.tokens_per_second
+            note = "" if paper_space.violation is None else " (violates per-window memory)"
+            print(f"{name} | {batch} | {mt_tok:.0f} | {mt:.0f} | {mt / mt_tok - 1:+.1%} | {lt_tok:.0f} | {ps:.0f}{note} | "
+                  f"{ps / lt_tok - 1:+.1%} | {ours:.0f} | {ours / lt_tok - 1:+.1%}")
 
-    print("\n## 3. Speedup of our plan over megatrain at 27B/H800 (calibrated), and the lower bound")
-    wl = Workload.analytic(m27, t27, hw_cal)
-    res = solve(wl, hw_cal)
-    mt = simulate(megatrain(m27.num_layers, 4), wl, hw_cal)
-    ours = res.simulated
-    compute = sum(l.fwd_seconds + l.bwd_seconds for l in wl.layers) + wl.head_seconds
-    traffic = max(sum(l.param_bytes for l in wl.layers) / hw_cal.h2d_bytes_per_s,
-                  sum(l.grad_bytes for l in wl.layers) / hw_cal.d2h_bytes_per_s)
-    optimizer = sum(l.opt_seconds for l in wl.layers) + wl.nonblock_opt_seconds
-    bound = max(compute, traffic, optimizer)
-    counts = res.schedule.count_homes()
-    print(f"megatrain {mt.iteration_seconds:.2f} s ({mt.tflops:.1f} TFLOPS), plan {ours.iteration_seconds:.2f} s "
-          f"({ours.tflops:.1f} TFLOPS): speedup {mt.iteration_seconds / ours.iteration_seconds:.3f}x "
-          f"(paper measured 1.24x)")
-    print(f"lower bound max(compute {compute:.2f}, mandatory traffic {traffic:.2f}, optimizer {optimizer:.2f}) = "
-          f"{bound:.2f} s; plan / bound = {ours.iteration_seconds / bound:.3f}")
-    print(f"plan: homes gpu/cpu/nvme/recompute = {counts['gpu']}/{counts['cpu']}/{counts['nvme']}/"
-          f"{counts['recompute']}, kept internals {sum(res.schedule.keep_internals)}, resident "
-          f"{sum(res.schedule.resident_weights)}, peak {ours.peak_gpu_bytes / 1e9:.1f} GB, exposed "
-          f"{ours.exposed_transfer_seconds:.2f} s, recompute {ours.recompute_seconds:.2f} s")
-    print("ablations (predicted iteration s; each switch off alone):")
-    for switch in ("keep_internals", "resident_weights", "pipelined_optimizer", "nvme", "time_objective",
-                   "window_memory"):
-        r = solve(wl, hw_cal, **{switch: False})
-        extra = "" if r.violation is None else f"  INFEASIBLE per window: {r.violation}"
-        print(f"  -{switch}: {r.simulated.iteration_seconds:.2f} s ({r.simulated.iteration_seconds / ours.iteration_seconds - 1:+.1%}){extra}")
+    if 3 in sections:
+        print("\n## 3. Speedup of our plan over megatrain at 27B/H800 (calibrated), and the lower bound")
+        wl = Workload.analytic(m27, t27, hw_cal)
+        res = solve(wl, hw_cal)
+        mt = simulate(megatrain(m27.num_layers, 4), wl, hw_cal)
+        ours = res.simulated
+        compute = sum(l.fwd_seconds + l.bwd_seconds for l in wl.layers) + wl.head_seconds
+        traffic = max(sum(l.param_bytes for l in wl.layers) / hw_cal.h2d_bytes_per_s,
+                      sum(l.grad_bytes for l in wl.layers) / hw_cal.d2h_bytes_per_s)
+        optimizer = sum(l.opt_seconds for l in wl.layers) + wl.nonblock_opt_seconds
+        bound = max(compute, traffic, optimizer)
+        counts = res.schedule.count_homes()
+        print(f"megatrain {mt.iteration_seconds:.2f} s ({mt.tflops:.1f} TFLOPS), plan {ours.iteration_seconds:.2f} s "
+              f"({ours.tflops:.1f} TFLOPS): speedup {mt.iteration_seconds / ours.iteration_seconds:.3f}x "
+              f"(paper measured 1.24x)")
+        print(f"lower bound max(compute {compute:.2f}, mandatory traffic {traffic:.2f}, optimizer {optimizer:.2f}) = "
+              f"{bound:.2f} s; plan / bound = {ours.iteration_seconds / bound:.3f}")
+        print(f"plan: homes gpu/cpu/nvme/recompute = {counts['gpu']}/{counts['cpu']}/{counts['nvme']}/"
+              f"{counts['recompute']}, kept internals {sum(res.schedule.keep_internals)}, resident "
+              f"{sum(res.schedule.resident_weights)}, peak {ours.peak_gpu_bytes / 1e9:.1f} GB, exposed "
+              f"{ours.exposed_transfer_seconds:.2f} s, recompute {ours.recompute_seconds:.2f} s")
+        print("ablations (predicted iteration s; each switch off alone):")
+        for switch in ("keep_internals", "resident_weights", "pipelined_optimizer", "nvme", "time_objective",
+                       "window_memory"):
+            r = solve(wl, hw_cal, **{switch: False})
+            extra = "" if r.violation is None else f"  INFEASIBLE per window: {r.violation}"
+            print(f"  -{switch}: {r.simulated.iteration_seconds:.2f} s ({r.simulated.iteration_seconds / ours.iteration_seconds - 1:+.1%}){extra}")
 
-    print("\n## 4. RTX 3090: largest feasible micro-batch (same simulator)")
-    print("model | megatrain (ours) | plan (ours) | paper megatrain | paper lazytrain")
-    for name in MODELS:
-        hw3, model, train = load("rtx3090", name)
-        ours_b = largest_batch(model, train, hw3)
-        mt_b = largest_batch_for(lambda L: megatrain(L, 4), model, train, hw3)
-        pm, pl = PAPER_3090_BATCH[name]
-        print(f"{name} | {mt_b} | {ours_b} | {pm} | {pl}")
+    if 4 in sections:
+        print("\n## 4. RTX 3090: largest feasible micro-batch (same simulator)")
+        print("model | megatrain (ours) | plan (ours) | paper megatrain | paper lazytrain")
+        for name in MODELS:
+            hw3, model, train = load("rtx3090", name)
+            ours_b = largest_batch(model, train, hw3)
+            mt_b = largest_batch_for(lambda L: megatrain(L, 4), model, train, hw3)
+            pm, pl = PAPER_3090_BATCH[name]
+            print(f"{name} | {mt_b} | {ours_b} | {pm} | {pl}")
+    if 5 in sections:
+        optimizer_mode_and_load(hw, m27, t27)
     return 0
 
 
 if __name__ == "__main__":
     t0 = time.perf_counter()
-    code = main()
+    code = main({int(a) for a in sys.argv[1:]} or {1, 2, 3, 4, 5})
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     raise SystemExit(code)
