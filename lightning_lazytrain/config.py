@@ -79,7 +79,8 @@ class HardwareConfig:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only model as the planner sees it (pre-norm GQA + SwiGLU blocks)."""
+    """A decoder-only model as the planner sees it (``planner.ModelSpec``: pre-norm GQA + SwiGLU blocks by
+    default; the layout fields describe other layers, see ``planner/model.py``)."""
 
     name: str = MISSING
     num_layers: int = MISSING
@@ -92,6 +93,20 @@ class ModelConfig:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    # ---- layer layout (planner.ModelSpec; what the memory model replays, defaults = HF Llama/Qwen) ------
+    attn_implementation: str = "sdpa"  # sdpa | eager
+    norm: str = "rms"  # rms | rms_fp32 (Gemma) | layer (LayerNorm, GPT-2)
+    post_norms: bool = False  # Gemma2's norms after attention and MLP
+    mlp: str = "gated"  # gated | plain
+    activation: str = "silu"  # silu | gelu | gelu_pytorch_tanh | relu | gelu_new
+    bias: bool = False  # every projection has a bias (GPT-2)
+    softmax_fp32: bool = True  # eager attention's softmax in fp32
+    attn_softcap: bool = False  # Gemma2 attention logit soft-capping
+    num_experts: int = 0  # > 0: routed mixture of experts
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    router_weights_fp32: bool = False
     source: str = ""
     # ---- descriptive / lookup ------------------------------------------------------------------
     hf_id: Optional[str] = None  # Hugging Face model id the shapes come from

@@ -99,6 +99,8 @@ class CausalLMModule(LightningModule):
         min_lr_ratio: the cosine schedule ends at ``min_lr_ratio * lr``.
         eight_bit: ``hybrid_adamw`` only: "none", "all" or the fraction of parameters with 8-bit states.
         max_grad_norm: ``hybrid_adamw`` only: clip the global gradient norm inside the optimizer.
+        loss_chunk_tokens: the ``LlamaLM`` training loss goes through the LM head this many tokens at a time
+            (``models/loss.py``; the planner's ``train.loss_chunk_tokens``); other models compute full logits.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class CausalLMModule(LightningModule):
         min_lr_ratio: float = 0.1,
         eight_bit: Any = "none",
         max_grad_norm: Optional[float] = None,
+        loss_chunk_tokens: int = 4096,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -131,7 +134,7 @@ class CausalLMModule(LightningModule):
                                    "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps,
                                    "lr_schedule": lr_schedule, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "eight_bit": eight_bit,
-                                   "max_grad_norm": max_grad_norm})
+                                   "max_grad_norm": max_grad_norm, "loss_chunk_tokens": loss_chunk_tokens})
         #: the planner's view of the model (None for Hugging Face / custom modules)
         self.model_spec: Optional[ModelSpec] = None
         if model is not None:
@@ -153,6 +156,9 @@ class CausalLMModule(LightningModule):
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, (float(betas[0]), float(betas[1])), eps
         self.lr_schedule, self.warmup_steps, self.min_lr_ratio = lr_schedule, warmup_steps, min_lr_ratio
         self.eight_bit, self.max_grad_norm = eight_bit, max_grad_norm
+        if loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be >= 1, got {loss_chunk_tokens}")
+        self.loss_chunk_tokens = int(loss_chunk_tokens)
 
     # ---- model -------------------------------------------------------------------------------------
     @property
@@ -178,6 +184,8 @@ class CausalLMModule(LightningModule):
 
     def _nll(self, batch: Any, reduction: str = "mean") -> torch.Tensor:
         tokens = self._split(batch)
+        if self.model_kind == "llama" and reduction == "mean":
+            return self.model.loss(tokens, chunk_tokens=self.loss_chunk_tokens)  # chunked through the head
         logits = self(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
                                reduction=reduction)

@@ -11,7 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lazytrain.models.loss import chunked_lm_loss
 from lightning_lazytrain.planner.model import ModelSpec
+
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5 on
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 class RMSNorm(nn.Module):
@@ -55,26 +59,38 @@ class LlamaBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = hidden.shape
-        x = self.input_layernorm(hidden)
+        # Attention and MLP run in their own functions, as in Hugging Face's layers, so that their
+        # temporaries (q, k, v; the norms' outputs) are freed when each returns: the planner's memory
+        # model (planner/memory_model.py) replays exactly this order.
+        hidden = hidden + self._attention(self.input_layernorm(hidden), position_embeddings, attention_mask)
+        return hidden + self._mlp(self.post_attention_layernorm(hidden))
+
+    def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # [B, H, S, d]
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None)
-        hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
-        x = self.post_attention_layernorm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        gqa = {}
+        if self.heads != self.kv_heads:
+            if _SDPA_GQA and (q.dtype != torch.float32 or q.device.type != "cuda"):
+                # the kernel reads the shared k/v heads (flash kernels; CPU): no expanded copies saved
+                gqa = {"enable_gqa": True}
+            else:  # fp32 on CUDA has no flash kernel and the memory-efficient one needs expanded heads
+                rep = self.heads // self.kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
+                                              **gqa)
+        return self.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaLM(nn.Module):
-    """``forward(tokens[B, S]) -> logits[B, S, V]``; ``loss(tokens)`` is next-token cross-entropy."""
+    """``forward(tokens[B, S]) -> logits[B, S, V]``; ``loss(tokens)`` is next-token cross-entropy (chunked)."""
 
     def __init__(self, spec: ModelSpec, rope_theta: float = 10000.0) -> None:
         super().__init__()
@@ -96,13 +112,19 @@ class LlamaLM(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens[B, S] -> `` the final norm's output ``[B, S, h]`` (what the LM head multiplies)."""
         hidden = self.embed_tokens(tokens)
         pe = rotary(tokens.shape[1], self.spec.head_dim, self.rope_theta, hidden.device, hidden.dtype)
         for block in self.layers:
             hidden = block(hidden, position_embeddings=pe)
-        return self.lm_head(self.norm(hidden))
+        return self.norm(hidden)
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens))
+
+    def loss(self, tokens: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``tokens[B, S + 1]``, through the LM head ``chunk_tokens``
+        tokens at a time (``models/loss.py``; the planner's ``TrainSpec.loss_chunk_tokens``): the full
+        logits of a micro-batch are never held."""
+        return chunked_lm_loss(self.hidden_states(tokens[:, :-1]), self.lm_head.weight, tokens[:, 1:], chunk_tokens)

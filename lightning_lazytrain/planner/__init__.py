@@ -3,6 +3,7 @@ simulator and the MILP. Pure Python (stdlib, pyomo, highspy) - it never imports 
 
 from .errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput, PlannerError
 from .hardware import Hardware
+from .hf import model_spec_from_hf
 from .model import BlockCost, ModelSpec, TrainSpec, block_cost
 from .milp import MilpOptions
 from .solve import SolveResult, solve
@@ -15,5 +16,5 @@ from .workload import LayerWork, Workload
 __all__ = [
     "BASELINES", "BatchSearch", "BlockCost", "MilpOptions", "PlanResult", "SolveResult", "diagnose", "largest_batch", "make_plan", "search_batch", "solve", "Hardware", "InfeasibleBudget", "InfeasibleSchedule", "InvalidInput", "LayerWork",
     "ModelSpec", "Op", "PlannerError", "Schedule", "SimResult", "TrainSpec", "Window", "Workload", "baseline",
-    "block_cost", "keep_all", "megatrain", "min_memory", "recompute_all", "simulate", "window_index",
+    "block_cost", "keep_all", "megatrain", "min_memory", "model_spec_from_hf", "recompute_all", "simulate", "window_index",
 ]

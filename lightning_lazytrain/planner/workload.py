@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .errors import InvalidInput
 from .hardware import Hardware
+from .memory_model import embedding_backward_bytes, head_work_bytes as loss_head_bytes
 from .model import DTYPE_BYTES, ModelSpec, TrainSpec, block_cost
 
 # Host bytes per parameter for the master copy and its fp32 gradient accumulator.
@@ -89,7 +90,7 @@ class Workload:
     layers: tuple[LayerWork, ...]
     boundary_bytes: tuple[float, ...]  # L + 1 entries
     head_seconds: float  # embedding fwd/bwd + final norm + LM head + loss, fwd and bwd
-    head_work_bytes: float  # logits chunk and its grad
+    head_work_bytes: float  # the head window's working set: final norm, loss chunk, d(hidden), d(head weight)
     nonblock_params: int
     nonblock_gpu_bytes: float  # resident embedding/norm/head weights + their device grads
     nonblock_param_bytes: float  # their weights, sent to the device once per step (after the update)
@@ -222,8 +223,12 @@ class Workload:
         nonblock = model.embedding_params + model.head_params
         head_matmul = model.vocab * model.hidden  # LM head (tied or not, same FLOPs)
         head_flops = 6.0 * n_tok * head_matmul  # fwd + bwd of the LM head; embedding lookup ~ free
-        chunk = min(train.loss_chunk_tokens, n_tok)
-        head_work = 2 * chunk * model.vocab * 4 + 2 * n_tok * model.hidden * e  # fp32 logits + grad, norm io
+        # the final norm and models/loss.py's chunked cross-entropy (memory_model.head_tape)
+        head_work = loss_head_bytes(model, train)
+        # B0 ends with the embedding's backward: layer 0's input gradient and a dense [V, h] weight gradient
+        # (before it joins .grad) once layer 0's saved tensors are gone
+        layer0 = replace(layer, bwd_work_bytes=max(layer.bwd_work_bytes, embedding_backward_bytes(model, train)
+                                                   - (layer.internal_bytes - cost.boundary_bytes)))
         state_bytes = (1 - frac8) * STATE_BYTES_32 + frac8 * STATE_BYTES_8
         # Pinned: packed fp32 masters and the slots' staging (param_store_host_bytes); then the fp32 host
         # grads and the optimizer states.
@@ -232,7 +237,7 @@ class Workload:
         host = (pinned + model.num_layers * cost.params * (HOST_GRAD_BYTES + state_bytes)
                 + nonblock * (HOST_GRAD_BYTES + STATE_BYTES_32))
         return cls(
-            layers=(layer,) * model.num_layers,
+            layers=(layer0,) + (layer,) * (model.num_layers - 1),
             boundary_bytes=(float(cost.boundary_bytes),) * (model.num_layers + 1),
             head_seconds=head_flops / rate,
             head_work_bytes=float(head_work),
