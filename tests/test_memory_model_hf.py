@@ -243,6 +243,9 @@ def test_chunked_loss_is_cross_entropy_and_its_gradients():
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(dh, gh)
         torch.testing.assert_close(dw, gw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision: the head runs in the weight's dtype
+        got = chunked_lm_loss(hidden, weight, targets, 5)
+    torch.testing.assert_close(got, want)
 
 
 def test_the_layout_fields_come_through_the_configs_and_are_validated():

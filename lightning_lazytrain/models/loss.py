@@ -27,26 +27,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros_like(weight) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in range(0, n, chunk):
-            hc, tc = hidden[s:s + chunk], targets[s:s + chunk]
-            logits = (hc @ weight.t()).float()  # a no-op for fp32; else the compute-dtype logits go here
-            picked = logits.gather(1, tc[:, None])
-            top = logits.amax(dim=-1, keepdim=True)
-            logits.sub_(top).exp_()
-            norm = logits.sum(dim=-1, keepdim=True)
-            total += (norm.log() + top - picked).sum()
-            if dh is None and dw is None:
-                continue
-            probs = logits.div_(norm)  # softmax, in place
-            probs.scatter_add_(1, tc[:, None], torch.full_like(picked, -1.0))  # d(loss_i)/d(logits_i)
-            probs.mul_(1.0 / n)
-            g = probs.to(hidden.dtype)  # a no-op for fp32
-            del logits, probs
-            if dh is not None:
-                torch.mm(g, weight, out=dh[s:s + chunk])
-            if dw is not None:
-                dw.addmm_(g.t(), hc)
-            del g
+        # the matmuls run in the weight's dtype whatever autocast says (explicit casts, out= buffers)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                hc, tc = hidden[s:s + chunk].to(weight.dtype), targets[s:s + chunk]
+                logits = (hc @ weight.t()).float()  # a no-op for fp32; else the compute-dtype logits go here
+                picked = logits.gather(1, tc[:, None])
+                top = logits.amax(dim=-1, keepdim=True)
+                logits.sub_(top).exp_()
+                norm = logits.sum(dim=-1, keepdim=True)
+                total += (norm.log() + top - picked).sum()
+                if dh is None and dw is None:
+                    continue
+                probs = logits.div_(norm)  # softmax, in place
+                probs.scatter_add_(1, tc[:, None], torch.full_like(picked, -1.0))  # d(loss_i)/d(logits_i)
+                probs.mul_(1.0 / n)
+                g = probs.to(weight.dtype)  # a no-op for fp32
+                del logits, probs
+                if dh is not None:
+                    if dh.dtype == weight.dtype:
+                        torch.mm(g, weight, out=dh[s:s + chunk])
+                    else:
+                        dh[s:s + chunk].copy_(g @ weight)
+                if dw is not None:
+                    dw.addmm_(g.t(), hc)
+                del g
         ctx.grads = (dh, dw)
         return total / n
 
