@@ -3,11 +3,16 @@
     Trainer(strategy="lazytrain")              # MILP plan (registered name)
     Trainer(strategy="lazytrain_megatrain")    # MegaTrain's fixed policy, for A/B runs
     Trainer(strategy=LazyTrainStrategy(gpu_memory_budget_gb=20, nvme_dir="/nvme/spill"))
+    Trainer(strategy="lazytrain", devices=8)     # data parallel, one process per device
+
 
 The strategy is glue: the engine (``engine.Executor``) streams the blocks and places activations;
 the plan comes from ``autoplan`` (profile the first batch on the real device, then solve). The
 module's parameters stay on the host as the master copy, so ``configure_optimizers``, LR
-schedulers and checkpoints work unchanged; optimizer states stay on the host too.
+schedulers and checkpoints work unchanged; optimizer states stay on the host too. With several
+devices (``devices=N``, ``num_nodes=M``; Lightning's launcher, ``torchrun`` or SLURM) every process
+streams the blocks of the same plan and gradients are averaged as under DDP
+(``distributed.py``, Note: [replicate mode]).
 """
 
 from __future__ import annotations
@@ -16,14 +21,19 @@ import contextlib
 import logging
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero as _rank_zero
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -46,8 +56,9 @@ _COMPUTE_DTYPE = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": t
                   "bf16-true": torch.bfloat16, "16-mixed": torch.float32, "16-true": torch.float16}
 
 
-class LazyTrainStrategy(SingleDeviceStrategy):
-    """Train on one device with weights streamed from host memory and a planned activation schedule.
+class LazyTrainStrategy(ParallelStrategy):
+    """Train with weights streamed from host memory and a planned activation schedule, on one device
+    or data parallel on several (one process per device; see ``distributed.py``).
 
     Args:
         hardware: "measure" (measure this machine's links and memory), a profile name from
@@ -60,6 +71,10 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             speed (to study overlap without a GPU).
         verify_checkpoints: check a checkpoint's CRCs before resuming from it (checkpoints are
             always written atomically); see ``checkpoint_io.VerifiedCheckpointIO``.
+        process_group_backend: of the default process group with several devices (default: nccl on
+            GPUs, gloo on CPU); gradients and masters are exchanged on a gloo group of their own.
+        timeout: of the collectives (default: torch's); a rank that fails makes the others fail
+            when they next exchange data, at the latest after this long.
     """
 
     strategy_name = "lazytrain"
@@ -68,17 +83,21 @@ class LazyTrainStrategy(SingleDeviceStrategy):
                  nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,
                  emulate_link_gb_per_s: float | None = None, verify_checkpoints: bool = True,
                  device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
-                 precision_plugin: Any = None) -> None:
-        super().__init__(device=device or "cpu", accelerator=accelerator,
+                 precision_plugin: Any = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = None) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
                          checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)
         self._fixed_schedule = self._validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy,
                                                       emulate_link_gb_per_s)
         self._device_given = device is not None
-        # Set by Lightning from Trainer(devices=..., num_nodes=...) (it fills these attributes when
-        # a strategy has them): the device to train on, and a clear refusal of several.
-        self.parallel_devices: list[torch.device] | None = None
-        self.num_nodes = 1
+        self._root_device = torch.device(device or "cpu")
+        # Set by Lightning from Trainer(devices=..., num_nodes=...) (it fills these attributes when a
+        # strategy has them, and the cluster environment that gives each process its rank).
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.grad_sync: Any = None  # distributed.GradSync with several processes
         self._hardware_measured: Hardware | None = None
         self.hardware = hardware
         self.gpu_memory_budget_gb = gpu_memory_budget_gb
@@ -122,30 +141,99 @@ class LazyTrainStrategy(SingleDeviceStrategy):
                              "NVMe drive), or use a plan without NVMe homes")
         return schedule
 
-    # ---- device --------------------------------------------------------------------------------
+    # ---- device and processes ------------------------------------------------------------------
     @property
     @override
     def root_device(self) -> torch.device:
         if self._device_given:
             return self._root_device
         if isinstance(self.accelerator, CUDAAccelerator):
-            if self.parallel_devices:
-                return torch.device(self.parallel_devices[0])  # Trainer(devices=[1]) -> cuda:1
+            if self.parallel_devices:  # Trainer(devices=[1]) -> cuda:1; with several, this process's
+                return torch.device(self.parallel_devices[min(self.local_rank, len(self.parallel_devices) - 1)])
             return torch.device("cuda", torch.cuda.current_device())
         if self.accelerator is None or isinstance(self.accelerator, CPUAccelerator):
             return torch.device("cpu")
         raise RuntimeError(f"strategy='lazytrain' runs on a CUDA GPU or the CPU, not on {type(self.accelerator).__name__}; "
                            "use Trainer(accelerator='gpu') or accelerator='cpu'")
 
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) per node."""
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Several processes (Lightning reads this to give each its share of the data)."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_processes * self.num_nodes, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        _rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = None
+        if self.is_distributed:
+            assert self.cluster_environment is not None
+            if self._device_given:
+                raise ValueError(f"LazyTrainStrategy(device={self._root_device}) picks one device, but the Trainer "
+                                 f"asks for {self.num_processes} device(s) on {self.num_nodes} node(s): pass "
+                                 "devices=N to the Trainer without device=, or devices=1")
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
     @override
     def setup_environment(self) -> None:
-        devices = self.parallel_devices or []
-        if len(devices) > 1 or self.num_nodes > 1:
-            raise ValueError(
-                f"strategy='lazytrain' trains on one device, but the Trainer asks for {len(devices)} device(s) on "
-                f"{self.num_nodes} node(s) ({', '.join(map(str, devices))}): pass devices=1 (or devices=[i] to pick "
-                "one GPU) and num_nodes=1. Several GPUs are not supported yet; nothing was trained.")
         super().setup_environment()
+        if self.is_distributed:
+            self.set_world_ranks()
+            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if self.root_device.type == "cuda":
+                kwargs["device_id"] = self.root_device
+            assert self.cluster_environment is not None
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            from lightning_lazytrain.distributed import GradSync
+
+            self.grad_sync = GradSync(self._timeout)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized() and self.is_distributed:
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (_distributed_is_initialized() and self.is_distributed):
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and self.is_distributed:
+            from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     @override
     def model_to_device(self) -> None:
@@ -185,6 +273,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
                                  links=links)
         if hasattr(module, "_device"):  # LightningModule.device: where its computation runs
             module._device = device
+        if self.grad_sync is not None:
+            assert self.executor.params is not None
+            self.grad_sync.broadcast_state(self.executor.params, module)  # rank 0's start, as DDP
         rank_zero_info(f"lazytrain: {L_provisional} blocks at {stack.path!r}, executor on {device} "
                        f"({precision}) built in {time.perf_counter() - t0:.2f} s")
 
@@ -346,6 +437,9 @@ class LazyTrainStrategy(SingleDeviceStrategy):
             return
         micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
+        if self.grad_sync is not None:  # before the plan, clipping and the optimizer see them
+            assert ex.params is not None
+            self.grad_sync.average_grads(ex.params, stats.layer_sq_norms)
         if ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1:
             # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
             ex.profiling = False
@@ -395,14 +489,30 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         ex, module = self.executor, self.lightning_module
         assert ex is not None and module is not None
         trainer = module.trainer
-        t0 = time.perf_counter()
-        hardware = self._hardware()
-        t_hw = time.perf_counter() - t0
-        wl = workload_from_stats(ex, stats, tokens=self._tokens or 1, grad_accum=trainer.accumulate_grad_batches,
-                                 micro_batches=micro_batches, opt_params_per_s=hardware.cpu_adam_params_per_s)
-        plan = plan_from_workload(wl, hardware, policy=self.policy)
-        plan.timings["hardware"] = t_hw
-        plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
+        plan: AutoPlan | None = None
+        failure: str | None = None
+        if self.is_global_zero:  # with several processes rank 0 plans for all (one plan, not N)
+            try:
+                t0 = time.perf_counter()
+                hardware = self._hardware()
+                t_hw = time.perf_counter() - t0
+                wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
+                                         grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
+                                         opt_params_per_s=hardware.cpu_adam_params_per_s)
+                plan = plan_from_workload(wl, hardware, policy=self.policy)
+                plan.timings["hardware"] = t_hw
+                plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
+            except BaseException as err:
+                if not self.is_distributed:
+                    raise
+                failure = f"{type(err).__name__}: {err}"
+                self.broadcast((None, failure))
+                raise
+        if self.is_distributed:
+            plan, failure = self.broadcast((plan, failure))
+            if plan is None:
+                raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
+        assert plan is not None
         nvme = int(plan.result.sim.nvme_bytes)
         if nvme:
             check_nvme_dir(self.nvme_dir, nvme)  # before the first real step
@@ -422,23 +532,27 @@ class LazyTrainStrategy(SingleDeviceStrategy):
 
     def _hardware(self) -> Hardware:
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
-        gets no NVMe tier (there is nowhere to spill)."""
+        gets no NVMe tier (there is nowhere to spill). With several processes on a node, each holds
+        its own masters and optimizer states: a process plans with its share of host memory."""
         if self.hardware == "measure":
             if self._hardware_measured is None:
                 self._hardware_measured = measure_hardware(
                     self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb, nvme_dir=self.nvme_dir,
                     link_gb_per_s=self.emulate_link_gb_per_s)
-            return self._hardware_measured
-        if isinstance(self.hardware, Hardware):
-            hw = self.hardware
+            hw = self._hardware_measured
         else:
-            from lightning_lazytrain.config import load_hardware
+            if isinstance(self.hardware, Hardware):
+                hw = self.hardware
+            else:
+                from lightning_lazytrain.config import load_hardware
 
-            hw = load_hardware(self.hardware)
-        if self.gpu_memory_budget_gb is not None:
-            hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
-        if self.nvme_dir is None and hw.nvme_capacity_bytes:
-            hw = hw.replace(nvme_capacity_bytes=0.0, nvme_read_bytes_per_s=0.0, nvme_write_bytes_per_s=0.0)
+                hw = load_hardware(self.hardware)
+            if self.gpu_memory_budget_gb is not None:
+                hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
+            if self.nvme_dir is None and hw.nvme_capacity_bytes:
+                hw = hw.replace(nvme_capacity_bytes=0.0, nvme_read_bytes_per_s=0.0, nvme_write_bytes_per_s=0.0)
+        if self.num_processes > 1:
+            hw = hw.replace(cpu_memory_bytes=hw.cpu_memory_bytes / self.num_processes)
         return hw
 
     # ---- evaluation ---------------------------------------------------------------------------
@@ -486,7 +600,8 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self._end_inference()
         if self.executor is not None:
             module = self.lightning_module
-            if self.last_stats is not None and module is not None and getattr(module, "_trainer", None) is not None:
+            if (self.last_stats is not None and module is not None and getattr(module, "_trainer", None) is not None
+                    and self.is_global_zero):
                 _write_measured_timeline(self.last_stats, _artifact_dir(module.trainer))
             self.executor.close()
             self.executor = None
@@ -494,7 +609,11 @@ class LazyTrainStrategy(SingleDeviceStrategy):
         self._hardware_measured = None
         self._tokens = None
         self._pending_metrics = {}
-        super().teardown()
+        self.grad_sync = None
+        if self.cluster_environment is None:  # torn down before Lightning connected it
+            Strategy.teardown(self)
+        else:
+            super().teardown()
 
     @classmethod
     @override

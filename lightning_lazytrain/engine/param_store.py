@@ -585,6 +585,16 @@ class ParamStore:
             s.accumulated.wait()
         return out
 
+    def flat_host_grads(self, layer: int) -> tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]:
+        """The group's flat host grad holding every parameter's current ``.grad`` (one set elsewhere
+        is copied in; zero where a parameter has none), and each parameter with its view in it.
+        For whole-group operations such as a gradient all-reduce; after the host lane is done."""
+        g = self._group(layer)
+        self.wait_host()
+        with torch.no_grad():
+            self._ensure_host_grads(g, {id(i) for i in g.params if i.param.grad is not None})
+        return g.grad, [(i.param, self._view(g.grad, i)) for i in g.params]
+
     def wait_host(self) -> None:
         """Wait for the host lane's work on every slot (casts, gradient accumulation)."""
         for s in self._slots:

@@ -1,0 +1,98 @@
+"""A training script for the data-parallel tests (``tests/test_distributed.py``): run as
+``python tests/dist_train.py '<json options>'``; Lightning's launcher starts the other ranks by
+running this same command. Each rank writes its per-step losses; rank 0 writes the final weights.
+
+Options: out (directory), devices, batch, steps, accum, clip, policy, strategy ("lazytrain" or
+"auto"), fail_rank / fail_step (raise there), optimizer ("sgd" or "hybrid").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import lightning as L
+import torch
+import transformers
+
+LAYERS = 4
+SEQ = 32
+
+
+class Net(L.LightningModule):
+    def __init__(self, opts: dict):
+        super().__init__()
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64, attn_implementation="eager")
+        torch.manual_seed(0 if opts.get("same_init", True) else 1000 + int(os.environ.get("LOCAL_RANK", 0)))
+        self.model = transformers.LlamaForCausalLM(cfg)
+        self.opts = opts
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        o = self.opts
+        if self.global_rank == o.get("fail_rank", -1) and batch_idx == o.get("fail_step", -1):
+            raise RuntimeError(f"injected failure on rank {self.global_rank} at batch {batch_idx}")
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        if os.environ.get("DIST_DEBUG"):
+            print("DEBUG", self.global_rank, batch_idx, batch[:, 0].tolist(), loss.item(), flush=True)
+        return loss
+
+    def configure_optimizers(self):
+        if self.opts.get("optimizer", "sgd") == "hybrid":
+            from lightning_lazytrain.optim import HybridAdamW
+
+            return HybridAdamW(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 256, (n, SEQ), generator=g)
+
+
+def train(opts: dict) -> Net:
+    torch.set_num_threads(1)
+    devices, batch = opts.get("devices", 2), opts["batch"]
+    steps, accum = opts.get("steps", 3), opts.get("accum", 1)
+    if opts.get("strategy", "lazytrain") == "lazytrain":
+        from lightning_lazytrain.strategy import LazyTrainStrategy
+
+        strategy = LazyTrainStrategy(policy=opts.get("policy", "milp"), timeout=timedelta(seconds=60))
+    else:
+        strategy = "auto"
+    module = Net(opts)
+    tokens = data((batch if "union_of" in opts else devices * batch) * steps * accum)
+    if "union_of" in opts:  # the samples W ranks see in one step, as one batch (Lightning's
+        w = opts["union_of"]  # DistributedSampler shuffles the training set with seed 0, epoch 0)
+        perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
+        per_rank, b = [perm[r::w] for r in range(w)], batch // w
+        tokens = tokens[torch.cat([per_rank[r][k * b:(k + 1) * b] for k in range(len(tokens) // batch)
+                                   for r in range(w)])]
+    loader = torch.utils.data.DataLoader(tokens, batch_size=batch)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
+                        accumulate_grad_batches=accum, gradient_clip_val=opts.get("clip"), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
+    trainer.fit(module, train_dataloaders=loader)
+    return module
+
+
+def main() -> None:
+    opts = json.loads(sys.argv[1])
+    module = train(opts)
+    out = opts["out"]
+    rank = module.global_rank
+    with open(os.path.join(out, f"losses_rank{rank}.json"), "w") as f:
+        json.dump(module.losses, f)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()},
+                   os.path.join(out, "weights.pt"))
+
+
+if __name__ == "__main__":
+    main()

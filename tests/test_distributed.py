@@ -1,0 +1,78 @@
+"""Several processes (gloo, Lightning's own launcher): 2 ranks x micro-batch b train bit for bit as
+Lightning's DDP does, and as 1 rank x 2b under strategy='auto' (losses and final weights, to 1e-6),
+for several plans, with accumulation and clipping; a rank that fails makes every rank exit with
+the error, no hang."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+SCRIPT = Path(__file__).with_name("dist_train.py")
+pytestmark = pytest.mark.slow
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("dist_train", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def launch(tmp_path: Path, timeout: float = 240, **opts) -> subprocess.CompletedProcess:
+    opts = {"out": str(tmp_path), "devices": 2, **opts}
+    return subprocess.run([sys.executable, str(SCRIPT), json.dumps(opts)], capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path)
+
+
+def outputs(path: Path) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    return ([json.loads((path / f"losses_rank{r}.json").read_text()) for r in range(2)],
+            torch.load(path / "weights.pt"))
+
+
+@pytest.mark.parametrize("policy, accum, clip, optimizer", [
+    ("milp", 1, None, "sgd"),
+    ("megatrain", 2, 0.5, "sgd"),
+    ("recompute_all", 2, 0.5, "hybrid"),
+])
+def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer):
+    b, steps = 2, 3
+    common = dict(batch=b, steps=steps, accum=accum, clip=clip, optimizer=optimizer,
+                  same_init=False)  # ranks start differently: rank 0's weights are broadcast, as DDP does
+    (tmp_path / "lazy").mkdir()
+    (tmp_path / "ddp").mkdir()
+    for run in (launch(tmp_path / "lazy", policy=policy, **common),
+                launch(tmp_path / "ddp", strategy="auto", **common)):  # Lightning's DDP
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    losses, weights = outputs(tmp_path / "lazy")
+    ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    # the same training as DDP, bit for bit (fp32, deterministic CPU kernels)
+    assert losses == ddp_losses
+    for name, value in ddp_weights.items():
+        assert torch.equal(weights[name], value), name
+
+    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "accum": accum, "clip": clip,
+                           "strategy": "auto", "optimizer": optimizer, "same_init": False, "union_of": 2})
+    # ref's init is rank 0's; each of its micro-batches is the union of the two ranks' (same order)
+    ours = [(x + y) / 2 for x, y in zip(*losses)]
+    assert len(ours) == len(ref.losses) == steps * accum
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref.losses), rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():  # summation order differs: 1e-6 of each tensor's norm
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
+
+
+def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
+    run = launch(tmp_path, timeout=180, batch=2, steps=4, fail_rank=1, fail_step=2)
+    assert run.returncode != 0
+    assert "injected failure on rank 1 at batch 2" in run.stdout + run.stderr
+    assert not (tmp_path / "weights.pt").exists()
