@@ -114,11 +114,11 @@ def test_corrupted_checkpoint_is_refused_and_saves_are_atomic(tmp_path):
     assert os.path.getsize(ckpt) == len(raw)
 
 
-def test_several_devices_are_refused_before_training(tmp_path):
-    module = Net()
-    with pytest.raises(ValueError, match=r"trains on one device, but the Trainer asks for 2 device\(s\)"):
-        trainer(LazyTrainStrategy(), tmp_path, max_steps=1, devices=2).fit(module, train_dataloaders=loader())
-    assert module.calls["training_step"] == 0
+def test_one_fixed_device_and_several_devices_are_refused_at_construction(tmp_path):
+    """devices=2 trains data parallel (tests/test_distributed.py); a strategy pinned to one device
+    cannot."""
+    with pytest.raises(ValueError, match=r"device=cpu\) picks one device, but the Trainer asks for 2 device"):
+        trainer(LazyTrainStrategy(device="cpu"), tmp_path, max_steps=1, devices=2)
 
 
 def test_the_chosen_gpu_is_the_root_device():
