@@ -3,7 +3,9 @@
 running this same command. Each rank writes its per-step losses; rank 0 writes the final weights.
 
 Options: out (directory), devices, batch, steps, accum, clip, policy, strategy ("lazytrain" or
-"auto"), fail_rank / fail_step (raise there), optimizer ("sgd" or "hybrid").
+"auto"), fail_rank / fail_step (raise there), optimizer ("sgd" or "hybrid"), epoch_steps (steps
+per epoch), save / resume (checkpoint paths), union_of / epoch (one process sees, per batch, the
+union of what union_of ranks see in that epoch).
 """
 
 from __future__ import annotations
@@ -66,19 +68,28 @@ def train(opts: dict) -> Net:
     else:
         strategy = "auto"
     module = Net(opts)
-    tokens = data((batch if "union_of" in opts else devices * batch) * steps * accum)
+    per_epoch = opts.get("epoch_steps", steps)
+    tokens = data((batch if "union_of" in opts else devices * batch) * per_epoch * accum)
     if "union_of" in opts:  # the samples W ranks see in one step, as one batch (Lightning's
-        w = opts["union_of"]  # DistributedSampler shuffles the training set with seed 0, epoch 0)
-        perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
+        w = opts["union_of"]  # DistributedSampler shuffles the training set with seed 0 + epoch)
+        gen = torch.Generator().manual_seed(opts.get("epoch", 0))
+        perm = torch.randperm(len(tokens), generator=gen)
         per_rank, b = [perm[r::w] for r in range(w)], batch // w
         tokens = tokens[torch.cat([per_rank[r][k * b:(k + 1) * b] for k in range(len(tokens) // batch)
                                    for r in range(w)])]
     loader = torch.utils.data.DataLoader(tokens, batch_size=batch)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
+    callbacks = []
+    if opts.get("save"):  # a checkpoint inside the run, at its last step (as ModelCheckpoint saves)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        path = opts["save"]
+        callbacks.append(ModelCheckpoint(dirpath=os.path.dirname(path), filename=os.path.basename(path)[:-5],
+                                         every_n_train_steps=steps, save_top_k=-1, enable_version_counter=False))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
                         accumulate_grad_batches=accum, gradient_clip_val=opts.get("clip"), logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
-    trainer.fit(module, train_dataloaders=loader)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))
     return module
 
 

@@ -83,3 +83,32 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     assert run.returncode != 0
     assert "injected failure on rank 1 at batch 2" in run.stdout + run.stderr
     assert not (tmp_path / "weights.pt").exists()
+
+
+def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tmp_path):
+    """Two epochs of two steps: 2 ranks uninterrupted; 2 ranks stopped after epoch 0 and resumed from
+    the checkpoint (bit-identical); and the same checkpoint resumed by 1 rank with twice the batch
+    (the same training, to 1e-6)."""
+    b = 2
+    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False)
+    for d in ("full", "first", "second"):
+        (tmp_path / d).mkdir()
+    ckpt = str(tmp_path / "epoch0.ckpt")
+    for run in (launch(tmp_path / "full", steps=4, **common),
+                launch(tmp_path / "first", steps=2, save=ckpt, **common),
+                launch(tmp_path / "second", steps=4, resume=ckpt, **common)):
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    full_losses, full = outputs(tmp_path / "full")
+    first_losses, _ = outputs(tmp_path / "first")
+    second_losses, resumed = outputs(tmp_path / "second")
+    for r in range(2):
+        assert first_losses[r] + second_losses[r] == full_losses[r]
+    for name, value in full.items():
+        assert torch.equal(resumed[name], value), name
+
+    one = _script().train({"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain",
+                           "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": ckpt})
+    ours = [(x + y) / 2 for x, y in zip(*second_losses)]
+    torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(ours), rtol=1e-6, atol=0.0)
+    for name, value in one.model.state_dict().items():
+        assert (full[name] - value).norm() <= 1e-6 * value.norm(), name
