@@ -362,3 +362,28 @@ def test_profile_measures_transient_working_sets(reference, tmp_path):
         ex.close()
     assert stats.real_peak_bytes >= stats.peak_tracked_bytes  # bookkeeping never exceeds reality
     assert set(stats.window_peak_bytes) >= {"F0", "H", "B0"}
+
+
+@pytest.mark.parametrize("name", ["megatrain_K2", "megatrain_K4", "recompute_all"])
+def test_a_rerun_starts_after_its_weights_arrive_on_a_slow_link(reference, tmp_path, name):
+    """Delay injection: with an H2D link far slower than compute, every forward and every re-run of
+    a recompute block starts on the timeline after the weight copy it binds has landed (the engine
+    waits, as the planner's cast -> fetch -> re-run chain says), and the wait is a stall, not
+    compute: the measured compute segment begins after the copy's end."""
+    model, tokens = reference
+    m = copy.deepcopy(model)
+    slow = {"h2d": LinkSpec(bandwidth_bytes_per_s=5e6, latency_s=0.01)}
+    ex = Executor(m, SCHEDULES[name], nvme_dir=tmp_path, links=slow)
+    try:
+        ex.begin_microbatch()
+        m.loss(tokens).backward()
+        stats = ex.end_microbatch()
+    finally:
+        ex.close()
+    copies = [s for s in stats.segments if s.lane == "h2d" and s.kind == "weights"]
+    reruns = [s for s in stats.segments if s.lane == "compute"
+              and s.kind in ("forward", "recompute", "local_recompute")]
+    assert any(s.kind == ("local_recompute" if name == "recompute_all" else "recompute") for s in reruns)
+    for run in reruns:
+        landed = [c.end for c in copies if c.index == run.index and c.end <= run.start + 1e-4]
+        assert landed, f"{run.kind} of layer {run.index} in {run.window} started before its weights landed"

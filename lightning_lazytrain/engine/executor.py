@@ -508,7 +508,8 @@ class Executor:
         if keep:
             self._finish_grads(slot=slot)  # bind with grads zeroes the slot's grad buffer
         state = self._states[j] = ForwardState.capture(self.device)
-        with self.trace.timed(name, "forward", j), self.params.bind(j, slot, grads=keep), \
+        # bind first: a wait for the weights is a stall on the timeline, not forward compute
+        with self.params.bind(j, slot, grads=keep), self.trace.timed(name, "forward", j), \
                 state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
             if keep:
                 hooks = WeightTokenHooks(lambda: self.params.slot_weights(j, slot),
@@ -695,7 +696,7 @@ class Executor:
             if j + 1 < t and len(bufs) == 2:
                 self.params.stage(j + 1, bufs[(k + 1) % 2])  # fetch the next while this one computes
             call, routed = self._calls[j]
-            with self.trace.timed(window, "recompute", j), self.params.bind(j, slot, grads=False), \
+            with self.params.bind(j, slot, grads=False), self.trace.timed(window, "recompute", j), \
                     self._states[j].replay(), torch.no_grad():
                 _, outs = self._run_block(j, x, call, routed, first=False)
             x = outs[0]
