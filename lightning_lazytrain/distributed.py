@@ -10,8 +10,8 @@ Note: [replicate mode]
       plan (or the reason it could not plan, so no rank waits for one that will never come);
     - the same gradients: when a step's last micro-batch has landed on the host, each group's flat
       host gradient is summed over the ranks and divided by the world size (DDP's average), a
-      parameter that got a gradient on any rank gets one on all, and the per-layer squared norms
-      that clipping uses are taken again from the averaged gradients.
+      parameter that got a gradient on any rank gets one on all, and the per-parameter norms that
+      clipping uses (and the per-layer squared norms) are taken again from the averaged gradients.
 
     Gradients and masters live in host memory, so these collectives run on a gloo group of their
     own (also next to NCCL on GPUs), in the launching thread, at a step boundary: they never
@@ -61,8 +61,10 @@ class GradSync:
                 if host is not buf.data:
                     buf.data.copy_(host)
 
-    def average_grads(self, params: ParamStore, sq_norms: dict[int, torch.Tensor]) -> None:
-        """Average the step's host gradients over the ranks, in place; refresh ``sq_norms``."""
+    def average_grads(self, params: ParamStore, grad_norms: dict[int, dict[torch.nn.Parameter, torch.Tensor]],
+                      sq_norms: dict[int, torch.Tensor] | None = None) -> None:
+        """Average the step's host gradients over the ranks, in place; refresh the norms the executor
+        took (``StepStats.grad_norms``, per parameter, and ``layer_sq_norms``) from the averages."""
         layers = self._layers(params)
         flats = {j: params.flat_host_grads(j) for j in layers}
         has = torch.tensor([p.grad is not None for j in layers for p, _ in flats[j][1]], dtype=torch.int32)
@@ -79,8 +81,13 @@ class GradSync:
                     if has[k] and p.grad is None and p.requires_grad:
                         p.grad = view
                     k += 1
-                if j in sq_norms:
-                    sq_norms[j] = torch.linalg.vector_norm(flat).square().to(torch.float32)
+                if j in grad_norms or (sq_norms is not None and j in sq_norms):
+                    norms = params.grad_norms(j)
+                    if j in grad_norms:
+                        grad_norms[j] = norms
+                    if sq_norms is not None and j in sq_norms:
+                        parts = [n.float() for n in norms.values()]
+                        sq_norms[j] = torch.stack(parts).square().sum() if parts else torch.zeros(())
 
     def close(self) -> None:
         if dist.is_initialized():

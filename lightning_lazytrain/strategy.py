@@ -439,7 +439,7 @@ class LazyTrainStrategy(ParallelStrategy):
         self.last_stats = stats
         if self.grad_sync is not None:  # before the plan, clipping and the optimizer see them
             assert ex.params is not None
-            self.grad_sync.average_grads(ex.params, stats.layer_sq_norms)
+            self.grad_sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms)
         if ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1:
             # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
             ex.profiling = False
@@ -450,24 +450,31 @@ class LazyTrainStrategy(ParallelStrategy):
             self._begin_microbatch()  # later forwards of this training_step are passes with grad
 
     def _hand_over_norms(self, stats: StepStats) -> None:
-        """Give HybridAdamW the global squared norm from the executor's per-layer norms, so its
-        clip needs no pass over the gradients (the step runs after this, inside the closure)."""
+        """Give HybridAdamW each parameter's gradient norm, taken by the executor's host lane as the
+        gradients arrived, so its clip needs no pass over the gradients and equals Lightning's
+        ``clip_grad_norm_`` bit for bit (Note: [exact clip] in optim/clip.py). The step runs after
+        this, inside the closure. Without norms (an ad-hoc backward) the optimizer takes its own."""
         from lightning_lazytrain.optim import HybridAdamW
 
         clip = self.lightning_module.trainer.gradient_clip_val
+        norms: dict[torch.nn.Parameter, torch.Tensor] | None = None
         for opt in self.optimizers:
             inner = getattr(opt, "optimizer", opt)
-            if not isinstance(inner, HybridAdamW) or not stats.layer_sq_norms:
+            if not isinstance(inner, HybridAdamW):
                 continue
-            if clip or inner.max_grad_norm is not None:
-                total = torch.stack([n.float() for n in stats.layer_sq_norms.values()]).sum()
+            if not stats.grad_norms or not (clip or inner.max_grad_norm is not None):
+                inner.set_grad_norms(None)  # never a stale step's norms
+                continue
+            if norms is None:
+                norms = {p: n for per_layer in stats.grad_norms.values() for p, n in per_layer.items()}
                 scaler = getattr(self.precision_plugin, "scaler", None)
-                if scaler is not None and scaler.is_enabled():
-                    # 16-mixed: the grads (and so these norms) are still loss-scaled here; the
-                    # plugin unscales the grads before the step, the norm is unscaled the same way.
-                    total = total / float(scaler.get_scale()) ** 2
-                layers = inner.layers
-                inner.set_grad_sq_norms({layer: (total if i == 0 else 0.0) for i, layer in enumerate(layers)})
+                if scaler is not None and scaler.is_enabled() and norms:
+                    # 16-mixed: the grads (and so these norms) are still loss-scaled here; the plugin
+                    # unscales the grads by GradScaler's inv_scale before the clip, these are unscaled
+                    # by the same factor (a power of two: the same bits as the norms of the unscaled grads).
+                    inv_scale = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
+                    norms = dict(zip(norms, torch._foreach_mul(list(norms.values()), inv_scale)))
+            inner.set_grad_norms(norms)
 
     def _step_metrics(self, stats: StepStats, seconds: float) -> dict[str, float]:
         compute = sum(s.end - s.start for s in stats.segments if s.lane == "compute")

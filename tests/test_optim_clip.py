@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -53,8 +54,9 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 @pytest.mark.parametrize("max_norm", [None, 1e6, 0.5])  # none / clipping inactive / active
 def test_none_equals_torch_adamw_plus_clip(impl: str, max_norm: float | None) -> None:
+    """fp32: bit for bit torch AdamW (the same implementation) after clip_grad_norm_ (Note: [exact clip])."""
     ref_model, model = make_model(), make_model()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD, **{impl: True})
     opt = HybridAdamW(
         group_by_layer(model.named_parameters(), layer_of), lr=LR, weight_decay=WD, eight_bit="none",
         max_grad_norm=max_norm, impl=impl,  # type: ignore[arg-type]
@@ -75,11 +77,12 @@ def test_none_equals_torch_adamw_plus_clip(impl: str, max_norm: float | None) ->
     if max_norm == 1e6:
         assert clipped_steps == 0
     for p, p_ref in zip(model.parameters(), ref_model.parameters()):
-        assert_rel_close(p.detach(), p_ref.detach())
+        assert torch.equal(p, p_ref)
+        assert torch.equal(p.grad, p_ref.grad)  # .grad holds the clipped gradient, as after clip_grad_norm_
         st, st_ref = opt.state[p], ref.state[p_ref]
         assert st["step"].item() == st_ref["step"].item() == STEPS
-        assert_rel_close(st["exp_avg"], st_ref["exp_avg"], 1e-5)
-        assert_rel_close(st["exp_avg_sq"], st_ref["exp_avg_sq"], 1e-5)
+        assert torch.equal(st["exp_avg"], st_ref["exp_avg"])
+        assert torch.equal(st["exp_avg_sq"], st_ref["exp_avg_sq"])
     assert opt.skipped_steps == 0
 
 
@@ -97,16 +100,69 @@ def test_foreach_unclipped_is_bitwise_torch() -> None:
         assert torch.equal(p, p_ref)
 
 
-def test_foreach_clip_leaves_grads_untouched() -> None:
-    """The clip factor is folded into the update: no pass rescales .grad."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_total_norm_is_get_total_norm_with_handed_norms(dtype: torch.dtype) -> None:
+    """Any subset of the per-tensor norms handed over: torch's total norm bit for bit, also with
+    gradients of several dtypes (torch stacks them in its device/dtype bucket order)."""
+    from lightning_lazytrain.optim.clip import grad_total_norm
+
+    g = torch.Generator().manual_seed(4)
+    for trial in range(10):
+        grads = [torch.randn(int(torch.randint(1, 3000, (), generator=g)), generator=g).to(
+            dtype if (i + trial) % 3 else torch.float32) for i in range(7)]
+        norms = torch._foreach_norm(grads, 2.0)
+        want = torch.nn.utils.get_total_norm(grads, 2.0)
+        for keep in (range(7), range(0, 7, 2), ()):
+            got = grad_total_norm(grads, [n if i in keep else None for i, n in enumerate(norms)])
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_handed_per_parameter_norms_are_clip_grad_norm_bitwise(impl: str, pipelined: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's hand-over (each parameter's norm): no norm pass, and norm, factor and update
+    bit for bit torch AdamW after clip_grad_norm_ (clip active on every step)."""
+    import lightning_lazytrain.optim.hybrid_adamw as ha
+
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD, **{impl: True})
+    opt = HybridAdamW(group_by_layer(model.named_parameters(), layer_of), lr=LR, weight_decay=WD,
+                      max_grad_norm=0.5, impl=impl)  # type: ignore[arg-type]
+    monkeypatch.setattr(ha, "global_grad_norm", lambda grads: pytest.fail("a norm pass"))
+    for batch in batches(6):
+        ref.zero_grad()
+        loss_fn(ref_model, batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref.step()
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        params = list(model.parameters())
+        opt.set_grad_norms(dict(zip(params, torch._foreach_norm([p.grad for p in params], 2.0))))
+        if pipelined:
+            opt.step_pipelined(list(reversed(opt.layers))).wait_all()
+        else:
+            opt.step()
+        assert opt.last_grad_norm == norm.item() > 0.5
+    for p, p_ref in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, p_ref)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[p_ref]["exp_avg_sq"])
+
+
+def test_handed_per_parameter_norms_are_used_once() -> None:
+    """Norms are for one step: the next step without a hand-over takes its own norm pass."""
     model = make_model()
-    opt = HybridAdamW(model.parameters(), lr=LR, max_grad_norm=1e-3, impl="foreach")
+    opt = HybridAdamW(model.parameters(), lr=LR, max_grad_norm=1.0)
     loss_fn(model, batches(1)[0]).backward()
-    before = [p.grad.clone() for p in model.parameters()]
+    opt.set_grad_norms({p: torch.tensor(float("inf")) for p in model.parameters()})
     opt.step()
-    assert opt.last_grad_norm > 1e-3  # clipping was active
-    for p, g in zip(model.parameters(), before):
-        assert torch.equal(p.grad, g)
+    assert opt.skipped_steps == 1  # the handed (bogus) norms were used
+    opt.step()
+    assert opt.skipped_steps == 1 and math.isfinite(opt.last_grad_norm)
+    opt.set_grad_norms({p: torch.tensor(float("inf")) for p in model.parameters()})
+    opt.set_grad_norms(None)  # withdrawn
+    opt.step()
+    assert opt.skipped_steps == 1
 
 
 def test_global_norm_matches_clip_grad_norm() -> None:

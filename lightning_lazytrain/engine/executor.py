@@ -98,6 +98,9 @@ class StepStats:
     recomputed_forwards: dict[int, int] = field(default_factory=dict)  # layer -> re-runs (block + local)
     peak_tracked_bytes: int = 0
     layer_sq_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # REST = -1 included
+    # per layer (REST included), each parameter with a grad and that grad's norm as clip_grad_norm_
+    # takes it (ParamStore.grad_norms): what exact fused clipping is fed with
+    grad_norms: dict[int, dict[nn.Parameter, torch.Tensor]] = field(default_factory=dict)
     segments: list = field(default_factory=list)  # measured timeline (planner Segments)
     boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
     internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
@@ -375,7 +378,8 @@ class Executor:
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
         self._retire_residents(0)  # layer 0's slot lives on between the micro-batches of a step
         self._flush_adhoc_grads()
-        self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST)
+        self.stats.grad_norms[REST] = {}
+        self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST, param_norms=self.stats.grad_norms[REST])
         self._exit.close()
         self.acts.end_step()
         self.engine.synchronize()
@@ -388,7 +392,7 @@ class Executor:
                                                   torch.cuda.max_memory_allocated(self.device))
         self.stats.segments = self.trace.segments(self.engine.records())
         if self._adhoc_used:  # ad-hoc backwards added to the host grads after some norms were taken
-            self.stats.layer_sq_norms = {}
+            self.stats.layer_sq_norms, self.stats.grad_norms = {}, {}
         return self.stats
 
     # ---- forward ---------------------------------------------------------------------------
@@ -754,9 +758,12 @@ class Executor:
             pending = [p for p in self._pending_grads if target is None or p.slot is target]
         last = self._micro is not None and self._micro[1]
         for p in pending:
-            norm = self.params.finish_grads(p, norm=last, extra=self._adhoc_grads.pop(p.layer, None), wait=False)
+            param_norms: dict[nn.Parameter, torch.Tensor] | None = {} if last else None
+            norm = self.params.finish_grads(p, norm=last, extra=self._adhoc_grads.pop(p.layer, None), wait=False,
+                                            param_norms=param_norms)
             if norm is not None:
                 self.stats.layer_sq_norms[p.layer] = norm
+                self.stats.grad_norms[p.layer] = param_norms  # filled by the host lane
             if p in self._pending_grads:
                 self._pending_grads.remove(p)
 

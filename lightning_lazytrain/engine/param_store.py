@@ -502,13 +502,15 @@ class ParamStore:
                 view.copy_(cur)
                 info.param.grad = view
 
-    def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True) -> torch.Tensor | None:
+    def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
+                         param_norms: dict[nn.Parameter, torch.Tensor] | None = None) -> torch.Tensor | None:
         """D2H the slot's grads, add them into the host fp32 ``.grad`` of the masters.
 
         Returns the group's squared grad norm (0-dim fp32, of the accumulated
-        host grad) for global-norm clipping, or None with ``norm=False``.
+        host grad) for global-norm clipping, or None with ``norm=False``;
+        ``param_norms`` as in ``finish_grads``.
         """
-        return self.finish_grads(self.send_grads(layer, slot), norm=norm)
+        return self.finish_grads(self.send_grads(layer, slot), norm=norm, param_norms=param_norms)
 
     def send_grads(self, layer: int, slot: int | None = None) -> PendingGrads:
         """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``."""
@@ -553,7 +555,8 @@ class ParamStore:
             return s.grad_host[: g.numel].clone(), pending.touched
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True,
-                     extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True) -> torch.Tensor | None:
+                     extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True,
+                     param_norms: dict[nn.Parameter, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Accumulate a ``send_grads`` copy into the host fp32 grads once it has landed.
 
         The accumulation (and the squared norm of the group's accumulated host grad, returned as a
@@ -561,6 +564,10 @@ class ParamStore:
         ``wait=False`` returns at once: the result is valid once the engine has synchronised
         (``wait_host``). The slot's device grads may be overwritten by compute queued from here on
         (the current stream waits for the D2H); ``bind`` zeroes them before the next use.
+
+        With ``norm``, the host lane takes each parameter's norm (``grad_norms``: what
+        ``clip_grad_norm_`` computes per tensor) and the squared group norm from those; a given
+        ``param_norms`` dict is filled with them (replacing its contents) for exact clipping.
 
         ``extra`` (from ``take_grads``): gradients of further uses of the same weights in this
         backward, summed with these *before* they join the host grad, as autograd sums every use of
@@ -576,7 +583,11 @@ class ParamStore:
                 landed.add_(extra[0])
             self.accumulate_host(layer, landed, touched)
             if out is not None:
-                out.copy_(torch.linalg.vector_norm(g.grad).square())
+                norms = self.grad_norms(layer)
+                out.copy_(_sq_sum(norms.values()))
+                if param_norms is not None:
+                    param_norms.clear()
+                    param_norms.update(norms)
 
         s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{layer}",
                                          nbytes=2 * s.grad_host[:n].nbytes + 3 * g.grad.nbytes)
@@ -584,6 +595,17 @@ class ParamStore:
         if wait:
             s.accumulated.wait()
         return out
+
+    def grad_norms(self, layer: int) -> dict[nn.Parameter, torch.Tensor]:
+        """Each of the group's parameters that has a ``.grad``, with that gradient's L2 norm exactly
+        as ``clip_grad_norm_`` computes it per tensor (``torch._foreach_norm``, the grad's dtype).
+        Reads the host grads as they are now (call on the host lane or after ``wait_host``)."""
+        g = self._group(layer)
+        params = [info.param for info in g.params if info.param.grad is not None]
+        if not params:
+            return {}
+        with torch.no_grad():
+            return dict(zip(params, torch._foreach_norm([p.grad for p in params], 2.0)))
 
     def flat_host_grads(self, layer: int) -> tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]:
         """The group's flat host grad holding every parameter's current ``.grad`` (one set elsewhere
@@ -652,6 +674,12 @@ class ParamStore:
             self._moved_buffers = []
             if self._own_engine:
                 self.engine.close()
+
+
+def _sq_sum(norms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of 0-d norms, in fp32 (0 for none)."""
+    parts = [n.float() for n in norms]
+    return torch.stack(parts).square().sum() if parts else torch.zeros((), dtype=torch.float32)
 
 
 def _follower(pairs: list) -> Any:

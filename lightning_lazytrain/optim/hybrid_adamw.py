@@ -3,9 +3,12 @@
 * State bits per parameter come from :func:`assign_state_bits` (pure, logged, byte-accounted).
 * 8-bit states: bitsandbytes' blockwise kernel (CPU or CUDA), clip factor as ``gnorm_scale``.
 * 32-bit states: torch's fused AdamW kernel (default) or foreach math, clip factor fused in.
-* Global gradient norm: handed over per layer by the executor (:meth:`add_layer_sq_norm`,
-  :meth:`set_grad_sq_norms`) or one ``_foreach_norm`` pass. Non-finite norm -> the step is
-  skipped, nothing changes (not even the step counters), ``skipped_steps`` is incremented.
+* Global gradient norm: each parameter's norm handed over by the executor (:meth:`set_grad_norms`:
+  then norm, factor and clipped update are bit for bit ``clip_grad_norm_`` + AdamW, see Note:
+  [exact clip] in clip.py), per-layer squared norms (:meth:`add_layer_sq_norm`,
+  :meth:`set_grad_sq_norms`: equal up to rounding), or one ``_foreach_norm`` pass. Non-finite
+  norm -> the step is skipped, nothing changes (not even the step counters), ``skipped_steps`` is
+  incremented.
 * :meth:`step_pipelined` runs the same per-layer updates on a worker thread (see pipeline.py).
 
 Layers: each param group has a ``"layer"`` key (default: the group's index). The serial step
@@ -37,7 +40,15 @@ from .assign import (
 )
 from .bnb8bit import adamw_8bit_update, init_8bit_state, make_qmaps, validate_block_size
 from .checkpoint import load_param_state
-from .clip import ClipDecision, SqNormInbox, decide_clip, global_grad_norm, norm_from_sq_norms
+from .clip import (
+    ClipDecision,
+    SqNormInbox,
+    decide_clip,
+    global_grad_norm,
+    grad_total_norm,
+    norm_from_sq_norms,
+    scale_grads_,
+)
 from .pipeline import LayerPipeline
 
 logger = logging.getLogger("lightning_lazytrain.optim")
@@ -120,6 +131,7 @@ class HybridAdamW(Optimizer):
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layer_groups: dict[Hashable, list[int]] = {}
         self._inbox = SqNormInbox()
+        self._grad_norms: dict[torch.Tensor, torch.Tensor] | None = None
         self._inflight: LayerPipeline | None = None
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._ready = True
@@ -214,8 +226,23 @@ class HybridAdamW(Optimizer):
             raise KeyError(f"unknown layers {unknown}; layers are {self.layers}")
         self._inbox.replace(sq_norms)
 
+    def set_grad_norms(self, norms: Mapping[torch.Tensor, torch.Tensor] | None) -> None:
+        """Hand over each parameter's gradient L2 norm (0-d, as ``torch._foreach_norm`` computes it
+        from that ``.grad``) for the next step, keyed by the parameter; ``None`` withdraws them.
+
+        The step then takes the global norm from these instead of reading the gradients, and it
+        equals ``clip_grad_norm_(params)``'s bit for bit (Note: [exact clip]). A parameter with a
+        ``.grad`` but no norm here has its norm computed at the step. Takes precedence over
+        squared norms handed per layer.
+        """
+        self._grad_norms = None if norms is None else dict(norms)
+
     def _global_norm(self) -> torch.Tensor | None:
+        handed_norms, self._grad_norms = self._grad_norms, None
         handed = self._inbox.take()
+        if handed_norms is not None:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            return grad_total_norm([p.grad for p in params], [handed_norms.get(p) for p in params])
         with_grads = {
             layer
             for layer, gis in self._layer_groups.items()
@@ -261,7 +288,7 @@ class HybridAdamW(Optimizer):
         return _StepPlan(clip=decision, hyper=hyper, grads=grads)
 
     def _update_layer(self, layer: Hashable, plan: _StepPlan) -> None:
-        scale = plan.clip.scale
+        coef = plan.clip.scale_tensor
         # A finite global norm proves every gradient element finite: the 8-bit update can skip
         # its non-finite handling (bnb8bit.py). No norm computed (nan): it must check.
         grads_finite = math.isfinite(plan.clip.grad_norm)
@@ -274,9 +301,15 @@ class HybridAdamW(Optimizer):
                     continue
                 state = self.state[p]
                 if self._bits[p] == 8:
+                    # bitsandbytes multiplies a float32 copy of the gradient by ``gnorm_scale``: for
+                    # a float32 gradient exactly ``grad * coef``; a 16-bit one is clipped in its dtype.
+                    gnorm_scale = plan.clip.scale
+                    if coef is not None and grad.dtype != torch.float32:
+                        scale_grads_([grad], coef)
+                        gnorm_scale = 1.0
                     adamw_8bit_update(
                         p, grad, state, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                        weight_decay=hp.weight_decay, gnorm_scale=scale, grads_finite=grads_finite,
+                        weight_decay=hp.weight_decay, gnorm_scale=gnorm_scale, grads_finite=grads_finite,
                     )
                 else:
                     params.append(p)
@@ -286,8 +319,7 @@ class HybridAdamW(Optimizer):
                     steps.append(state["step"])
             adamw32_update(
                 params, grads, exp_avgs, exp_avg_sqs, steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
-                eps=hp.eps, weight_decay=hp.weight_decay, scale=scale, scale_tensor=plan.clip.scale_tensor,
-                impl=self.impl,
+                eps=hp.eps, weight_decay=hp.weight_decay, clip_coef=coef, impl=self.impl,
             )
 
     @torch.no_grad()
