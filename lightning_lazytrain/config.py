@@ -71,6 +71,13 @@ class HardwareConfig:
     cpu_adam_gparams_per_s: float = MISSING  # 32-bit AdamW update rate, whole host
     cpu_adam8_gparams_per_s: float = MISSING  # 8-bit blockwise AdamW update rate, whole host
     host_gb_per_s: float = 10.0  # the engine's host lane (casts, grad accumulation), elementwise streaming
+    # several devices (planner/multi.py); defaults: one GPU
+    gpus_per_node: int = 1
+    nodes: int = 1
+    intra_node_gb_per_s: float = 0.0  # device collective bus bandwidth in a node (NVLink / PCIe peer)
+    inter_node_gb_per_s: float = 0.0  # network per node
+    host_link_share: float = 1.0  # fraction of h2d/d2h one rank gets while every rank copies
+    host_collective_gb_per_s: float = 0.0  # host (gloo) all-reduce bus bandwidth
     # ---- descriptive -----------------------------------------------------------------------
     description: str = ""
     nvme_drives: int = 0
@@ -188,13 +195,16 @@ def _node(cfg: Any, key: str) -> Any:
 
 _FROM_GB_KEYS = ("name", "gpu_memory_gb", "gpu_memory_cap_gb", "peak_tflops", "efficiency", "h2d_gb_per_s",
                  "d2h_gb_per_s", "nvme_read_gb_per_s", "nvme_write_gb_per_s", "nvme_capacity_gb",
-                 "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s", "host_gb_per_s")
+                 "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s", "host_gb_per_s",
+                 "gpus_per_node", "nodes", "intra_node_gb_per_s", "inter_node_gb_per_s", "host_link_share",
+                 "host_collective_gb_per_s")
 
 
 def to_hardware(cfg: Any) -> Hardware:
     """``HardwareConfig`` (or the app config) -> validated ``planner.Hardware``."""
     hw = _node(cfg, "hardware")
-    return Hardware.from_gb(**{key: _get(hw, key) for key in _FROM_GB_KEYS})
+    present = (lambda k: k in hw) if isinstance(hw, (dict, DictConfig)) else (lambda k: hasattr(hw, k))
+    return Hardware.from_gb(**{key: _get(hw, key) for key in _FROM_GB_KEYS if present(key)})
 
 
 def load_hardware(name: str) -> Hardware:

@@ -12,9 +12,10 @@ from .policies import BASELINES, baseline, keep_all, megatrain, min_memory, reco
 from .schedule import Op, Schedule, Window, window_index
 from .simulator import SimResult, simulate
 from .workload import LayerWork, Workload
+from .multi import MODES as DATA_PARALLEL_MODES, ClusterResult, plan_cluster, rank_hardware, rank_workload
 
 __all__ = [
     "BASELINES", "BatchSearch", "BlockCost", "MilpOptions", "PlanResult", "SolveResult", "diagnose", "largest_batch", "make_plan", "search_batch", "solve", "Hardware", "InfeasibleBudget", "InfeasibleSchedule", "InvalidInput", "LayerWork",
     "ModelSpec", "Op", "PlannerError", "Schedule", "SimResult", "TrainSpec", "Window", "Workload", "baseline",
-    "block_cost", "keep_all", "megatrain", "min_memory", "model_spec_from_hf", "recompute_all", "simulate", "window_index",
+    "block_cost", "ClusterResult", "DATA_PARALLEL_MODES", "plan_cluster", "rank_hardware", "rank_workload", "keep_all", "megatrain", "min_memory", "model_spec_from_hf", "recompute_all", "simulate", "window_index",
 ]

@@ -43,6 +43,17 @@ class Hardware:
     cpu_adam_params_per_s: float  # 32-bit AdamW states, whole host
     cpu_adam8_params_per_s: float  # 8-bit blockwise AdamW states, whole host
     host_bytes_per_s: float = DEFAULT_HOST_BYTES_PER_S  # one host thread, elementwise streaming
+    # ---- several devices (``planner/multi.py``); the defaults are one GPU ----------------------
+    gpus_per_node: int = 1  # ranks per node, sharing this node's host memory, optimizer and host-lane rates
+    nodes: int = 1
+    intra_node_bytes_per_s: float = 0.0  # device collective bus bandwidth inside a node (NVLink / PCIe peer)
+    inter_node_bytes_per_s: float = 0.0  # network bandwidth per node (all its NICs together)
+    host_link_share: float = 1.0  # fraction of h2d/d2h each rank gets when every rank copies at once
+    host_collective_bytes_per_s: float = 0.0  # host-side (gloo) all-reduce bus bandwidth between ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
 
     @property
     def flops_per_s(self) -> float:
@@ -61,6 +72,23 @@ class Hardware:
                 raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = no NVMe)")
         if not 0 < self.efficiency <= 1:
             raise InvalidInput("hardware.efficiency", self.efficiency, "must be in (0, 1]")
+        for key in ("gpus_per_node", "nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(f"hardware.{key}", value, "must be an integer >= 1")
+        for key in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_collective_bytes_per_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = none)")
+        if not (isinstance(self.host_link_share, (int, float)) and 0 < self.host_link_share <= 1):
+            raise InvalidInput("hardware.host_link_share", self.host_link_share,
+                               "must be in (0, 1]: the fraction of h2d/d2h one rank gets while every rank copies")
+        if self.gpus_per_node > 1 and self.intra_node_bytes_per_s <= 0:
+            raise InvalidInput("hardware.intra_node_bytes_per_s", self.intra_node_bytes_per_s,
+                               f"gpus_per_node={self.gpus_per_node} needs the intra-node collective bandwidth (> 0)")
+        if self.nodes > 1 and self.inter_node_bytes_per_s <= 0:
+            raise InvalidInput("hardware.inter_node_bytes_per_s", self.inter_node_bytes_per_s,
+                               f"nodes={self.nodes} needs the inter-node network bandwidth (> 0)")
         if self.gpu_memory_cap_bytes > self.gpu_memory_bytes:
             raise InvalidInput("hardware.gpu_memory_cap_bytes", self.gpu_memory_cap_bytes,
                                f"exceeds gpu_memory_bytes={self.gpu_memory_bytes:.3g}")
@@ -80,7 +108,9 @@ class Hardware:
                 efficiency: float, h2d_gb_per_s: float, d2h_gb_per_s: float, nvme_read_gb_per_s: float,
                 nvme_write_gb_per_s: float, nvme_capacity_gb: float, cpu_memory_gb: float,
                 cpu_adam_gparams_per_s: float, cpu_adam8_gparams_per_s: float,
-                host_gb_per_s: float = DEFAULT_HOST_BYTES_PER_S / GB) -> Hardware:
+                host_gb_per_s: float = DEFAULT_HOST_BYTES_PER_S / GB, gpus_per_node: int = 1, nodes: int = 1,
+                intra_node_gb_per_s: float = 0.0, inter_node_gb_per_s: float = 0.0, host_link_share: float = 1.0,
+                host_collective_gb_per_s: float = 0.0) -> Hardware:
         """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
         return cls(
             name=name,
@@ -97,4 +127,10 @@ class Hardware:
             cpu_adam_params_per_s=cpu_adam_gparams_per_s * 1e9,
             cpu_adam8_params_per_s=cpu_adam8_gparams_per_s * 1e9,
             host_bytes_per_s=host_gb_per_s * GB,
+            gpus_per_node=gpus_per_node,
+            nodes=nodes,
+            intra_node_bytes_per_s=intra_node_gb_per_s * GB,
+            inter_node_bytes_per_s=inter_node_gb_per_s * GB,
+            host_link_share=host_link_share,
+            host_collective_bytes_per_s=host_collective_gb_per_s * GB,
         ).validate()

@@ -90,6 +90,18 @@ class ScheduleModel:
         self.lay = wl.layers
         self.E = max(1, min(opt.max_block, L))
         self.use_nvme = opt.nvme and hw.has_nvme
+        self.dp = wl.data_parallel  # several ranks: the collectives Schedule.windows() adds (see multi.py)
+        if self.dp == "replicate_overlap" and wl.grad_accum > 1:
+            raise InvalidInput("workload.grad_accum", wl.grad_accum, "replicate_overlap all-reduces in the last "
+                               "micro-batch's B windows only; the MILP models it for grad_accum = 1 (simulate it)")
+        # per layer: seconds over this rank's host link (link_fraction of the bytes; 1 on one GPU), and the
+        # collective lane's all-gather / reduce-scatter / host all-reduce (0 on one GPU); index L: none
+        self.p_s = [l.param_bytes * l.link_fraction / hw.h2d_bytes_per_s for l in wl.layers] + [0.0]
+        self.g_s = [l.grad_bytes * l.link_fraction / hw.d2h_bytes_per_s for l in wl.layers] + [0.0]
+        shard, overlap = self.dp == "shard", self.dp == "replicate_overlap"
+        self.gth = [l.gather_seconds if shard else 0.0 for l in wl.layers] + [0.0]
+        self.rs = [l.reduce_seconds if shard else 0.0 for l in wl.layers] + [0.0]
+        self.ar = [l.allreduce_seconds if overlap else 0.0 for l in wl.layers] + [0.0]  # in B; replicate: in T
         m = self.m = pyo.ConcreteModel("lazytrain_schedule")
         self.edges = [(s, e) for s in range(L) for e in range(s + 1, min(L, s + self.E) + 1)]
         self.inner = list(range(1, L))
@@ -288,48 +300,68 @@ class ScheduleModel:
                 if not isinstance(expr, (int, float)) or expr > 0:
                     self.add(var >= expr)
 
+        gth, rs, ar = self.gth, self.rs, self.ar
         for j in range(L):
-            fetch = lay[j + 1].param_bytes / h2d if j + 1 < L else 0.0
+            fetch = self.p_s[j + 1] if j + 1 < L else 0.0
             d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
             optimizer = lay[j + 1].opt_seconds * pipe if j + 1 < L else 0.0
             # chain: optimizer (pipelined only) -> cast -> fetch of layer j + 1
-            bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, optimizer + cast[j + 1] + fetch, d2h_load, nvw_load])
+            chain = optimizer + cast[j + 1] + fetch
+            if gth[j + 1]:  # shard: the all-gather follows the fetch
+                chain = chain + gth[j + 1]
+            bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, chain, d2h_load, nvw_load])
             if wl.grad_accum > 1:
-                exprs = [lay[j].fwd_seconds, cast[j + 1] + fetch, d2h_load, nvw_load]
+                exprs = [lay[j].fwd_seconds, cast[j + 1] + fetch + gth[j + 1] if gth[j + 1] else cast[j + 1] + fetch,
+                         d2h_load, nvw_load]
                 if j == 0:  # layer 0's grads of the previous micro-batch, accumulated after the cast
-                    g0 = lay[0].grad_bytes / d2h
+                    g0 = self.g_s[0] + rs[0] if rs[0] else self.g_s[0]  # shard: behind its reduce-scatter
                     exprs[2] = d2h_load + g0
                     if acc[0]:
                         exprs += [g0 + acc[0], cast[1] + acc[0]]
+                    if rs[0] and gth[1]:  # the all-gather of layer 1 queues behind the reduce-scatter
+                        exprs.append(rs[0] + gth[1])
                 bound(m.tF[j], f"tF[{j}]", exprs)
-        h2d_h = (lay[L - 1].param_bytes * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
+        if self.dp == "none":
+            h2d_h = (lay[L - 1].param_bytes * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
+        else:
+            h2d_h = self.p_s[L - 1] * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner) / h2d
         if cast[L - 1]:
             h2d_h += cast[L - 1] * (1 - m.r[L - 1])  # the fetch, and the reloads behind it, wait for its cast
         nvw_h = sum(A[i] * self.off(i, L - 1, ("n",)) for i in self.inner) / nvw
         nvr_h = sum(A[i] * self.rel(i, L - 1, ("n",)) for i in self.inner) / nvr
-        bound(m.tH, "tH", [wl.head_seconds, h2d_h, nvw_h, nvr_h])
+        h_rows = [wl.head_seconds, h2d_h, nvw_h, nvr_h]
+        if gth[L - 1]:  # shard: cast -> fetch -> all-gather of layer L-1
+            h_rows.append((cast[L - 1] + self.p_s[L - 1] + gth[L - 1]) * (1 - m.r[L - 1]))
+        bound(m.tH, "tH", h_rows)
         for u in range(L):
             blocks = self.block_into(u + 1)
             tail = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u])  # after the block's re-runs
             compute = tail + sum(m.x[s, e] * sum(lay[j].fwd_seconds for j in range(s, u)) for (s, e) in blocks)
             reloads = sum(A[i] * self.rel(i, u) for i in self.inner) / h2d
-            grads = lay[u + 1].grad_bytes / d2h if u + 1 < L else 0.0
+            grads = self.g_s[u + 1] if u + 1 < L else 0.0
+            if rs[u + 1]:  # shard: the gradient D2H waits for the reduce-scatter, first on the collective lane
+                grads = rs[u + 1] + grads
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
             if u == 0:  # no prefetch, no block
-                bound(m.tB[u], f"tB[{u}]", [compute, reloads, grads + acc[u + 1], nvr_b])
+                rows = [compute, reloads, grads + acc[u + 1], nvr_b]
+                if ar[u + 1]:  # replicate_overlap: the host all-reduce after the accumulate
+                    rows.append(grads + acc[u + 1] + ar[u + 1])
+                bound(m.tB[u], f"tB[{u}]", rows)
                 continue
-            fetched, cast_end = self._b_chains(u, h2d)
-            exprs = [compute, fetched + reloads, grads + acc[u + 1], nvr_b]
+            fetched, cast_end, gathered = self._b_chains(u, h2d)
+            exprs = [compute, fetched + reloads, grads + acc[u + 1], nvr_b] + gathered
             for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
                 # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
                 exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
             if acc[u + 1]:
                 exprs.append(cast_end + acc[u + 1])  # the accumulate queues behind the window's casts
+            if ar[u + 1]:
+                exprs += [grads + acc[u + 1] + ar[u + 1], cast_end + acc[u + 1] + ar[u + 1]]
             bound(m.tB[u], f"tB[{u}]", exprs)
         bound(m.tT, "tT", self._t_window())
 
-    def block_chain(self, s: int, u: int, h2d: float) -> tuple[float, float, float, float, float]:
+    def block_chain(self, s: int, u: int, h2d: float) -> tuple[float, float, float, float, float, float]:
         """Times (from the window's start) of recompute block ``(s, u+1)`` in ``B{u}``, as ``schedule``
         orders it: (end of the block's casts, of its fetches, of its re-runs, of the prefetch of
         ``u-1``'s cast, of that prefetch).
@@ -338,18 +370,28 @@ class ScheduleModel:
         fetch j (H2D, FIFO; after cast j), re-run j (compute, FIFO; after fetch j). Without the
         buffer waits this is the three-stage flow-shop makespan ``max over a <= b of c[s..a] +
         p[a..b] + f[b..u-1]``; with them, the longest path of the same max-plus recurrence. The
-        prefetch of ``u-1`` casts after the last re-run (the spare buffer), then fetches."""
-        lay = self.lay
+        prefetch of ``u-1`` casts after the last re-run (the spare buffer), then fetches.
+
+        Shard: a fourth stage, the all-gather after each fetch (collective lane, FIFO, starting after
+        the reduce-scatter of layer ``u+1``); each re-run waits for its gather. The sixth value is the
+        end of the prefetch's gather (= the prefetch's end without sharding)."""
+        lay, gth = self.lay, self.gth
         cast_end = fetch_end = run_end = 0.0
+        coll = self.rs[u + 1] if self.dp == "shard" else 0.0
         runs: dict[int, float] = {}
         for j in range(s, u):
             cast_end = max(cast_end, runs.get(j - 2, 0.0)) + lay[j].cast_seconds
-            fetch_end = max(fetch_end, cast_end) + lay[j].param_bytes / h2d
-            run_end = max(run_end, fetch_end) + lay[j].fwd_seconds
+            fetch_end = max(fetch_end, cast_end) + self.p_s[j]
+            ready = fetch_end
+            if self.dp == "shard":
+                coll = max(coll, fetch_end) + gth[j]
+                ready = coll
+            run_end = max(run_end, ready) + lay[j].fwd_seconds
             runs[j] = run_end
         pre_cast = max(cast_end, run_end) + lay[u - 1].cast_seconds
-        pre_fetch = max(fetch_end, pre_cast) + lay[u - 1].param_bytes / h2d
-        return cast_end, fetch_end, run_end, pre_cast, pre_fetch
+        pre_fetch = max(fetch_end, pre_cast) + self.p_s[u - 1]
+        pre_gather = max(coll, pre_fetch) + gth[u - 1] if self.dp == "shard" else pre_fetch
+        return cast_end, fetch_end, run_end, pre_cast, pre_fetch, pre_gather
 
     def _b_chains(self, u: int, h2d: float):
         """B{u} (u >= 1): (end of the H2D lane's weight fetches, end of the host lane's casts), linear
@@ -360,16 +402,22 @@ class ScheduleModel:
         At most one block ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sums below are
         exact (each coefficient is >= 0, and only nonzero ones are added)."""
         m, lay = self.m, self.lay
-        c, p = lay[u - 1].cast_seconds, lay[u - 1].param_bytes / h2d
+        c, p = lay[u - 1].cast_seconds, self.p_s[u - 1]
         fetched = (c + p) * (1 - m.r[u - 1]) if c + p else 0
         cast_end = c * (1 - m.r[u - 1]) if c else 0
+        # shard: the prefetch's all-gather ends at max(its fetch, the reduce-scatter) + gather: two rows
+        g, rs = self.gth[u - 1], self.rs[u + 1]
+        gathered = [] if self.dp != "shard" else [(c + p + g) * (1 - m.r[u - 1]), (rs + g) * (1 - m.r[u - 1])]
         for (s, e) in self.block_into(u + 1):
-            _, _, _, pre_cast, pre_fetch = self.block_chain(s, u, h2d)
+            _, _, _, pre_cast, pre_fetch, pre_gather = self.block_chain(s, u, h2d)
             if pre_fetch - c - p:
                 fetched += m.x[s, e] * (pre_fetch - c - p)
             if pre_cast - c:
                 cast_end += m.x[s, e] * (pre_cast - c)
-        return fetched, cast_end
+            if gathered:
+                gathered[0] += m.x[s, e] * (pre_gather - c - p - g)
+                gathered[1] += m.x[s, e] * (pre_gather - rs - g)
+        return fetched, cast_end, gathered
 
     def _t_window(self) -> list:
         """T's only decision is the optimizer mode: layer 0's and the non-block grads arrive and are
@@ -377,8 +425,13 @@ class ScheduleModel:
         each updated group is cast and fetched (layer 0's fetch behind the non-block fetch on the H2D
         lane). The two fetch chains are the same in both modes (they wait for the non-block and layer
         0's updates, which come first either way); serial adds the CPU lane's every update, a row
-        gated by ``1 - pipe`` (exact for a binary: 0 when pipelined)."""
+        gated by ``1 - pipe`` (exact for a binary: 0 when pipelined).
+
+        Several ranks: T holds no decision but the mode, so its length in each mode is a constant,
+        taken from the simulator's own timing of ``Schedule._t_ops_data_parallel`` (exact)."""
         wl, lay, hw = self.wl, self.lay, self.hw
+        if self.dp != "none":
+            return self._t_window_data_parallel()
         h2d, d2h = hw.h2d_bytes_per_s, hw.d2h_bytes_per_s
         grads_t = (lay[0].grad_bytes + wl.nonblock_grad_bytes) / d2h
         accumulated = max(lay[0].grad_bytes / d2h + lay[0].accum_seconds, grads_t) + wl.nonblock_accum_seconds
@@ -392,6 +445,21 @@ class ScheduleModel:
         elif self.modes == ("serial",):
             tail.append(serial)
         return tail
+
+    def _t_window_data_parallel(self) -> list:
+        from .policies import recompute_all
+        from .simulator import _run_window
+
+        ends = {}
+        for mode in self.modes:
+            s = recompute_all(self.L)
+            s = Schedule(num_layers=self.L, homes=s.homes, keep_internals=s.keep_internals,
+                         resident_weights=s.resident_weights, offload_window=s.offload_window,
+                         reload_window=s.reload_window, optimizer=mode, data_parallel=self.dp)
+            ends[mode], _ = _run_window(s.windows()[-1], 0.0, self.wl, self.hw, [], {})
+        if len(self.modes) > 1:
+            return [ends["pipelined"] * self.m.pipe, ends["serial"] * (1 - self.m.pipe)]
+        return [ends[self.modes[0]]]
 
     def iteration_time(self):
         m, L, g = self.m, self.L, self.wl.grad_accum
@@ -469,7 +537,8 @@ class ScheduleModel:
                 rel[i] = t
         return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(on(m.k[j]) for j in range(L)),
                         resident_weights=tuple(on(m.r[j]) for j in range(L)), offload_window=tuple(off),
-                        reload_window=tuple(rel), backward_prefetch=True, optimizer=self.optimizer(), policy=policy)
+                        reload_window=tuple(rel), backward_prefetch=True, optimizer=self.optimizer(),
+                        data_parallel=self.dp, policy=policy)
 
     def optimizer(self) -> str:
         """The optimizer mode of the current solution (the forced one, or the value of ``pipe``)."""

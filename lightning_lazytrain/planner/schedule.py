@@ -37,6 +37,15 @@ Decisions:
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
   first micro-batch's ``F{j}`` updates layer ``j+1`` just before fetching it).
+- ``data_parallel`` (several ranks, ``multi.py``; one rank's windows): ``none`` (one GPU, the ops
+  above and nothing else); ``shard`` (hybrid sharding: every weight fetch moves this rank's shard
+  and is followed by a device all-gather, ``collective gather``, which the block's compute waits
+  for; every gradient D2H moves the shard and waits for the block's device reduce-scatter,
+  ``collective reduce``, issued first in its window); ``replicate`` (full blocks per rank; in T
+  one host all-reduce per group, ``collective allreduce``, after the last accumulate and before
+  every update: today's engine); ``replicate_overlap`` (each group's host all-reduce right after
+  its accumulate in the last micro-batch's ``B`` windows and T). The ``collective`` lane is FIFO
+  like the others.
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ from .errors import InvalidInput
 
 SCHEDULE_VERSION = 1
 HOMES = ("gpu", "cpu", "nvme", "recompute")
-LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu", "host")
+LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "cpu", "host", "collective")
+DATA_PARALLEL = ("none", "shard", "replicate", "replicate_overlap")
 
 Home = Literal["gpu", "cpu", "nvme", "recompute"]
 
@@ -79,24 +89,35 @@ class Window:
     ops: tuple[Op, ...]
 
 
-def _fetch(ops: list[Op], kind: str, index: int, after: int = -1) -> int:
+def _fetch(ops: list[Op], kind: str, index: int, after: int = -1, gather: bool = False) -> int:
     """Append a weight fetch (``kind``: weights / recompute_weights) behind its host cast; the cast
-    takes ``after``. Returns the fetch's position."""
+    takes ``after``. With ``gather`` (shard) the device all-gather follows the fetch. Returns the
+    position of the last op (the fetch, or its all-gather): what the weights' users wait for."""
     ops.append(Op("host", "cast", index, after=after))
     ops.append(Op("h2d", kind, index, after=len(ops) - 1))
+    if gather:
+        ops.append(Op("collective", "gather", index, after=len(ops) - 1))
     return len(ops) - 1
 
 
-def _grads(ops: list[Op], index: int) -> int:
-    """Append a gradient D2H; returns its position (its accumulate is appended by ``_accumulate``)."""
-    ops.append(Op("d2h", "grads", index))
+def _grads(ops: list[Op], index: int, reduce: bool = False) -> int:
+    """Append a gradient D2H (with ``reduce``, shard: behind the device reduce-scatter); returns the
+    D2H's position (its accumulate is appended by ``_accumulate``)."""
+    if reduce:
+        ops.append(Op("collective", "reduce", index))
+        ops.append(Op("d2h", "grads", index, after=len(ops) - 1))
+    else:
+        ops.append(Op("d2h", "grads", index))
     return len(ops) - 1
 
 
-def _accumulate(ops: list[Op], grads: list[int]) -> None:
-    """Append the host accumulate of each gradient D2H at positions ``grads``."""
+def _accumulate(ops: list[Op], grads: list[int], allreduce: bool = False) -> None:
+    """Append the host accumulate of each gradient D2H at positions ``grads`` (with ``allreduce``,
+    replicate_overlap: each followed by the group's host all-reduce)."""
     for pos in grads:
         ops.append(Op("host", "accumulate", ops[pos].index, after=pos))
+        if allreduce:
+            ops.append(Op("collective", "allreduce", ops[pos].index, after=len(ops) - 1))
 
 
 def window_index(name: str, num_layers: int) -> int:
@@ -119,6 +140,7 @@ class Schedule:
     reload_window: tuple[int | None, ...]
     backward_prefetch: bool = True
     optimizer: str = "pipelined"
+    data_parallel: str = "none"
     policy: str = ""
     version: int = SCHEDULE_VERSION
     meta: dict = field(default_factory=dict, compare=False)
@@ -142,6 +164,8 @@ class Schedule:
             raise InvalidInput("schedule.homes", (self.homes[0], self.homes[L]), "boundaries 0 and L must be 'gpu'")
         if self.optimizer not in ("serial", "pipelined"):
             raise InvalidInput("schedule.optimizer", self.optimizer, "must be 'serial' or 'pipelined'")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise InvalidInput("schedule.data_parallel", self.data_parallel, f"must be one of {DATA_PARALLEL}")
         if self.version != SCHEDULE_VERSION:
             raise InvalidInput("schedule.version", self.version, f"this code reads version {SCHEDULE_VERSION}")
         nxt = self.next_materialised()
@@ -224,12 +248,14 @@ class Schedule:
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
+        sh = self.data_parallel == "shard"
+        overlap = self.data_parallel == "replicate_overlap" and last_microbatch
         out: list[Window] = []
         for j in range(L):
             ops: list[Op] = [Op("compute", "forward", j)]
             grads: list[int] = []
             if j == 0 and not first_microbatch:
-                grads.append(_grads(ops, 0))  # layer 0's grads of the previous micro-batch
+                grads.append(_grads(ops, 0, reduce=sh))  # layer 0's grads of the previous micro-batch
             for i in range(L + 1):
                 if self.homes[i] in ("cpu", "nvme") and self.offload_window[i] == j:
                     ops.append(Op("d2h", "offload", i))
@@ -238,9 +264,9 @@ class Schedule:
             if j + 1 < L:
                 if pipelined and first_microbatch:
                     ops.append(Op("cpu", "optimizer", j + 1))
-                    _fetch(ops, "weights", j + 1, after=len(ops) - 1)
+                    _fetch(ops, "weights", j + 1, after=len(ops) - 1, gather=sh)
                 else:
-                    _fetch(ops, "weights", j + 1)
+                    _fetch(ops, "weights", j + 1, gather=sh)
             _accumulate(ops, grads)
             out.append(Window(f"F{j}", tuple(ops)))
         ops = [Op("compute", "head", -1)]
@@ -248,14 +274,16 @@ class Schedule:
             if self.homes[i] == "nvme" and self.offload_window[i] == L - 1:
                 ops.append(Op("nvme_write", "offload", i))
         if self.backward_prefetch and not self.resident_weights[L - 1]:
-            _fetch(ops, "weights", L - 1)
+            _fetch(ops, "weights", L - 1, gather=sh)
         ops += self._reload_ops(L)
         out.append(Window("H", tuple(ops)))
         for t in range(L - 1, -1, -1):
             ops = []
             grads = []
+            if sh and t + 1 < L:  # the reduce-scatter of layer t+1 goes first: its backward just ended
+                grads.append(_grads(ops, t + 1, reduce=True))
             fetch_here = not self.backward_prefetch and not self.resident_weights[t]
-            dep = _fetch(ops, "weights", t) if fetch_here else -1
+            dep = _fetch(ops, "weights", t, gather=sh) if fetch_here else -1
             block = self.block_ending_at(t + 1)
             rerun: dict[int, int] = {}  # layer -> position of its recompute
             if block is not None:
@@ -265,20 +293,22 @@ class Schedule:
                 # (its cast waits for it); layer t-1's prefetch reuses the spare buffer, issued
                 # once the whole block is re-run.
                 for j in range(block[0], t):
-                    fetch = _fetch(ops, "recompute_weights", j, after=rerun.get(j - 2, -1))
+                    fetch = _fetch(ops, "recompute_weights", j, after=rerun.get(j - 2, -1), gather=sh)
                     ops.append(Op("compute", "recompute", j, after=fetch))
                     rerun[j] = len(ops) - 1
             if not self.keep_internals[t]:
                 ops.append(Op("compute", "local_recompute", t, after=dep))
             ops.append(Op("compute", "backward", t, after=dep))
-            if t + 1 < L:
+            if t + 1 < L and not sh:
                 grads.append(_grads(ops, t + 1))
             if self.backward_prefetch and t >= 1 and not self.resident_weights[t - 1]:
-                _fetch(ops, "weights", t - 1, after=rerun.get(t - 1, -1))
+                _fetch(ops, "weights", t - 1, after=rerun.get(t - 1, -1), gather=sh)
             ops += self._reload_ops(t)
-            _accumulate(ops, grads)
+            _accumulate(ops, grads, allreduce=overlap)
             out.append(Window(f"B{t}", tuple(ops)))
-        if last_microbatch:
+        if last_microbatch and self.data_parallel != "none":
+            out.append(Window("T", tuple(self._t_ops_data_parallel())))
+        elif last_microbatch:
             # grads of layer 0 and of the non-block parameters -> host and accumulated there (ops
             # 0-3), then the optimizer; each group's fresh weights are cast and go back to the device
             # as soon as its update is done.
@@ -292,6 +322,31 @@ class Schedule:
             _fetch(ops, "weights", 0, after=5)  # op 5: layer 0's update, in both orders
             out.append(Window("T", tuple(ops)))
         return out
+
+    def _t_ops_data_parallel(self) -> list[Op]:
+        """T with several ranks: layer 0's and the non-block grads (shard: each behind its
+        reduce-scatter) are accumulated; replicate: then every group's host all-reduce, serially
+        (``-1, 0 .. L-1``); replicate_overlap: layer 0's and the non-block group's (the others ran in
+        the B windows); then the updates (``-1, 0`` pipelined, else all), each waiting for the last
+        of those ops; the non-block and layer 0's fresh weights are cast and fetched (shard:
+        all-gathered) once their updates are done."""
+        L, sh = self.num_layers, self.data_parallel == "shard"
+        ops: list[Op] = []
+        for idx in (0, -1):
+            _accumulate(ops, [_grads(ops, idx, reduce=sh)], allreduce=self.data_parallel == "replicate_overlap")
+        if self.data_parallel == "replicate":
+            first = len(ops) - 1
+            for idx in [-1] + list(range(L)):
+                ops.append(Op("collective", "allreduce", idx, after=first if idx == -1 else -1))
+        ready = len(ops) - 1
+        order = [-1, 0] if self.optimizer == "pipelined" else [-1] + list(range(L))
+        pos = {}
+        for j in order:
+            ops.append(Op("cpu", "optimizer", j, after=ready))
+            pos[j] = len(ops) - 1
+        _fetch(ops, "weights", -1, after=pos[-1], gather=sh)
+        _fetch(ops, "weights", 0, after=pos[0], gather=sh)
+        return ops
 
     def _reload_ops(self, t: int) -> list[Op]:
         ops = []
@@ -316,6 +371,7 @@ class Schedule:
             "reload_window": list(self.reload_window),
             "backward_prefetch": self.backward_prefetch,
             "optimizer": self.optimizer,
+            **({"data_parallel": self.data_parallel} if self.data_parallel != "none" else {}),
             "recompute_blocks": [list(b) for b in self.recompute_blocks],
             "home_counts": self.count_homes(),
             "windows": [{"name": w.name, "ops": [[o.lane, o.kind, o.index, o.after] for o in w.ops]}
@@ -336,7 +392,7 @@ class Schedule:
                    resident_weights=tuple(bool(r) for r in data["resident_weights"]),
                    offload_window=tuple(data["offload_window"]), reload_window=tuple(data["reload_window"]),
                    backward_prefetch=bool(data["backward_prefetch"]), optimizer=data["optimizer"],
-                   policy=data.get("policy", ""), meta=data.get("meta", {}))
+                   data_parallel=data.get("data_parallel", "none"), policy=data.get("policy", ""), meta=data.get("meta", {}))
 
     @classmethod
     def loads(cls, text: str) -> Schedule:

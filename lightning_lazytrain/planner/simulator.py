@@ -82,10 +82,21 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
         if op.kind == "cast":
             return (wl.nonblock_cast_seconds if op.index < 0 else layers[op.index].cast_seconds), 0.0
         return (wl.nonblock_accum_seconds if op.index < 0 else layers[op.index].accum_seconds), 0.0
-    if op.kind in ("weights", "recompute_weights"):
-        nbytes = wl.nonblock_param_bytes if op.index < 0 else layers[op.index].param_bytes
+    if op.lane == "collective":  # gather / reduce on the devices, allreduce on the host (see schedule)
+        if op.index < 0:
+            return {"gather": (wl.nonblock_gather_seconds, wl.nonblock_gather_bytes),
+                    "reduce": (wl.nonblock_reduce_seconds, wl.nonblock_reduce_bytes),
+                    "allreduce": (wl.nonblock_allreduce_seconds, wl.nonblock_allreduce_bytes)}[op.kind]
+        layer = layers[op.index]
+        return {"gather": (layer.gather_seconds, layer.gather_bytes),
+                "reduce": (layer.reduce_seconds, layer.reduce_bytes),
+                "allreduce": (layer.allreduce_seconds, layer.allreduce_bytes)}[op.kind]
+    if op.kind in ("weights", "recompute_weights"):  # this rank's part of them (link_fraction; 1 on one GPU)
+        nbytes = (wl.nonblock_param_bytes * wl.nonblock_link_fraction if op.index < 0
+                  else layers[op.index].param_bytes * layers[op.index].link_fraction)
     elif op.kind == "grads":
-        nbytes = wl.nonblock_grad_bytes if op.index < 0 else layers[op.index].grad_bytes
+        nbytes = (wl.nonblock_grad_bytes * wl.nonblock_link_fraction if op.index < 0
+                  else layers[op.index].grad_bytes * layers[op.index].link_fraction)
     else:  # offload / reload / nvme legs move a boundary
         nbytes = A[op.index]
     bandwidth = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
@@ -178,6 +189,9 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
     s, wl, hw = schedule, workload, hardware
     if s.num_layers != wl.num_layers:
         raise InfeasibleSchedule("shape", f"schedule has {s.num_layers} layers, workload {wl.num_layers}")
+    if s.data_parallel != wl.data_parallel:
+        raise InfeasibleSchedule("shape", f"schedule's data_parallel is {s.data_parallel!r}, the workload's "
+                                 f"{wl.data_parallel!r} (plan a rank's workload with a schedule of its mode)")
     names = s.window_names()
     mem = window_memory(s, wl)
     peak_index = max(range(len(mem)), key=mem.__getitem__)

@@ -51,14 +51,15 @@ def solver_version() -> str:
     return f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
 
 
-def in_space(s: Schedule, opt: MilpOptions, optimizer: str | None = None) -> Schedule:
+def in_space(s: Schedule, opt: MilpOptions, optimizer: str | None = None, data_parallel: str | None = None) -> Schedule:
     """The nearest schedule in the MILP's space (backward prefetch on; the optimizer ``optimizer`` if
     given, else the schedule's own when the options allow it, else the one they allow)."""
     modes = opt.optimizer_modes()
     mode = optimizer or (s.optimizer if s.optimizer in modes else modes[-1])
     return Schedule(num_layers=s.num_layers, homes=s.homes, keep_internals=s.keep_internals,
                     resident_weights=s.resident_weights, offload_window=s.offload_window,
-                    reload_window=s.reload_window, backward_prefetch=True, optimizer=mode, policy=s.policy)
+                    reload_window=s.reload_window, backward_prefetch=True, optimizer=mode,
+                    data_parallel=data_parallel or s.data_parallel, policy=s.policy)
 
 
 def best_baseline(wl: Workload, hw: Hardware, opt: MilpOptions, K: int = 4) -> tuple[Schedule, SimResult] | None:
@@ -71,7 +72,7 @@ def best_baseline(wl: Workload, hw: Hardware, opt: MilpOptions, K: int = 4) -> t
     best = None
     for base in candidates:
         for mode in opt.optimizer_modes():
-            cand = in_space(base, opt, mode)
+            cand = in_space(base, opt, mode, wl.data_parallel)
             try:
                 sim = simulate(cand, wl, hw)
             except InfeasibleSchedule:

@@ -83,6 +83,18 @@ class LayerWork:
     # add ONE landed gradient D2H into the fp32 host grads, plus the layer's squared norm
     cast_seconds: float = 0.0
     accum_seconds: float = 0.0
+    # several devices (``multi.rank_workload``; the defaults are one GPU): the fraction of param_bytes /
+    # grad_bytes this rank moves over its host link (shard: 1/N); the device all-gather before every use
+    # of the weights (seconds, bytes received); the backward's device reduce-scatter (+ cross-node
+    # all-reduce of the shard) before the gradient D2H; the host all-reduce of the fp32 host gradient
+    # (replicate modes)
+    link_fraction: float = 1.0
+    gather_seconds: float = 0.0
+    gather_bytes: float = 0.0
+    reduce_seconds: float = 0.0
+    reduce_bytes: float = 0.0
+    allreduce_seconds: float = 0.0
+    allreduce_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,6 +115,19 @@ class Workload:
     grad_accum: int = 1
     total_params: int  # for MegaTrain's TFLOPS convention (6 * N * tokens / time)
     name: str = ""
+    # several devices (``multi.rank_workload``): the per-rank problem of ``ranks`` data-parallel ranks
+    # (``ranks_per_node`` per node); ``data_parallel`` names the collectives ``Schedule.windows()`` adds
+    # (none | shard | replicate | replicate_overlap); the non-block group's collectives as LayerWork's
+    data_parallel: str = "none"
+    ranks: int = 1
+    ranks_per_node: int = 1
+    nonblock_link_fraction: float = 1.0
+    nonblock_gather_seconds: float = 0.0
+    nonblock_gather_bytes: float = 0.0
+    nonblock_reduce_seconds: float = 0.0
+    nonblock_reduce_bytes: float = 0.0
+    nonblock_allreduce_seconds: float = 0.0
+    nonblock_allreduce_bytes: float = 0.0
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -146,6 +171,18 @@ class Workload:
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
         if self.grad_accum < 1:
             raise InvalidInput("workload.grad_accum", self.grad_accum, "must be >= 1")
+        for key in ("nonblock_link_fraction", "nonblock_gather_seconds", "nonblock_gather_bytes",
+                    "nonblock_reduce_seconds", "nonblock_reduce_bytes", "nonblock_allreduce_seconds",
+                    "nonblock_allreduce_bytes"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
+        from .schedule import DATA_PARALLEL
+        if self.data_parallel not in DATA_PARALLEL:
+            raise InvalidInput("workload.data_parallel", self.data_parallel, f"must be one of {DATA_PARALLEL}")
+        if self.ranks < 1 or self.ranks_per_node < 1 or self.ranks % self.ranks_per_node:
+            raise InvalidInput("workload.ranks", (self.ranks, self.ranks_per_node),
+                               "ranks and ranks_per_node must be >= 1, ranks a multiple of ranks_per_node")
         return self
 
     def to_json(self) -> dict:

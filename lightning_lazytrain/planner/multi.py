@@ -1,0 +1,210 @@
+"""Several GPUs and nodes: one rank's problem, and the data-parallel modes compared in one simulator.
+
+Data parallel with ``W = gpus_per_node x nodes`` ranks, each training its own micro-batch: every rank
+runs the same windows at the same time, so one rank's timeline is the iteration's, and the per-rank
+problem is the single-GPU problem with different per-layer lane costs (``rank_workload``) on a
+per-rank view of the hardware (``rank_hardware``). The MILP and the simulator then run unchanged but
+for the ``collective`` lane the workload's ``data_parallel`` adds to ``Schedule.windows()``.
+
+Modes (``MODES``):
+
+- ``shard`` (hybrid sharding, issue 11's design): inside a node each local rank owns ``1/n`` of every
+  block's fp32 masters, gradients and optimizer states in host memory; it casts and stages only its
+  shard over its own host link (``link_fraction = 1/n``), the devices assemble the block with an
+  all-gather before each use (forward, backward prefetch, recompute); the backward reduce-scatters
+  each block's gradients on the devices, then (``nodes > 1``) all-reduces the shard between the
+  ranks that own it on the other nodes; each rank moves and accumulates only its shard and updates
+  only its shard (host optimizer work split ``n`` ways, still layer-pipelined). Host memory per node
+  ~ one copy of the model's host state.
+- ``replicate`` (the engine today): full blocks over each rank's own link, one full host copy per
+  rank (``n`` per node), every host gradient all-reduced on the host (gloo) after the backward,
+  serially, before the step.
+- ``replicate_overlap``: as ``replicate``, each group's host all-reduce right after its accumulate
+  in the backward.
+- ``fsdp`` (FSDP2 with ``CPUOffloadPolicy``, as a fixed policy): sharded like ``shard`` but no
+  activation planning (every layer keeps its activations, or every layer is recomputed: FSDP's
+  activation checkpointing; the faster that fits), the fp32 sharded masters cross the link (cast on
+  the device, so ``link_fraction = 4 / e / n`` and no host cast), gradients reduce-scattered and
+  moved in fp32, the host optimizer serial after the backward.
+
+Shared node resources: the host optimizer and the host lane's elementwise rate (``cpu_adam*``,
+``host_bytes_per_s``) are whole-host figures shared by the node's ranks; each rank's link gets
+``host_link_share`` of ``h2d``/``d2h`` (ranks behind one PCIe switch); host memory
+(``cpu_memory_bytes``) is per node, each rank's share ``1/n``. Collective costs (bus-bandwidth
+model, bytes per rank): all-gather and reduce-scatter ``(n-1)/n`` of the block over
+``intra_node_bytes_per_s``; cross-node all-reduce of a shard ``2 (M-1)/M`` of it, the node's NICs
+(``inter_node_bytes_per_s``) shared by its ``n`` ranks; host all-reduce ``2 (W-1)/W`` of the fp32
+gradients over ``host_collective_bytes_per_s`` (across nodes at most ``inter_node_bytes_per_s``).
+Not modelled: the reduce-scatter's 1/n output buffer and NCCL's channels on the device (small),
+contention between the collective lane and compute (SM sharing), stragglers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .errors import InfeasibleSchedule, InvalidInput
+from .hardware import Hardware
+from .milp import MilpOptions
+from .model import ModelSpec, TrainSpec
+from .policies import keep_all, recompute_all
+from .schedule import Schedule
+from .simulator import SimResult, simulate
+from .solve import solve
+from .workload import HOST_MASTER_BYTES, Workload
+
+MODES = ("shard", "replicate", "replicate_overlap", "fsdp")
+_DATA_PARALLEL = {"shard": "shard", "fsdp": "shard", "replicate": "replicate",
+                  "replicate_overlap": "replicate_overlap"}
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise InvalidInput("mode", mode, f"must be one of {MODES}")
+
+
+def rank_hardware(hw: Hardware) -> Hardware:
+    """One rank's view of a node: its share of the host link while every rank copies, of host memory
+    and the NVMe drives (``1/n``), of the host optimizer and of the host lane's rate. The same ``hw`` for one GPU."""
+    hw.validate()
+    n = hw.gpus_per_node
+    if hw.world_size == 1:
+        return hw
+    return hw.replace(name=f"{hw.name}/rank", h2d_bytes_per_s=hw.h2d_bytes_per_s * hw.host_link_share,
+                      d2h_bytes_per_s=hw.d2h_bytes_per_s * hw.host_link_share, cpu_memory_bytes=hw.cpu_memory_bytes / n,
+                      cpu_adam_params_per_s=hw.cpu_adam_params_per_s / n,
+                      cpu_adam8_params_per_s=hw.cpu_adam8_params_per_s / n, host_bytes_per_s=hw.host_bytes_per_s / n,
+                      nvme_read_bytes_per_s=hw.nvme_read_bytes_per_s / n, nvme_write_bytes_per_s=hw.nvme_write_bytes_per_s / n,
+                      nvme_capacity_bytes=hw.nvme_capacity_bytes / n, gpus_per_node=1, nodes=1)
+
+
+def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
+    """One rank's workload in ``mode`` from the single-GPU workload ``wl`` on ``hw`` (a node's
+    hardware: whole-host optimizer and host-lane rates). World size 1 returns ``wl`` itself for
+    shard/replicate (the single-GPU problem, exactly); ``fsdp`` still moves fp32 masters."""
+    _check_mode(mode)
+    hw.validate()
+    n, M = hw.gpus_per_node, hw.nodes
+    W = n * M
+    if W == 1 and mode != "fsdp":
+        return wl
+    sharded = mode in ("shard", "fsdp")
+    # host-side work per rank: the node's rate shared by n ranks, on 1/n of the parameters when sharded
+    host = 1.0 if sharded else float(n)
+    intra, inter = hw.intra_node_bytes_per_s, hw.inter_node_bytes_per_s
+
+    def costs(params: int, param_bytes: float, grad_bytes: float, opt: float, cast: float, accum: float) -> dict:
+        out = dict(opt=opt * host, cast=cast * host, accum=accum * host, link=1.0, gather=(0.0, 0.0),
+                   reduce=(0.0, 0.0), allreduce=(0.0, 0.0))
+        if sharded:
+            widen = 1.0
+            if mode == "fsdp":  # fp32 masters and gradients cross the link; the cast runs on the device
+                widen = HOST_MASTER_BYTES * params / param_bytes if param_bytes else 1.0
+                out["cast"] = 0.0
+            out["link"] = widen / n
+            gather = (n - 1) / n * param_bytes
+            rs = (n - 1) / n * grad_bytes * widen
+            cross = 2 * (M - 1) / M * grad_bytes * widen / n
+            out["gather"] = (gather / intra if gather else 0.0, gather)
+            out["reduce"] = ((rs / intra if rs else 0.0) + (cross / (inter / n) if cross else 0.0), rs + cross)
+        else:
+            nbytes = 2 * (W - 1) / W * params * HOST_MASTER_BYTES  # the fp32 host gradients
+            bw = hw.host_collective_bytes_per_s if M == 1 else min(hw.host_collective_bytes_per_s, inter)
+            if bw <= 0:
+                raise InvalidInput("hardware.host_collective_bytes_per_s", hw.host_collective_bytes_per_s,
+                                   f"mode {mode!r} with {W} ranks all-reduces host gradients: needs a bandwidth > 0")
+            out["allreduce"] = (nbytes / bw, nbytes)
+        return out
+
+    layers = []
+    for layer in wl.layers:
+        c = costs(layer.params, layer.param_bytes, layer.grad_bytes, layer.opt_seconds, layer.cast_seconds,
+                  layer.accum_seconds)
+        layers.append(replace(layer, opt_seconds=c["opt"], cast_seconds=c["cast"], accum_seconds=c["accum"],
+                              link_fraction=c["link"], gather_seconds=c["gather"][0], gather_bytes=c["gather"][1],
+                              reduce_seconds=c["reduce"][0], reduce_bytes=c["reduce"][1],
+                              allreduce_seconds=c["allreduce"][0], allreduce_bytes=c["allreduce"][1]))
+    nb = costs(wl.nonblock_params, wl.nonblock_param_bytes, wl.nonblock_grad_bytes, wl.nonblock_opt_seconds,
+               wl.nonblock_cast_seconds, wl.nonblock_accum_seconds)
+    return replace(
+        wl, layers=tuple(layers), data_parallel=_DATA_PARALLEL[mode], ranks=W, ranks_per_node=n,
+        nonblock_opt_seconds=nb["opt"], nonblock_cast_seconds=nb["cast"], nonblock_accum_seconds=nb["accum"],
+        nonblock_link_fraction=nb["link"], nonblock_gather_seconds=nb["gather"][0],
+        nonblock_gather_bytes=nb["gather"][1], nonblock_reduce_seconds=nb["reduce"][0],
+        nonblock_reduce_bytes=nb["reduce"][1], nonblock_allreduce_seconds=nb["allreduce"][0],
+        nonblock_allreduce_bytes=nb["allreduce"][1],
+        # sharded: 1/n of the masters, grads, states and (shard-sized) staging slots per rank
+        host_static_bytes=wl.host_static_bytes / n if sharded else wl.host_static_bytes,
+        name=f"{wl.name}/{mode}x{W}",
+    ).validate()
+
+
+def fsdp_schedules(wl: Workload) -> list[Schedule]:
+    """FSDP2-like fixed policies for ``wl``: keep every activation, or recompute every layer (activation
+    checkpointing); serial optimizer, backward prefetch, nothing offloaded, nothing resident."""
+    out = []
+    for base in (keep_all(wl.num_layers), recompute_all(wl.num_layers)):
+        out.append(replace(base, optimizer="serial", data_parallel=wl.data_parallel,
+                           policy=f"fsdp({'keep_all' if base.policy == 'keep_all' else 'full_ac'})"))
+    return out
+
+
+@dataclass(kw_only=True)
+class ClusterResult:
+    mode: str
+    world_size: int
+    gpus_per_node: int
+    nodes: int
+    schedule: Schedule
+    sim: SimResult  # one rank (its tokens/s are the rank's)
+    workload: Workload
+    hardware: Hardware  # the rank's view
+    status: str  # optimal / time_limit / fallback (MILP), policy (fsdp)
+    host_fits: bool  # False: the node's host memory is short (replicate keeps n copies); timed anyway
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.sim.tokens_per_second * self.world_size
+
+    @property
+    def host_bytes_per_node(self) -> float:
+        return self.sim.peak_cpu_bytes * self.gpus_per_node
+
+
+def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "shard", *,
+                 options: MilpOptions | None = None, workload: Workload | None = None,
+                 host_bytes_per_node: float | None = None) -> ClusterResult:
+    """Plan one rank of a data-parallel run (``train`` is per rank) in ``mode``; ``fsdp`` is a fixed
+    policy, the others are solved by the MILP on the rank's problem. ``host_bytes_per_node`` caps the
+    node's host memory below ``hw.cpu_memory_bytes`` (each rank gets ``1/n`` of it for its share of
+    the host state and its host-resident activations). When the host state does not fit the node
+    (replicate: ``n`` full copies), the rank is planned and timed as if it did, and ``host_fits`` is
+    False."""
+    _check_mode(mode)
+    if host_bytes_per_node is not None:
+        if not host_bytes_per_node > 0:
+            raise InvalidInput("host_bytes_per_node", host_bytes_per_node, "must be > 0")
+        hw = hw.replace(cpu_memory_bytes=min(hw.cpu_memory_bytes, host_bytes_per_node))
+    single = workload or Workload.analytic(model, train, hw)
+    wl = rank_workload(single, hw, mode)
+    rhw = rank_hardware(hw)
+    host_fits = wl.host_static_bytes <= rhw.cpu_memory_bytes
+    if not host_fits:
+        rhw = rhw.replace(cpu_memory_bytes=2 * wl.host_static_bytes + 2 * sum(wl.boundary_bytes))
+    if mode == "fsdp":
+        best = None
+        for s in fsdp_schedules(wl):
+            try:
+                sim = simulate(s, wl, rhw)
+            except InfeasibleSchedule:
+                continue
+            if best is None or sim.iteration_seconds < best[1].iteration_seconds:
+                best = (s, sim)
+        if best is None:
+            raise InfeasibleSchedule("gpu_memory", f"neither FSDP policy (keep all, full recompute) fits {hw.name}")
+        schedule, sim, status = best[0], best[1], "policy"
+    else:
+        res = solve(wl, rhw, options)
+        schedule, sim, status = res.schedule, res.simulated, res.status
+    return ClusterResult(mode=mode, world_size=hw.world_size, gpus_per_node=hw.gpus_per_node, nodes=hw.nodes,
+                         schedule=schedule, sim=sim, workload=wl, hardware=rhw, status=status, host_fits=host_fits)
