@@ -5,8 +5,9 @@ chose (``Precision``, ``MixedPrecision``, ``HalfPrecision``, ...) that changes t
 only for ``HybridAdamW``:
 
 - ``clip_gradients`` (norm): the clip is fused into HybridAdamW's update, its global norm taken
-  from the executor's per-layer squared norms (handed over after the backward) — no separate pass
-  over the gradients;
+  from each parameter's gradient norm, computed on the executor's host lane and handed over after
+  the backward — no separate pass over the gradients, and bit for bit the ``clip_grad_norm_`` the
+  original plugin would run (Note: [exact clip] in optim/clip.py);
 - ``optimizer_step``: when the plan's optimizer is ``pipelined`` and the optimizer's layers follow
   the blocks, the closure (forward, backward, ``on_before_optimizer_step``, clipping) runs as usual
   and then a layer-pipelined update starts in forward order and returns; the next forward stages

@@ -5,7 +5,7 @@ on the clipped gradients; under lazytrain the clip is fused into HybridAdamW, fe
 norms the executor's host lane took (Note: [exact clip] in optim/clip.py). Compared: per-step losses,
 the pre-clip global norm each step (to know whether the clip was active), final parameters, with
 gradient accumulation, over schedules that route the gradients differently, serial and
-layer-pipelined optimizer steps, fp32, 16-mixed (loss scaler) and bf16-true.
+layer-pipelined optimizer steps, 32- and 8-bit states, fp32, 16-mixed (loss scaler) and bf16-true.
 """
 
 from __future__ import annotations
@@ -131,6 +131,17 @@ def test_fused_clip_is_lightnings_clip_bit_for_bit(policy, clip, impl, monkeypat
     monkeypatch.setattr(hybrid, "global_grad_norm", lambda *a: pytest.fail("a norm pass over the gradients"))
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: pytest.fail("a separate clip"))
     got = fit(LazyTrainStrategy(policy=policy), Net(impl=impl), clip=clip)
+    assert_same(got, want, clip)
+
+
+@pytest.mark.parametrize("clip", [ACTIVE, INACTIVE])
+def test_8bit_states_clip_as_lightning_does(clip):
+    """8-bit states: bitsandbytes multiplies the float32 gradient by ``gnorm_scale`` = grad * coef."""
+    pytest.importorskip("bitsandbytes")
+    opt = dict(eight_bit="all", min_8bit_numel=256)
+    want = fit("auto", Net(d=64, **opt), clip=clip)
+    got = fit(LazyTrainStrategy(policy="recompute_all"), Net(d=64, **opt), clip=clip)
+    assert set(got[2].optimizers[0].assignment.values()) == {8, 32}
     assert_same(got, want, clip)
 
 
