@@ -75,6 +75,9 @@ class LazyTrainStrategy(ParallelStrategy):
             GPUs, gloo on CPU); gradients and masters are exchanged on a gloo group of their own.
         timeout: of the collectives (default: torch's); a rank that fails makes the others fail
             when they next exchange data, at the latest after this long.
+        replan: re-profile and re-plan when the measured step time drifts from the prediction
+            (``True``, ``False`` or a dict of ``replan.ReplanOptions``: threshold, patience,
+            min_gain, max_replans); only for ``policy="milp"``.
     """
 
     strategy_name = "lazytrain"
@@ -84,7 +87,7 @@ class LazyTrainStrategy(ParallelStrategy):
                  emulate_link_gb_per_s: float | None = None, verify_checkpoints: bool = True,
                  device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, replan: Any = True) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
                          checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)
@@ -98,6 +101,13 @@ class LazyTrainStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.grad_sync: Any = None  # distributed.GradSync with several processes
+        from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
+
+        self.replan = ReplanOptions.parse(replan)
+        self._drift = DriftMonitor(self.replan)
+        self._replan_reason: str | None = None  # set: the next step is re-profiled
+        self._predicted: float | None = None  # the current schedule's prediction after a kept re-plan
+        self.replans: list[dict[str, Any]] = []  # what each re-plan found and did
         self._hardware_measured: Hardware | None = None
         self.hardware = hardware
         self.gpu_memory_budget_gb = gpu_memory_budget_gb
@@ -410,6 +420,8 @@ class LazyTrainStrategy(ParallelStrategy):
             batch = args[0] if args else kwargs.get("batch")
             self._tokens = _count_tokens(batch)
             ex.profiling = True
+        elif self._replan_reason is not None and self._micro_index == 0 and not ex.profiling:
+            ex.profiling = True  # this step is the new profile (see replan.py)
         self._begin_microbatch()
         return super().training_step(*args, **kwargs)
 
@@ -440,12 +452,16 @@ class LazyTrainStrategy(ParallelStrategy):
         if self.grad_sync is not None:  # before the plan, clipping and the optimizer see them
             assert ex.params is not None
             self.grad_sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms)
-        if ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1:
+        profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1
+        if profiled:
             # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
             ex.profiling = False
-            self._make_plan(stats, micro_batches)
+            reason, self._replan_reason = self._replan_reason, None
+            self._make_plan(stats, micro_batches, replan=reason)
         self._hand_over_norms(stats)
         self._pending_metrics = self._step_metrics(stats, time.perf_counter() - self._t_step)
+        if not profiled:  # a profiled step ran another schedule, with timing on
+            self._watch_drift()
         if not self.lightning_module.automatic_optimization:
             self._begin_microbatch()  # later forwards of this training_step are passes with grad
 
@@ -480,7 +496,7 @@ class LazyTrainStrategy(ParallelStrategy):
         compute = sum(s.end - s.start for s in stats.segments if s.lane == "compute")
         metrics = {
             "lazytrain/step_seconds": seconds,
-            "lazytrain/predicted_step_seconds": self.plan.result.sim.iteration_seconds if self.plan else float("nan"),
+            "lazytrain/predicted_step_seconds": self._predicted_seconds(),
             "lazytrain/stall_seconds": max(0.0, seconds - compute),
             "lazytrain/peak_tracked_gb": stats.peak_tracked_bytes / 1e9,
         }
@@ -490,18 +506,46 @@ class LazyTrainStrategy(ParallelStrategy):
             metrics["lazytrain/max_memory_allocated_gb"] = stats.max_memory_allocated / 1e9
         return metrics
 
-    def _make_plan(self, stats: StepStats, micro_batches: int) -> None:
-        """Plan from the profiled first step, and switch the executor to the plan (before the step's
-        optimizer update; an impossible budget raises here)."""
+    def _predicted_seconds(self) -> float:
+        if self._predicted is not None:
+            return self._predicted
+        return self.plan.result.sim.iteration_seconds if self.plan else float("nan")
+
+    def _watch_drift(self) -> None:
+        """After a planned step: has the run drifted from the plan? (decided on rank 0 for all)"""
+        if self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason:
+            return
+        reason = None
+        if self.is_global_zero:
+            reason = self._drift.observe(self._pending_metrics.get("lazytrain/step_seconds", float("nan")),
+                                         self._predicted_seconds())
+        if self.is_distributed:
+            reason = self.broadcast(reason)
+        if reason is not None:
+            self._replan_reason = reason
+            rank_zero_info(f"lazytrain: {reason}; re-profiling the next step to re-plan")
+
+    def _make_plan(self, stats: StepStats, micro_batches: int, replan: str | None = None) -> None:
+        """Plan from the profiled step, and switch the executor to the plan (before the step's
+        optimizer update; an impossible budget raises here). ``replan``: why this is a re-plan;
+        the links are then measured from the step's copies, and the schedule switches only if the
+        new plan beats the current schedule by ``replan.min_gain`` on the new profile."""
         ex, module = self.executor, self.lightning_module
         assert ex is not None and module is not None
         trainer = module.trainer
         plan: AutoPlan | None = None
         failure: str | None = None
+        current_s: float | None = None  # the current schedule, re-simulated (re-plans only)
         if self.is_global_zero:  # with several processes rank 0 plans for all (one plan, not N)
             try:
                 t0 = time.perf_counter()
                 hardware = self._hardware()
+                if replan is not None:
+                    from lightning_lazytrain.replan import measured_link_rates
+
+                    rates = measured_link_rates(stats.segments)
+                    hardware = hardware.replace(h2d_bytes_per_s=rates.get("h2d", hardware.h2d_bytes_per_s),
+                                                d2h_bytes_per_s=rates.get("d2h", hardware.d2h_bytes_per_s))
                 t_hw = time.perf_counter() - t0
                 wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
                                          grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
@@ -509,17 +553,39 @@ class LazyTrainStrategy(ParallelStrategy):
                 plan = plan_from_workload(wl, hardware, policy=self.policy)
                 plan.timings["hardware"] = t_hw
                 plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
+                if replan is not None:
+                    from lightning_lazytrain.planner import simulate
+
+                    try:
+                        current_s = simulate(ex.schedule, wl, hardware).iteration_seconds
+                    except Exception:  # the current schedule no longer fits: switch
+                        current_s = float("inf")
             except BaseException as err:
                 if not self.is_distributed:
                     raise
                 failure = f"{type(err).__name__}: {err}"
-                self.broadcast((None, failure))
+                self.broadcast((None, failure, None))
                 raise
         if self.is_distributed:
-            plan, failure = self.broadcast((plan, failure))
+            plan, failure, current_s = self.broadcast((plan, failure, current_s))
             if plan is None:
                 raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
         assert plan is not None
+        if replan is not None:
+            assert current_s is not None
+            new_s = plan.result.sim.iteration_seconds
+            gain = 1.0 - new_s / current_s if current_s > 0 else 0.0
+            switch = gain >= self.replan.min_gain
+            self.replans.append({"step": trainer.global_step, "reason": replan, "current_predicted_s": current_s,
+                                 "new_predicted_s": new_s, "gain": gain, "switched": switch})
+            rank_zero_info(f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule "
+                           f"{current_s:.3f} s, new plan {new_s:.3f} s ({gain:+.1%}): "
+                           f"{'switching' if switch else 'keeping the current schedule'}")
+            self._drift.reset()
+            if not switch:
+                self._predicted = current_s
+                return
+        self._predicted = None
         nvme = int(plan.result.sim.nvme_bytes)
         if nvme:
             check_nvme_dir(self.nvme_dir, nvme)  # before the first real step
@@ -616,6 +682,8 @@ class LazyTrainStrategy(ParallelStrategy):
         self._hardware_measured = None
         self._tokens = None
         self._pending_metrics = {}
+        self._replan_reason, self._predicted = None, None
+        self._drift.reset()
         self.grad_sync = None
         if self.cluster_environment is None:  # torn down before Lightning connected it
             Strategy.teardown(self)
