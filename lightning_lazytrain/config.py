@@ -161,6 +161,11 @@ class PlanConfig:
     batch_candidates: Optional[List[int]] = None  # micro_batch_size=auto: batches to solve (None: powers of 2)
     plot: bool = True  # write timeline.png
     plot_baselines: bool = False  # also timeline_<baseline>.png for the feasible baselines
+    # ---- several GPUs (hardware.gpus_per_node x hardware.nodes > 1; ignored for one GPU) --------------
+    data_parallel: str = "shard"  # shard | replicate | replicate_overlap | fsdp (planner/multi.py MODES)
+    # cap on each node's host memory below hardware.cpu_memory_gb: null (none), GB (a number) or "<f>x"
+    # (f times the single-GPU plan's host memory, as bench/bench_scaling.py's "shard<=1.1x")
+    host_bytes_per_node_cap: Any = None
 
 
 @dataclass
@@ -300,6 +305,33 @@ def to_milp_options(cfg: Any) -> MilpOptions:
     """``PlanConfig`` (or the app config) -> ``planner.MilpOptions`` (same field names)."""
     p = _node(cfg, "plan")
     return MilpOptions(**{f.name: _get(p, f.name) for f in dataclasses.fields(MilpOptions)})
+
+
+def data_parallel_mode(cfg: Any) -> str:
+    """``plan.data_parallel`` checked against ``planner.multi.MODES`` (else InvalidInput naming them)."""
+    from .planner.multi import MODES
+
+    mode = _get(_node(cfg, "plan"), "data_parallel")
+    if not isinstance(mode, str) or mode.strip().lower() not in MODES:
+        raise InvalidInput("plan.data_parallel", mode, f"must be one of {', '.join(MODES)}")
+    return mode.strip().lower()
+
+
+def host_cap_setting(cfg: Any) -> tuple[str, float] | None:
+    """``plan.host_bytes_per_node_cap``: None, ``("bytes", b)`` (a number in GB) or ``("single", f)`` (``"<f>x"``:
+    f times the single-GPU plan's host memory). InvalidInput otherwise."""
+    value = _get(_node(cfg, "plan"), "host_bytes_per_node_cap")
+    if value is None:
+        return None
+    why = "must be null, a number of GB > 0 or '<f>x' (f > 0 times the single-GPU plan's host memory)"
+    text = str(value).strip().lower()
+    try:
+        kind, number = ("single", float(text[:-1])) if text.endswith("x") else ("bytes", float(text) * 1e9)
+    except ValueError:
+        raise InvalidInput("plan.host_bytes_per_node_cap", value, why) from None
+    if isinstance(value, bool) or not number > 0:
+        raise InvalidInput("plan.host_bytes_per_node_cap", value, why)
+    return kind, number
 
 
 def to_container(cfg: Any) -> dict:

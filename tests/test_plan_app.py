@@ -213,3 +213,73 @@ def test_plan_within_the_cap_is_not_marked(tmp_path, capsys):
     assert data["over_cap"] is False and data["over_cap_by"] == {}
     assert "OVER CAP" not in printed and "warning" not in printed
     assert row["over_cap"] is False and row["over_cap_gb"] == 0.0
+
+
+# ---- several GPUs: plan.data_parallel --------------------------------------------------------------------
+MULTI = ["hardware=h800x8", "model=qwen2.5-3b", "train.micro_batch_size=8", "plan.time_limit=20"]
+
+
+def test_multi_gpu_plans_per_rank_and_records_the_cluster(tmp_path):
+    proc = run_cli(tmp_path, *MULTI, f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("data parallel:"))
+    assert "data parallel: shard, world size 8 (8 GPUs x 1 node); figures per rank (micro-batch 8 each)" in header
+    assert "whole cluster:" in header and "tokens/s" in header and "GB per node" in header
+    assert lines.index(header) + 1 == next(i for i, line in enumerate(lines) if line.startswith("schedule "))
+    data = json.loads((tmp_path / "run" / "plan.json").read_text())
+    dp = data["data_parallel"]
+    assert dp["mode"] == "shard" and dp["world_size"] == 8 and dp["gpus_per_node"] == 8 and dp["nodes"] == 1
+    rank, cluster = dp["per_rank"], dp["cluster"]
+    assert rank["tokens_per_second"] == pytest.approx(data["predicted"]["tokens_per_second"])
+    assert cluster["tokens_per_second"] == pytest.approx(8 * rank["tokens_per_second"])
+    assert cluster["micro_batch_size"] == 64 and rank["micro_batch_size"] == 8
+    assert 0 < cluster["host_bytes_per_node"] <= 2199e9 and dp["host_fits"] is True
+    assert f"{cluster['tokens_per_second']:.1f} tokens/s" in header
+    assert f"{cluster['host_bytes_per_node'] / 1e9:.1f} GB per node" in header
+    assert data["schedule"].get("data_parallel") == "shard"
+    assert set(data["baselines"]) == {"megatrain", "keep_all", "recompute_all"}
+    row = json.loads((tmp_path / "run" / ROW_FILE).read_text())
+    assert row["world_size"] == 8 and row["cluster_tokens_per_s"] == pytest.approx(cluster["tokens_per_second"])
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_multi_gpu_other_modes(tmp_path, capsys, mode):
+    row = plan_job(compose_cfg(*MULTI, f"plan.data_parallel={mode}", "plan.plot=false"), tmp_path)
+    printed = capsys.readouterr().out
+    assert f"data parallel: {mode}, world size 8" in printed
+    dp = json.loads((tmp_path / "plan.json").read_text())["data_parallel"]
+    assert dp["mode"] == mode and row["data_parallel"] == mode
+    if mode == "fsdp":
+        assert "policy: fsdp(" in printed and "solver:" not in printed
+
+
+def test_multi_gpu_host_cap(tmp_path, capsys):
+    plan_job(compose_cfg(*MULTI, "plan.host_bytes_per_node_cap=60", "plan.plot=false"), tmp_path)
+    assert "(of cap 60.0 GB)" in capsys.readouterr().out
+    dp = json.loads((tmp_path / "plan.json").read_text())["data_parallel"]
+    assert dp["host_bytes_per_node_cap"] == pytest.approx(60e9) and dp["cluster"]["host_bytes_per_node"] <= 60e9 + 1
+
+
+def test_invalid_data_parallel_names_the_choices(tmp_path):
+    with pytest.raises(PlannerError, match="plan.data_parallel.*shard, replicate, replicate_overlap, fsdp"):
+        plan_job(compose_cfg(*MULTI, "plan.data_parallel=ddp"), tmp_path)
+    with pytest.raises(PlannerError, match="plan.host_bytes_per_node_cap"):
+        plan_job(compose_cfg(*MULTI, "plan.host_bytes_per_node_cap=lots"), tmp_path)
+    proc = run_cli(tmp_path, *MULTI, "plan.data_parallel=ddp", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "plan.data_parallel" in proc.stderr and "shard, replicate, replicate_overlap, fsdp" in proc.stderr
+
+
+def test_one_gpu_ignores_data_parallel(tmp_path, capsys):
+    outputs, plans = [], []
+    for i, mode in enumerate(("shard", "replicate", "fsdp")):
+        d = tmp_path / str(i)
+        plan_job(compose_cfg(*SMALL, f"plan.data_parallel={mode}", "plan.plot=false"), d)
+        text = capsys.readouterr().out
+        assert "data parallel" not in text
+        outputs.append(re.sub(r"build [\d.]+ s, solve [\d.]+ s|to \S+", "", text))
+        data = json.loads((d / "plan.json").read_text())
+        assert "data_parallel" not in data and "data_parallel" not in data["schedule"]
+        plans.append(data["predicted"])
+    assert outputs[0] == outputs[1] == outputs[2] and plans[0] == plans[1] == plans[2]

@@ -10,6 +10,13 @@ directory ``plan.json`` (``PlanResult.to_json()`` plus the resolved config), ``t
 registered under ``hydra.callbacks`` in ``conf/plan.yaml``). Infeasible input: the planner's message on
 stderr and exit code 2 (in a multirun the job records the reason in its row and the sweep goes on).
 
+Several GPUs (``hardware.gpus_per_node x hardware.nodes > 1``, e.g. ``hardware=h800x8``): one rank is planned with
+``planner.multi.plan_cluster`` in ``plan.data_parallel`` (shard | replicate | replicate_overlap | fsdp; capped by
+``plan.host_bytes_per_node_cap`` if set), ``train.micro_batch_size`` is per rank (``auto`` searches it on one
+rank's share of the node), the baselines run on the same rank problem, a line above the table gives the mode,
+world size, the cluster's tokens/s and the host memory per node, and plan.json gains ``data_parallel``. One GPU
+ignores both options (its output is what it was).
+
 ``plan_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``).
 """
 
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,9 +34,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ..config import (CONF_DIR, resolve_micro_batch, to_container, to_hardware, to_milp_options, to_model,
-                      to_train)
-from ..planner import PlannerError, SimResult, make_plan, search_batch
+from ..config import (CONF_DIR, data_parallel_mode, host_cap_setting, resolve_micro_batch, to_container,
+                      to_hardware, to_milp_options, to_model, to_train)
+from ..planner import PlannerError, SimResult, make_plan, search_batch, simulate
+from ..planner.errors import InfeasibleSchedule, InvalidInput
+from ..planner.multi import ClusterResult, plan_cluster, rank_hardware
+from ..planner.plan import PlanResult, cap_violations
+from ..planner.policies import BASELINES, baseline
 from ..report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
 
 GB = 1e9
@@ -67,12 +79,19 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     out_dir.mkdir(parents=True, exist_ok=True)
     hw, model = to_hardware(cfg), to_model(cfg)
     options = to_milp_options(cfg)
+    mode, cap_setting = data_parallel_mode(cfg), host_cap_setting(cfg)  # checked even where ignored (one GPU)
+    multi = hw.world_size > 1
+    if multi and cfg.plan.policy != "milp":
+        raise InvalidInput("plan.policy", cfg.plan.policy, f"{hw.name} has {hw.world_size} GPUs: several GPUs are "
+                           "planned with plan.policy=milp (plan.data_parallel=fsdp is FSDP's fixed policy)")
     batch, batch_source = resolve_micro_batch(cfg)
     search_json = None
     if batch == "auto":
         candidates = list(cfg.plan.batch_candidates) if cfg.plan.batch_candidates else None
-        search = search_batch(model, to_train(cfg, micro_batch_size=1), hw, options=options, candidates=candidates)
-        print(f"micro-batch search for {model.name} on {hw.name}: largest feasible {search.largest_feasible}, "
+        search_hw = rank_hardware(hw) if multi else hw  # several GPUs: the batch per rank, on one rank's share
+        search = search_batch(model, to_train(cfg, micro_batch_size=1), search_hw, options=options,
+                              candidates=candidates)
+        print(f"micro-batch search for {model.name} on {search_hw.name}: largest feasible {search.largest_feasible}, "
               f"best predicted throughput at {search.best_throughput}", file=out)
         print(format_table(search.table), file=out)
         print(file=out)
@@ -80,20 +99,31 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
         search_json = {"largest_feasible": search.largest_feasible, "best_throughput": search.best_throughput,
                        "table": search.table}
     train = to_train(cfg, micro_batch_size=batch)
-    result = make_plan(model, train, hw, policy=cfg.plan.policy, options=options, K=cfg.plan.K)
+    cluster: ClusterResult | None = None
+    cap_bytes = None
+    if multi:
+        result, cluster, cap_bytes = _plan_ranks(model, train, hw, mode, cap_setting, options, cfg.plan.K)
+    else:
+        result = make_plan(model, train, hw, policy=cfg.plan.policy, options=options, K=cfg.plan.K)
 
     # ---- print ------------------------------------------------------------------------------------
     sim, solver = result.sim, result.solver
     print(f"lazytrain-plan: {model.name} ({_params(model.total_params)} params) on {hw.name}, micro-batch "
           f"{train.micro_batch_size} ({batch_source}) x seq {train.seq_len}, grad_accum {train.grad_accum}", file=out)
-    if cfg.plan.policy == "milp":
+    if cfg.plan.policy == "milp" and result.status != "policy":
         gap = solver.get("mip_gap")
         print(f"solver: {solver.get('name')} {solver.get('version', '')}, status {result.status}, gap "
               f"{'-' if gap is None else f'{100 * gap:.3f}%'}, build {solver.get('build_seconds', 0):.2f} s, "
               f"solve {solver.get('solve_seconds', 0):.2f} s", file=out)
     else:
         print(f"policy: {result.schedule.policy} (no solver)", file=out)
+    if cluster is not None:
+        print(_cluster_line(cluster, hw, train, cap_bytes), file=out)
     print(format_table(result.rows()), file=out)
+    if cluster is not None and not cluster.host_fits:
+        print(f"warning: the host state of {cluster.gpus_per_node} ranks ({cluster.workload.host_static_bytes / GB:.1f} "
+              f"GB each) does not fit a node's {(cap_bytes or hw.cpu_memory_bytes) / GB:.1f} GB of host memory "
+              "(planned and timed as if it did; plan.data_parallel=shard keeps one copy per node)", file=out)
     if result.over_cap:
         print(f"warning: replayed window by window, the plan exceeds its budget: {result.over_cap_note()}"
               + ("; plan.window_memory=false checks memory as one aggregate sum (the paper's constraint), "
@@ -112,20 +142,24 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
                            "value": train.micro_batch_size}
     if search_json is not None:
         data["batch_search"] = search_json
+    if cluster is not None:
+        data["data_parallel"] = _cluster_json(cluster, train, cap_bytes)
     data["config"] = to_container(cfg)
     (out_dir / "plan.json").write_text(json.dumps(data, indent=1, default=str))
     written = ["plan.json"]
     if cfg.plan.plot:
         title = (f"{model.name} on {hw.name}, batch {train.micro_batch_size} x {train.seq_len}: "
-                 f"{result.schedule.policy or 'milp'}, {sim.iteration_seconds:.2f} s/iter")
-        plot_timeline(sim, out_dir / "timeline.png", title, cap_bytes=hw.gpu_memory_cap_bytes)
+                 f"{result.schedule.policy or 'milp'}, {sim.iteration_seconds:.2f} s/iter"
+                 + ("" if cluster is None else f" (one rank of {cluster.world_size}, {cluster.mode})"))
+        cap_gpu = result.hardware.gpu_memory_cap_bytes
+        plot_timeline(sim, out_dir / "timeline.png", title, cap_bytes=cap_gpu)
         written.append("timeline.png")
         if cfg.plan.plot_baselines:
             for name, base in result.baselines.items():
                 if isinstance(base, SimResult):
                     plot_timeline(base, out_dir / f"timeline_{name}.png",
                                   f"{model.name} on {hw.name}, batch {train.micro_batch_size}: {name}",
-                                  cap_bytes=hw.gpu_memory_cap_bytes)
+                                  cap_bytes=cap_gpu)
                     written.append(f"timeline_{name}.png")
 
     homes = result.schedule.count_homes()
@@ -137,6 +171,10 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
                 "over_cap_gb": max((v["excess_bytes"] for v in result.violations), default=0.0) / GB,
                 "speedup": speedup, "solver_status": result.status, "mip_gap": solver.get("mip_gap"),
                 "solve_seconds": solver.get("solve_seconds")})
+    if cluster is not None:
+        row.update({"data_parallel": cluster.mode, "world_size": cluster.world_size,
+                    "cluster_tokens_per_s": cluster.tokens_per_second,
+                    "host_gb_per_node": cluster.host_bytes_per_node / GB, "host_fits": cluster.host_fits})
     if isinstance(mega, SimResult):
         row.update(_sim_fields("megatrain", mega))
     else:
@@ -144,6 +182,56 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     (out_dir / ROW_FILE).write_text(json.dumps(row, indent=1, default=str))
     print(f"wrote {', '.join(written)} to {out_dir}", file=out)
     return row
+
+
+def _plan_ranks(model, train, hw, mode: str, cap_setting, options, K: int) -> tuple[PlanResult, ClusterResult, float | None]:
+    """Several GPUs: ``planner.multi.plan_cluster`` plans one rank in ``mode`` (``train`` is per rank); the
+    baselines run on the same rank problem. Returns (the rank's ``PlanResult``, the cluster, the host cap per
+    node in bytes or None)."""
+    cap_bytes = None
+    if cap_setting is not None:
+        kind, value = cap_setting
+        if kind == "single":  # as bench_scaling's "shard<=1.1x": f x the single-GPU plan's host memory
+            one = plan_cluster(model, train, hw.replace(gpus_per_node=1, nodes=1), "shard", options=options)
+            value = value * one.host_bytes_per_node
+        cap_bytes = value
+    cluster = plan_cluster(model, train, hw, mode, options=options, host_bytes_per_node=cap_bytes)
+    wl, rhw = cluster.workload, cluster.hardware
+    results: dict[str, SimResult | str] = {}
+    schedules = {}
+    for name in BASELINES:
+        s = replace(baseline(name, wl.num_layers, K), data_parallel=wl.data_parallel)
+        schedules[name] = s
+        try:
+            results[name] = simulate(s, wl, rhw)
+        except InfeasibleSchedule as err:
+            results[name] = str(err)
+    result = PlanResult(status=cluster.status, schedule=cluster.schedule, sim=cluster.sim, workload=wl, hardware=rhw,
+                        solver=cluster.solver, baselines=results, baseline_schedules=schedules, model=model,
+                        train=train, violations=cap_violations(cluster.sim, rhw))
+    return result, cluster, cap_bytes
+
+
+def _cluster_line(c: ClusterResult, hw, train, cap_bytes: float | None) -> str:
+    nodes = f"{c.gpus_per_node} GPUs x {c.nodes} node{'s' if c.nodes > 1 else ''}"
+    cap = f"{hw.cpu_memory_bytes / GB:.0f} GB" if cap_bytes is None else \
+        f"cap {min(cap_bytes, hw.cpu_memory_bytes) / GB:.1f} GB"
+    return (f"data parallel: {c.mode}, world size {c.world_size} ({nodes}); figures per rank (micro-batch "
+            f"{train.micro_batch_size} each); whole cluster: {c.tokens_per_second:.1f} tokens/s, host memory "
+            f"{c.host_bytes_per_node / GB:.1f} GB per node (of {cap})")
+
+
+def _cluster_json(c: ClusterResult, train, cap_bytes: float | None) -> dict:
+    sim = c.sim
+    return {"mode": c.mode, "world_size": c.world_size, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
+            "host_fits": c.host_fits, "host_bytes_per_node_cap": cap_bytes,
+            "per_rank": {"micro_batch_size": train.micro_batch_size, "iteration_seconds": sim.iteration_seconds,
+                         "tokens_per_second": sim.tokens_per_second, "tflops": sim.tflops,
+                         "peak_gpu_bytes": sim.peak_gpu_bytes, "peak_cpu_bytes": sim.peak_cpu_bytes,
+                         "host_static_bytes": c.workload.host_static_bytes},
+            "cluster": {"micro_batch_size": train.micro_batch_size * c.world_size,
+                        "iteration_seconds": sim.iteration_seconds, "tokens_per_second": c.tokens_per_second,
+                        "tflops": sim.tflops * c.world_size, "host_bytes_per_node": c.host_bytes_per_node}}
 
 
 def infeasible_row(cfg: Any, out_dir: str | Path, err: Exception, *, job: int | None = None) -> dict:

@@ -41,7 +41,7 @@ contention between the collective lane and compute (SM sharing), stragglers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .errors import InfeasibleSchedule, InvalidInput
 from .hardware import Hardware
@@ -161,6 +161,7 @@ class ClusterResult:
     hardware: Hardware  # the rank's view
     status: str  # optimal / time_limit / fallback (MILP), policy (fsdp)
     host_fits: bool  # False: the node's host memory is short (replicate keeps n copies); timed anyway
+    solver: dict = field(default_factory=dict)  # the MILP's ``SolveResult.solver_json()`` (fsdp: the policy)
 
     @property
     def tokens_per_second(self) -> float:
@@ -203,8 +204,10 @@ def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "
         if best is None:
             raise InfeasibleSchedule("gpu_memory", f"neither FSDP policy (keep all, full recompute) fits {hw.name}")
         schedule, sim, status = best[0], best[1], "policy"
+        solver = {"name": "none", "policy": schedule.policy}
     else:
         res = solve(wl, rhw, options)
-        schedule, sim, status = res.schedule, res.simulated, res.status
+        schedule, sim, status, solver = res.schedule, res.simulated, res.status, res.solver_json()
     return ClusterResult(mode=mode, world_size=hw.world_size, gpus_per_node=hw.gpus_per_node, nodes=hw.nodes,
-                         schedule=schedule, sim=sim, workload=wl, hardware=rhw, status=status, host_fits=host_fits)
+                         schedule=schedule, sim=sim, workload=wl, hardware=rhw, status=status, host_fits=host_fits,
+                         solver=solver)
