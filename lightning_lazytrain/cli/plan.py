@@ -121,7 +121,8 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
         print(_cluster_line(cluster, hw, train, cap_bytes), file=out)
     print(format_table(result.rows()), file=out)
     if cluster is not None and not cluster.host_fits:
-        print(f"warning: the host state of {cluster.gpus_per_node} ranks ({cluster.workload.host_static_bytes / GB:.1f} "
+        per_rank = cluster.workload.host_static_bytes / GB
+        print(f"warning: the host state of {cluster.gpus_per_node} ranks ({per_rank:.1f} "
               f"GB each) does not fit a node's {(cap_bytes or hw.cpu_memory_bytes) / GB:.1f} GB of host memory "
               "(planned and timed as if it did; plan.data_parallel=shard keeps one copy per node)", file=out)
     if result.over_cap:
@@ -184,7 +185,8 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     return row
 
 
-def _plan_ranks(model, train, hw, mode: str, cap_setting, options, K: int) -> tuple[PlanResult, ClusterResult, float | None]:
+def _plan_ranks(model, train, hw, mode: str, cap_setting, options,
+                K: int) -> tuple[PlanResult, ClusterResult, float | None]:
     """Several GPUs: ``planner.multi.plan_cluster`` plans one rank in ``mode`` (``train`` is per rank); the
     baselines run on the same rank problem. Returns (the rank's ``PlanResult``, the cluster, the host cap per
     node in bytes or None)."""
