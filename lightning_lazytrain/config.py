@@ -165,7 +165,7 @@ class PlanConfig:
     data_parallel: str = "shard"  # shard | replicate | replicate_overlap | fsdp (planner/multi.py MODES)
     # cap on each node's host memory below hardware.cpu_memory_gb: null (none), GB (a number) or "<f>x"
     # (f times the single-GPU plan's host memory, as bench/bench_scaling.py's "shard<=1.1x")
-    host_bytes_per_node_cap: Any = None
+    host_gb_per_node_cap: Any = None
 
 
 @dataclass
@@ -318,9 +318,9 @@ def data_parallel_mode(cfg: Any) -> str:
 
 
 def host_cap_setting(cfg: Any) -> tuple[str, float] | None:
-    """``plan.host_bytes_per_node_cap``: None, ``("bytes", b)`` (a number in GB) or ``("single", f)`` (``"<f>x"``:
+    """``plan.host_gb_per_node_cap``: None, ``("bytes", b)`` (a number in GB) or ``("single", f)`` (``"<f>x"``:
     f times the single-GPU plan's host memory). InvalidInput otherwise."""
-    value = _get(_node(cfg, "plan"), "host_bytes_per_node_cap")
+    value = _get(_node(cfg, "plan"), "host_gb_per_node_cap")
     if value is None:
         return None
     why = "must be null, a number of GB > 0 or '<f>x' (f > 0 times the single-GPU plan's host memory)"
@@ -328,9 +328,9 @@ def host_cap_setting(cfg: Any) -> tuple[str, float] | None:
     try:
         kind, number = ("single", float(text[:-1])) if text.endswith("x") else ("bytes", float(text) * 1e9)
     except ValueError:
-        raise InvalidInput("plan.host_bytes_per_node_cap", value, why) from None
+        raise InvalidInput("plan.host_gb_per_node_cap", value, why) from None
     if isinstance(value, bool) or not number > 0:
-        raise InvalidInput("plan.host_bytes_per_node_cap", value, why)
+        raise InvalidInput("plan.host_gb_per_node_cap", value, why)
     return kind, number
 
 

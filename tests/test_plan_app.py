@@ -255,7 +255,7 @@ def test_multi_gpu_other_modes(tmp_path, capsys, mode):
 
 
 def test_multi_gpu_host_cap(tmp_path, capsys):
-    plan_job(compose_cfg(*MULTI, "plan.host_bytes_per_node_cap=60", "plan.plot=false"), tmp_path)
+    plan_job(compose_cfg(*MULTI, "plan.host_gb_per_node_cap=60", "plan.plot=false"), tmp_path)
     assert "(of cap 60.0 GB)" in capsys.readouterr().out
     dp = json.loads((tmp_path / "plan.json").read_text())["data_parallel"]
     assert dp["host_bytes_per_node_cap"] == pytest.approx(60e9) and dp["cluster"]["host_bytes_per_node"] <= 60e9 + 1
@@ -264,8 +264,8 @@ def test_multi_gpu_host_cap(tmp_path, capsys):
 def test_invalid_data_parallel_names_the_choices(tmp_path):
     with pytest.raises(PlannerError, match="plan.data_parallel.*shard, replicate, replicate_overlap, fsdp"):
         plan_job(compose_cfg(*MULTI, "plan.data_parallel=ddp"), tmp_path)
-    with pytest.raises(PlannerError, match="plan.host_bytes_per_node_cap"):
-        plan_job(compose_cfg(*MULTI, "plan.host_bytes_per_node_cap=lots"), tmp_path)
+    with pytest.raises(PlannerError, match="plan.host_gb_per_node_cap"):
+        plan_job(compose_cfg(*MULTI, "plan.host_gb_per_node_cap=lots"), tmp_path)
     proc = run_cli(tmp_path, *MULTI, "plan.data_parallel=ddp", f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "plan.data_parallel" in proc.stderr and "shard, replicate, replicate_overlap, fsdp" in proc.stderr

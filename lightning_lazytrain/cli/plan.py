@@ -12,7 +12,7 @@ stderr and exit code 2 (in a multirun the job records the reason in its row and 
 
 Several GPUs (``hardware.gpus_per_node x hardware.nodes > 1``, e.g. ``hardware=h800x8``): one rank is planned with
 ``planner.multi.plan_cluster`` in ``plan.data_parallel`` (shard | replicate | replicate_overlap | fsdp; capped by
-``plan.host_bytes_per_node_cap`` if set), ``train.micro_batch_size`` is per rank (``auto`` searches it on one
+``plan.host_gb_per_node_cap`` if set), ``train.micro_batch_size`` is per rank (``auto`` searches it on one
 rank's share of the node), the baselines run on the same rank problem, a line above the table gives the mode,
 world size, the cluster's tokens/s and the host memory per node, and plan.json gains ``data_parallel``. One GPU
 ignores both options (its output is what it was).
