@@ -82,9 +82,12 @@ def test_delay_injection_exposes_a_planted_race_and_leaves_correct_runs_alone(ki
     try:
         with kit.Delays("cpu", copy_s=2e-3).installed():
             raced = kit.run_executor(model, schedule, batches, "cpu", tmp_path)
+    except RuntimeError as err:  # the race can also show as an error: compute read a buffer a
+        raced = None  # copy was still writing (autograd sees a saved tensor change under it)
+        assert "in place" in str(err) or "nan" in str(err).lower(), err
     finally:
         copy_engine.ThreadHandle.sync_current_stream = wait
-    assert kit.compare(raced, base, exact=True, tol=0)[1]
+    assert raced is None or kit.compare(raced, base, exact=True, tol=0)[1]
 
 
 def test_pytest_summary_parsing(kit):
