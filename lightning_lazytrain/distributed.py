@@ -88,7 +88,3 @@ class GradSync:
                     if sq_norms is not None and j in sq_norms:
                         parts = [n.float() for n in norms.values()]
                         sq_norms[j] = torch.stack(parts).square().sum() if parts else torch.zeros(())
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group(self.group)
