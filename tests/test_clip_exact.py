@@ -10,30 +10,20 @@ layer-pipelined optimizer steps, 32- and 8-bit states, fp32, 16-mixed (loss scal
 
 from __future__ import annotations
 
-import json
-
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
+from test_conformance import mixed_plan  # the conformance tests' plan mixing host homes, recompute, kept internals
+
 from lightning_lazytrain.optim import HybridAdamW
-from lightning_lazytrain.planner import Schedule
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
 LAYERS = 4
 STEPS = 4
 ACCUM = 2
 ACTIVE, INACTIVE = 0.05, 1e6  # clip values: below every step's norm / above it
-
-
-def mixed_plan(path) -> str:
-    s = Schedule(num_layers=LAYERS, homes=("gpu", "cpu", "recompute", "gpu", "gpu"),
-                 keep_internals=(True, False, False, False), resident_weights=(False,) * LAYERS,
-                 offload_window=(None, 1, None, None, None), reload_window=(None, 3, None, None, None),
-                 policy="test-mixed")
-    path.write_text(json.dumps({"schedule": s.to_json()}))
-    return str(path)
 
 
 class Block(nn.Module):

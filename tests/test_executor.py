@@ -371,19 +371,12 @@ def test_a_rerun_starts_after_its_weights_arrive_on_a_slow_link(reference, tmp_p
     waits, as the planner's cast -> fetch -> re-run chain says), and the wait is a stall, not
     compute: the measured compute segment begins after the copy's end."""
     model, tokens = reference
-    m = copy.deepcopy(model)
     slow = {"h2d": LinkSpec(bandwidth_bytes_per_s=5e6, latency_s=0.01)}
-    ex = Executor(m, SCHEDULES[name], nvme_dir=tmp_path, links=slow)
-    try:
-        ex.begin_microbatch()
-        m.loss(tokens).backward()
-        stats = ex.end_microbatch()
-    finally:
-        ex.close()
+    _, _, stats = run(model, SCHEDULES[name], tokens, tmp_path, links=slow)
     copies = [s for s in stats.segments if s.lane == "h2d" and s.kind == "weights"]
     reruns = [s for s in stats.segments if s.lane == "compute"
               and s.kind in ("forward", "recompute", "local_recompute")]
     assert any(s.kind == ("local_recompute" if name == "recompute_all" else "recompute") for s in reruns)
-    for run in reruns:
-        landed = [c.end for c in copies if c.index == run.index and c.end <= run.start + 1e-4]
-        assert landed, f"{run.kind} of layer {run.index} in {run.window} started before its weights landed"
+    for seg in reruns:
+        landed = [c.end for c in copies if c.index == seg.index and c.end <= seg.start + 1e-4]
+        assert landed, f"{seg.kind} of layer {seg.index} in {seg.window} started before its weights landed"
