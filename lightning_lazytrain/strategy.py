@@ -70,7 +70,17 @@ class LazyTrainStrategy(ParallelStrategy):
         emulate_link_gb_per_s: on CPU, make host<->"device" copies take the time of a link of this
             speed (to study overlap without a GPU).
         verify_checkpoints: check a checkpoint's CRCs before resuming from it (checkpoints are
-            always written atomically); see ``checkpoint_io.VerifiedCheckpointIO``.
+            always written atomically); see ``checkpoint_io.VerifiedCheckpointIO`` and, for sharded
+            checkpoints, ``sharded_checkpoint.py``.
+        checkpoint_format: with several processes, ``"sharded"`` (the default) saves a checkpoint
+            as a directory through ``torch.distributed.checkpoint``: each rank writes a share of the
+            (replicated) weights and optimizer states, no rank gathers the model, and the directory
+            appears atomically once every rank has written (Note: [sharded checkpoint]);
+            ``"full"`` writes one plain ``torch.save`` file from rank 0 (what ``torch.load`` and
+            ``strategy="auto"`` read directly). With one process both are that single verified
+            file; remote paths and ``storage_options`` are always saved full. Loading reads either
+            kind on any number of processes (a sharded checkpoint resumes on 1 rank, a single file
+            on several). ``checkpoint_io=`` applies to full checkpoints only.
         process_group_backend: of the default process group with several devices (default: nccl on
             GPUs, gloo on CPU); gradients and masters are exchanged on a gloo group of their own.
         timeout: of the collectives (default: torch's); a rank that fails makes the others fail
@@ -87,12 +97,17 @@ class LazyTrainStrategy(ParallelStrategy):
                  emulate_link_gb_per_s: float | None = None, verify_checkpoints: bool = True,
                  device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = None, replan: Any = True) -> None:
+                 timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded") -> None:
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
                          checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)
         self._fixed_schedule = self._validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy,
                                                       emulate_link_gb_per_s)
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}: use 'sharded' (several processes write a "
+                             "directory, each a share) or 'full' (one file from rank 0)")
+        self.checkpoint_format = checkpoint_format
+        self._verify_checkpoints = verify_checkpoints
         self._device_given = device is not None
         self._root_device = torch.device(device or "cpu")
         # Set by Lightning from Trainer(devices=..., num_nodes=...) (it fills these attributes when a
@@ -382,6 +397,52 @@ class LazyTrainStrategy(ParallelStrategy):
         self._finish_optimizer_steps()  # the host masters may still be being updated
         return super().lightning_module_state_dict()
 
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _sharded_checkpoint(self, filepath: Any, storage_options: Any) -> bool:
+        """Save ``filepath`` as a sharded directory (several processes, ``checkpoint_format="sharded"``)."""
+        if self.checkpoint_format != "sharded" or not self.is_distributed or self.grad_sync is None:
+            return False
+        if storage_options is not None or "://" in str(filepath):
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(f"lazytrain: {filepath} is saved as one full checkpoint from rank 0: sharded checkpoints "
+                           "are written to local (or shared) directories without storage_options")
+            return False
+        return True
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Several processes (``checkpoint_format="sharded"``): every rank writes its share of one
+        directory through DCP, atomically (``sharded_checkpoint.py``). Otherwise rank 0 writes the
+        whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
+        self._finish_optimizer_steps()
+        if self._sharded_checkpoint(filepath, storage_options):
+            from lightning_lazytrain.sharded_checkpoint import save_sharded
+
+            save_sharded(checkpoint, filepath, group=self.grad_sync.group)
+        elif self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory (any world size, one process included) or a single file (every rank
+        reads it through ``checkpoint_io``)."""
+        from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+
+        if is_sharded_checkpoint(checkpoint_path):
+            group = self.grad_sync.group if self.grad_sync is not None else None
+            return load_sharded(checkpoint_path, group=group, weights_only=weights_only,
+                                verify=self._verify_checkpoints)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """As Lightning's, but the states stay where the optimizer's parameters are -- on the host --
+        instead of moving to the root device (``load_state_dict`` places them, HybridAdamW keeps
+        8-bit dtypes; optim/checkpoint.py)."""
+        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(opt_state)
+
     # ---- training -----------------------------------------------------------------------------
     def _last_microbatch(self) -> bool:
         module = self.lightning_module
@@ -451,7 +512,9 @@ class LazyTrainStrategy(ParallelStrategy):
         self.last_stats = stats
         if self.grad_sync is not None:  # before the plan, clipping and the optimizer see them
             assert ex.params is not None
-            self.grad_sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms)
+            # the collective lane's bytes, in the planner's unit (distributed.py, Note: [collective bytes])
+            stats.lane_bytes["collective"] = self.grad_sync.average_grads(ex.params, stats.grad_norms,
+                                                                           stats.layer_sq_norms)
         profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1
         if profiled:
             # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)

@@ -3,9 +3,13 @@
 running this same command. Each rank writes its per-step losses; rank 0 writes the final weights.
 
 Options: out (directory), devices, batch, steps, accum, clip, policy, strategy ("lazytrain" or
-"auto"), fail_rank / fail_step (raise there), optimizer ("sgd" or "hybrid"), epoch_steps (steps
-per epoch), save / resume (checkpoint paths), union_of / epoch (one process sees, per batch, the
-union of what union_of ranks see in that epoch).
+"auto"), fail_rank / fail_step (raise there), optimizer ("sgd", "hybrid" or "hybrid8": HybridAdamW
+with 8-bit states), epoch_steps (steps per epoch), save / resume (checkpoint paths; save_every:
+steps between saves, default steps), checkpoint_format ("sharded" or "full"), fail_save_rank /
+fail_save_at (that rank's DCP writer writes its files, then fails, at that save, 1-based),
+record_bytes (each rank writes bytes_rank{r}.json: per step the executor's and GradSync's bytes per
+lane and the simulator's per-rank prediction for the schedule that step ran), union_of / epoch (one
+process sees, per batch, the union of what union_of ranks see in that epoch).
 """
 
 from __future__ import annotations
@@ -45,11 +49,70 @@ class Net(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        if self.opts.get("optimizer", "sgd") == "hybrid":
+        if self.opts.get("optimizer", "sgd") in ("hybrid", "hybrid8"):
             from lightning_lazytrain.optim import HybridAdamW
 
+            if self.opts["optimizer"] == "hybrid8":
+                return HybridAdamW(self.parameters(), lr=1e-3, eight_bit="all", min_8bit_numel=1024)
             return HybridAdamW(self.parameters(), lr=1e-3)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class RecordBytes(L.Callback):
+    """Per optimizer step: the bytes per lane the rank moved (executor + GradSync) and what the
+    simulator predicts for one rank of a ``replicate`` run with the schedule that step ran."""
+
+    def __init__(self, accum: int):
+        self.accum = accum
+        self.rows: list[dict] = []
+        self._schedule = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % self.accum == 0:
+            self._schedule = trainer.strategy.executor.schedule  # switched at a step's end, never inside
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.accum:
+            return
+        strategy = trainer.strategy
+        self.rows.append({"step": trainer.global_step, "policy": self._schedule.policy,
+                          "measured": {k: float(v) for k, v in strategy.last_stats.lane_bytes.items()},
+                          "predicted": predicted_lane_bytes(strategy, self._schedule, trainer.world_size)})
+
+
+def predicted_lane_bytes(strategy, schedule, world: int) -> dict[str, float]:
+    """The simulator's bytes per lane for one rank: the plan's measured workload and hardware as a
+    node of ``world`` ranks in replicate mode (``planner.multi``), ``schedule`` in that mode."""
+    from dataclasses import replace
+
+    from lightning_lazytrain.planner import simulate
+    from lightning_lazytrain.planner.multi import rank_hardware, rank_workload
+
+    res = strategy.plan.result
+    hw = res.hardware.replace(gpus_per_node=world, intra_node_bytes_per_s=1e9, host_collective_bytes_per_s=1e9)
+    wl = rank_workload(res.workload, hw, "replicate")
+    sim = simulate(replace(schedule, data_parallel="replicate"), wl, rank_hardware(hw), check=False)
+    return dict(sim.lane_bytes)
+
+
+def inject_save_failure(rank: int, at: int) -> None:
+    """This rank's DCP writer fails at its ``at``-th save, after writing its files (a half checkpoint
+    on disk, as a writer that dies midway leaves)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+    calls = [0]
+
+    def write_data(self, plan, planner):
+        fut = real(self, plan, planner)
+        if int(os.environ.get("LOCAL_RANK", 0)) == rank:
+            calls[0] += 1
+            if calls[0] == at:
+                fut.wait()
+                raise OSError(f"injected writer failure on rank {rank} at save {at}")
+        return fut
+
+    FileSystemWriter.write_data = write_data
 
 
 def data(n: int) -> torch.Tensor:
@@ -64,7 +127,8 @@ def train(opts: dict) -> Net:
     if opts.get("strategy", "lazytrain") == "lazytrain":
         from lightning_lazytrain.strategy import LazyTrainStrategy
 
-        strategy = LazyTrainStrategy(policy=opts.get("policy", "milp"), timeout=timedelta(seconds=60))
+        strategy = LazyTrainStrategy(policy=opts.get("policy", "milp"), timeout=timedelta(seconds=60),
+                                     checkpoint_format=opts.get("checkpoint_format", "sharded"))
     else:
         strategy = "auto"
     module = Net(opts)
@@ -78,18 +142,24 @@ def train(opts: dict) -> Net:
         tokens = tokens[torch.cat([per_rank[r][k * b:(k + 1) * b] for k in range(len(tokens) // batch)
                                    for r in range(w)])]
     loader = torch.utils.data.DataLoader(tokens, batch_size=batch)
-    callbacks = []
+    callbacks: list = []
     if opts.get("save"):  # a checkpoint inside the run, at its last step (as ModelCheckpoint saves)
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         path = opts["save"]
         callbacks.append(ModelCheckpoint(dirpath=os.path.dirname(path), filename=os.path.basename(path)[:-5],
-                                         every_n_train_steps=steps, save_top_k=-1, enable_version_counter=False))
+                                         every_n_train_steps=opts.get("save_every", steps), save_top_k=-1,
+                                         enable_version_counter=False))
+    if "fail_save_rank" in opts:
+        inject_save_failure(opts["fail_save_rank"], opts["fail_save_at"])
+    if opts.get("record_bytes"):
+        callbacks.append(RecordBytes(accum))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
                         accumulate_grad_batches=accum, gradient_clip_val=opts.get("clip"), logger=False,
                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))
+    module.byte_rows = next((cb.rows for cb in callbacks if isinstance(cb, RecordBytes)), None)
     return module
 
 
@@ -100,6 +170,9 @@ def main() -> None:
     rank = module.global_rank
     with open(os.path.join(out, f"losses_rank{rank}.json"), "w") as f:
         json.dump(module.losses, f)
+    if module.byte_rows is not None:
+        with open(os.path.join(out, f"bytes_rank{rank}.json"), "w") as f:
+            json.dump(module.byte_rows, f)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()},
                    os.path.join(out, "weights.pt"))

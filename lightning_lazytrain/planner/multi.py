@@ -35,6 +35,14 @@ model, bytes per rank): all-gather and reduce-scatter ``(n-1)/n`` of the block o
 ``intra_node_bytes_per_s``; cross-node all-reduce of a shard ``2 (M-1)/M`` of it, the node's NICs
 (``inter_node_bytes_per_s``) shared by its ``n`` ranks; host all-reduce ``2 (W-1)/W`` of the fp32
 gradients over ``host_collective_bytes_per_s`` (across nodes at most ``inter_node_bytes_per_s``).
+
+Byte convention of the host all-reduce (``allreduce_bytes``, ``host_allreduce_bytes``): an
+all-reduce of ``N`` bytes over ``W`` ranks counts ``2 (W-1)/W x N`` per rank, what each rank sends
+(and receives) in a ring all-reduce (gloo's; the bus-bandwidth convention of nccl-tests), with
+``N = params x HOST_GRAD_BYTES``: the group's fp32 host gradient. For a measured workload
+``params`` is the engine's group size (every parameter padded to 64 elements), so this is exactly
+what the engine's ``distributed.GradSync`` all-reduces and counts (its Note: [collective bytes]);
+``bf16-true`` runs (16-bit host gradients) move half of it.
 Not modelled: the reduce-scatter's 1/n output buffer and NCCL's channels on the device (small),
 contention between the collective lane and compute (SM sharing), stragglers.
 """
@@ -51,7 +59,7 @@ from .policies import keep_all, recompute_all
 from .schedule import Schedule
 from .simulator import SimResult, simulate
 from .solve import solve
-from .workload import HOST_MASTER_BYTES, Workload
+from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, Workload
 
 MODES = ("shard", "replicate", "replicate_overlap", "fsdp")
 _DATA_PARALLEL = {"shard": "shard", "fsdp": "shard", "replicate": "replicate",
@@ -61,6 +69,15 @@ _DATA_PARALLEL = {"shard": "shard", "fsdp": "shard", "replicate": "replicate",
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise InvalidInput("mode", mode, f"must be one of {MODES}")
+
+
+def host_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank moves in an all-reduce of an ``nbytes`` buffer over ``world_size`` ranks:
+    ``2 (W-1)/W x nbytes`` (see the module docstring); 0 for one rank. The unit of
+    ``LayerWork.allreduce_bytes``; ``distributed.GradSync`` counts with this very function."""
+    if world_size <= 1:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * nbytes
 
 
 def rank_hardware(hw: Hardware) -> Hardware:
@@ -108,7 +125,7 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
             out["gather"] = (gather / intra if gather else 0.0, gather)
             out["reduce"] = ((rs / intra if rs else 0.0) + (cross / (inter / n) if cross else 0.0), rs + cross)
         else:
-            nbytes = 2 * (W - 1) / W * params * HOST_MASTER_BYTES  # the fp32 host gradients
+            nbytes = host_allreduce_bytes(params * HOST_GRAD_BYTES, W)  # the fp32 host gradient
             bw = hw.host_collective_bytes_per_s if M == 1 else min(hw.host_collective_bytes_per_s, inter)
             if bw <= 0:
                 raise InvalidInput("hardware.host_collective_bytes_per_s", hw.host_collective_bytes_per_s,

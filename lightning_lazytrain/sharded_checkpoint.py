@@ -1,0 +1,299 @@
+"""Sharded checkpoints of a data-parallel lazytrain run, through ``torch.distributed.checkpoint`` (DCP).
+
+Note: [sharded checkpoint]
+    With several processes ``LazyTrainStrategy(checkpoint_format="sharded")`` (the default) saves a
+    checkpoint as a directory at the path Lightning gives (``ModelCheckpoint``'s ``....ckpt``):
+
+    - ``.metadata`` and ``__<rank>_<n>.distcp``: the tensors of the model's ``state_dict`` and of
+      every ``optimizer_states`` entry, one flat DCP state dict keyed by their path in Lightning's
+      checkpoint dict (``state_dict/model.layers.0.mlp.up_proj.weight``,
+      ``optimizer_states/0/state/3/exp_avg``). Every rank offers its own (replicated) tensors and
+      DCP's planner deduplicates them (``dedup_save_plans``: each tensor is written once, by the rank
+      with the smallest plan so far), so each rank writes about ``1/W`` of the bytes and no rank
+      gathers anything. Dtypes are kept (8-bit ``uint8`` states, fp32 block scales and qmaps, fp32
+      ``step`` scalars), so ``optimizer.load_state_dict`` sees what ``state_dict()`` gave.
+    - ``lightning.pt``: rank 0's checkpoint dict with each of those tensors replaced by a marker
+      ``{"__lazytrain_dcp__": key}``; everything else (loops, callbacks, schedulers, hparams,
+      versions) as ``torch.save`` writes it -- what a single-file checkpoint holds besides them.
+    - ``crc32.json``: size and CRC-32 of every file above, computed by the ranks after writing (each
+      a share of the files); checked before a load unless ``verify_checkpoints=False``.
+
+    Atomic: the ranks write into ``.<name>.tmp-<token>`` next to the target (the token comes from
+    rank 0), rank 0 fsyncs and renames it into place once every rank has written, and the ranks
+    learn the outcome from rank 0 before they continue. A failure on any rank (DCP gathers the
+    writers' errors and raises on every rank) removes the temporary directory and raises on every
+    rank; a crash leaves it behind, hidden, and the old checkpoint in place (rank 0 removes such
+    leftovers of the same target at its next save). A checkpoint that already exists is first
+    renamed to ``.<name>.old-<token>`` and removed after the new one is in place: a crash between
+    the two renames leaves no checkpoint at the target (and the old one under that name), never
+    half of one. The directory must be on a file system every rank sees (one node, or a shared one).
+
+    Loading (``load_sharded``) works on any world size, one process included: the tensors are plain
+    (replicated) ones, so each process reads all of them into tensors shaped from DCP's metadata
+    and the markers are filled in; the result is the checkpoint dict Lightning expects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MARKER", "META_FILE", "MANIFEST", "is_sharded_checkpoint", "load_sharded", "save_sharded",
+           "split_tensors", "join_tensors", "check_sharded_integrity"]
+
+MARKER = "__lazytrain_dcp__"
+META_FILE = "lightning.pt"
+MANIFEST = "crc32.json"
+DCP_METADATA = ".metadata"
+# The parts of Lightning's checkpoint dict whose tensors are replicated on every rank and go through DCP.
+SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    """A local directory holding a DCP checkpoint (``save_sharded``'s; others fail their checks when loaded)."""
+    if "://" in str(path):
+        return False
+    p = Path(path)
+    return p.is_dir() and (p / DCP_METADATA).is_file()
+
+
+# ---- the checkpoint dict <-> (skeleton, flat tensors) ---------------------------------------------
+def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KEYS
+                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(skeleton, tensors): ``checkpoint`` with every tensor under ``keys`` replaced by a marker
+    naming its entry in ``tensors`` (CPU tensors, detached, not copied when already on the CPU)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, key: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if key in tensors:
+                raise ValueError(f"checkpoint entry {key!r} is not unique (keys 1 and '1' in one dict?)")
+            tensors[key] = obj.detach().cpu()
+            return {MARKER: key}
+        if isinstance(obj, dict):
+            out = obj.copy()  # keeps OrderedDict and other dict subclasses
+            for k, v in obj.items():
+                out[k] = walk(v, f"{key}/{k}")
+            return out
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(walk(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    skeleton = dict(checkpoint)
+    for k in keys:
+        if k in checkpoint:
+            skeleton[k] = walk(checkpoint[k], k)
+    return skeleton, tensors
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of ``split_tensors``: every marker replaced by its tensor."""
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if len(obj) == 1 and MARKER in obj:
+                key = obj[MARKER]
+                if key not in tensors:
+                    raise KeyError(f"sharded checkpoint has no tensor {key!r}")
+                return tensors[key]
+            out = obj.copy()
+            for k, v in obj.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    return walk(skeleton)
+
+
+# ---- small file helpers ----------------------------------------------------------------------------
+def _crc(path: Path) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _data_files(directory: Path) -> list[str]:
+    """The files DCP wrote (all but its ``.metadata``), sorted: the same list on every rank."""
+    return sorted(f.name for f in directory.iterdir() if f.is_file() and f.name not in (DCP_METADATA, META_FILE,
+                                                                                          MANIFEST))
+
+
+# ---- save ---------------------------------------------------------------------------------------------
+def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None) -> None:
+    """Save ``checkpoint`` (this rank's Lightning checkpoint dict) as the directory ``path``; every rank
+    of ``group`` calls it (see Note: [sharded checkpoint])."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(path)
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    skeleton, tensors = split_tensors(checkpoint)
+    box: list[Any] = [f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    token = box[0]
+    tmp = target.with_name(f".{target.name}.tmp-{token}")
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a crashed save's leftovers
+            _remove(stale)
+    dist.barrier(group=group)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        # Collective: DCP gathers every rank's plan, deduplicates the replicated tensors, and raises
+        # on every rank if any rank failed to write (it gathers the writers' errors).
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    except BaseException:
+        dist.barrier(group=group)  # every rank is done with the directory
+        if rank == 0:
+            _remove(tmp)
+        raise
+    local: tuple[dict[str, Any], str | None]
+    try:  # each rank checksums a share of the files (the same sorted list on every rank)
+        local = ({name: _crc(tmp / name) for name in _data_files(tmp)[rank::world]}, None)
+    except Exception as err:
+        local = ({}, f"rank {rank}: {type(err).__name__}: {err}")
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, local, group=group)
+    failure = next((err for _, err in parts if err is not None), None)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            if failure is not None:
+                raise RuntimeError(f"could not checksum the files: {failure}")
+            torch.save(skeleton, tmp / META_FILE)
+            _fsync_file(tmp / META_FILE)
+            manifest = {name: list(v) for crcs, _ in parts for name, v in crcs.items()}
+            for name in (DCP_METADATA, META_FILE):
+                manifest[name] = list(_crc(tmp / name))
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump({"format": "lazytrain-dcp-1", "files": manifest}, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            old = target.with_name(f".{target.name}.old-{token}")
+            had_old = target.exists() or target.is_symlink()
+            if had_old:
+                os.replace(target, old)
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
+            if had_old:
+                _remove(old)
+        except BaseException as err:
+            error, failure = err, f"{type(err).__name__}: {err}"
+            _remove(tmp)
+    box = [failure]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RuntimeError(f"sharded checkpoint {target} was not written: {box[0]}")
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+def check_sharded_integrity(path: Any, *, group: Any = None) -> None:
+    """Raise ``CorruptCheckpoint`` if a file of the sharded checkpoint at ``path`` is missing, or differs
+    in size or CRC-32 from the manifest written with it. With ``group`` each rank reads a share of the
+    files and every rank raises the first problem found."""
+    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
+
+    import torch.distributed as dist
+
+    p = Path(path)
+    fix = "Fix: resume from an earlier checkpoint (or copy this one again from where it was made)."
+    problem: str | None = None
+    try:
+        manifest = json.loads((p / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        manifest = None
+        problem = f"sharded checkpoint {p} has no {MANIFEST} (it was not finished by lazytrain). {fix}"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        manifest = None
+        problem = f"sharded checkpoint {p}: its {MANIFEST} cannot be read ({err}). {fix}"
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    if manifest is not None:
+        extra = sorted(set(_data_files(p)) - set(manifest))
+        if extra:
+            problem = f"sharded checkpoint {p} holds files its manifest does not list: {extra}. {fix}"
+        for name in sorted(manifest)[rank::world]:
+            if problem is not None:
+                break
+            try:
+                got = _crc(p / name)
+            except OSError as err:
+                problem = f"sharded checkpoint {p}: its file {name!r} cannot be read ({err}). {fix}"
+                break
+            if list(got) != list(manifest[name]):
+                what = "size" if got[0] != manifest[name][0] else "CRC"
+                problem = f"sharded checkpoint {p} is corrupted: its file {name!r} fails the {what} check. {fix}"
+    if group is not None:
+        problems: list[Any] = [None] * world
+        dist.all_gather_object(problems, problem, group=group)
+        problem = next((x for x in problems if x is not None), None)
+    if problem is not None:
+        raise CorruptCheckpoint(problem)
+
+
+def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = None,
+                 verify: bool = True) -> dict[str, Any]:
+    """The checkpoint dict saved by ``save_sharded`` at ``path``, on any number of processes: every rank
+    of ``group`` calls it (``group=None``: this process alone, no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    p = Path(path)
+    if verify:
+        check_sharded_integrity(p, group=group)
+    skeleton = torch.load(p / META_FILE, map_location="cpu", weights_only=weights_only)
+    reader = dcp.FileSystemReader(p)
+    metadata = reader.read_metadata()
+    tensors: dict[str, torch.Tensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"sharded checkpoint {p}: entry {key!r} is not a tensor (not written by lazytrain)")
+        tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    if group is None:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
+    else:
+        dcp.load(tensors, storage_reader=reader, process_group=group)
+    return join_tensors(skeleton, tensors)
