@@ -27,6 +27,8 @@ def mixed_plan(path) -> str:
     s = Schedule(num_layers=LAYERS, homes=("gpu", "cpu", "recompute", "gpu", "gpu"),
                  keep_internals=(True, False, False, False), resident_weights=(False,) * LAYERS,
                  offload_window=(None, 1, None, None, None), reload_window=(None, 3, None, None, None),
+                 # layer 0 keeps its internals in host memory from F2 to B3 (Note: [offloaded internals])
+                 internals_offload_window=(2, None, None, None), internals_reload_window=(3, None, None, None),
                  policy="test-mixed")
     path.write_text(json.dumps({"schedule": s.to_json()}))
     return str(path)

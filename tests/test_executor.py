@@ -24,10 +24,11 @@ SPEC = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4
 L = SPEC.num_layers
 
 
-def custom(homes, keep=None, res=None, off=None, rel=None) -> Schedule:
+def custom(homes, keep=None, res=None, off=None, rel=None, ioff=(), irel=()) -> Schedule:
     return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(keep or [False] * L),
                     resident_weights=tuple(res or [False] * L), offload_window=tuple(off or [None] * (L + 1)),
-                    reload_window=tuple(rel or [None] * (L + 1)), policy="custom")
+                    reload_window=tuple(rel or [None] * (L + 1)), internals_offload_window=tuple(ioff),
+                    internals_reload_window=tuple(irel), policy="custom")
 
 
 SCHEDULES = {
@@ -42,6 +43,11 @@ SCHEDULES = {
                          rel=[None, 2, 3, None, None]),
     "kept_internals_resident": custom(["gpu", "gpu", "recompute", "gpu", "gpu"], keep=[True, False, False, True],
                                       res=[False, False, True, True]),
+    # Note: [offloaded internals]: layer 0's saved tensors leave in F1 and come back in B2, layer
+    # 1's leave in F3 (next to boundary 3's offload) and come back in H; layer 2 keeps its own.
+    "offloaded_internals": custom(["gpu", "gpu", "gpu", "cpu", "gpu"], keep=[True, True, True, False],
+                                  off=[None, None, None, 3, None], rel=[None, None, None, 4, None],
+                                  ioff=[1, 3, None, None], irel=[2, 4, None, None]),
 }
 
 
@@ -203,11 +209,12 @@ def test_real_device_bytes_stay_within_the_plan(reference, tmp_path, name, micro
     check_device_bytes_within_plan(*reference, tmp_path, name, micro)
 
 
-@pytest.mark.parametrize("name", ["cpu_homes", "nvme_homes"])
+@pytest.mark.parametrize("name", ["cpu_homes", "nvme_homes", "offloaded_internals"])
 def test_a_slow_offload_costs_time_not_memory(reference, tmp_path, name):
-    """Delay injection: with a D2H lane far slower than compute, an offloaded boundary still
-    leaves the device at the end of its offload window (compute waits for the copy there), so
-    every window stays within the plan; before, the source lived on until the copy finished."""
+    """Delay injection: with a D2H lane far slower than compute, an offloaded boundary (or a layer's
+    offloaded internals) still leaves the device at the end of its offload window (compute waits
+    for the copy there), so every window stays within the plan; before, the source lived on until
+    the copy finished."""
     slow = {"d2h": LinkSpec(bandwidth_bytes_per_s=2e6, latency_s=0.02)}
     check_device_bytes_within_plan(*reference, tmp_path, name, 2, links=slow)
 
@@ -316,7 +323,7 @@ HF_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
-@pytest.mark.parametrize("policy", ["megatrain_K2", "cpu_homes", "kept_internals_resident"])
+@pytest.mark.parametrize("policy", ["megatrain_K2", "cpu_homes", "kept_internals_resident", "offloaded_internals"])
 def test_hugging_face_models_equal_plain_autograd(tmp_path, name, policy):
     transformers = pytest.importorskip("transformers")
     spec = dict(HF_CONFIGS[name])

@@ -340,6 +340,15 @@ class ActivationStore:
         assert e.device is not None
         return e.device
 
+    def release(self, key: Hashable) -> None:
+        """Stop holding ``key``'s device copy (its user holds views of it, freed with them); the
+        host copy stays until ``free``. Does not wait: a CUDA copy's buffer is protected by the
+        consumer stream recorded when it was waited for (``get``)."""
+        e = self._entries[key]
+        if e.device is not None and e.tier is not Tier.GPU:
+            e.device = None
+            self._count(-e.nbytes)
+
     def free(self, key: Hashable) -> None:
         """Forget ``key``: waits for its copies in flight, recycles buffers, deletes its file."""
         e = self._entries.pop(key)

@@ -17,7 +17,7 @@ so the weight gradients land in the slot's gradient buffer as for any other laye
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -50,13 +50,15 @@ class BlockFunction(torch.autograd.Function):
 
 class WeightTokenHooks:
     """Pack hooks for a kept forward: weights of ``slot_buffer()`` become tokens, the rest is kept
-    and its bytes are reported once per storage through ``count``."""
+    and its bytes are reported once per storage through ``count``, except storages in ``skip``
+    (the input boundary and the call's other tensors, counted where they live: see
+    ``Executor._not_internals``)."""
 
     def __init__(self, slot_buffer: Callable[[], torch.Tensor], count: Callable[[int], None],
-                 skip_storage: int | None = None) -> None:
+                 skip: Iterable[int] = ()) -> None:
         self.slot_buffer = slot_buffer
         self.count = count
-        self.seen: set[int] = set() if skip_storage is None else {skip_storage}
+        self.seen: set[int] = set(skip)
 
     def pack(self, t: torch.Tensor) -> Any:
         buf = self.slot_buffer()
@@ -78,10 +80,10 @@ class WeightTokenHooks:
 class CountingHooks:
     """Pack hooks that only measure saved bytes (weights in ``slot_buffer()`` excluded)."""
 
-    def __init__(self, slot_buffer: Callable[[], torch.Tensor] | None, skip_storage: int | None = None) -> None:
+    def __init__(self, slot_buffer: Callable[[], torch.Tensor] | None, skip: Iterable[int] = ()) -> None:
         self.slot_buffer = slot_buffer
         self.bytes = 0
-        self.seen: set[int] = set() if skip_storage is None else {skip_storage}
+        self.seen: set[int] = set(skip)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()

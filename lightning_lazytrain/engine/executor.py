@@ -5,11 +5,12 @@ Each block of the stack becomes one autograd node (``block_fn.BlockFunction``); 
 executor follows ``Schedule.windows()`` literally, so it moves exactly the bytes and re-runs
 exactly the layers that the simulator counts:
 
-    F{j}   issue the window's transfers (offload boundaries, prefetch layer j+1 into its slot),
+    F{j}   issue the window's transfers (offload boundaries and kept internals, prefetch layer
+           j+1 into its slot),
            store the input boundary per its home, run block j (no grad, or with grad keeping its
            internals), and after the last block issue window H's transfers
     B{t}   issue the window's transfers (grads of layer t+1 to the host, prefetch layer t-1,
-           reloads, NVMe reads), re-run a recompute block if one ends here, re-run layer t with
+           reloads of boundaries and internals, NVMe reads), re-run a recompute block if one ends here, re-run layer t with
            grad unless it kept its internals, backpropagate, free its input
     T      (``end_microbatch(last)``) last grads to the host; the caller's optimizer then runs;
            ``begin_microbatch(first)`` of the next step fetches layer 0 again
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
@@ -47,6 +49,7 @@ from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, We
 from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheReplay, ForwardState, HookCapture,
                                                  UnsupportedBlockPattern)
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
+from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import DeviceBytes
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
@@ -300,6 +303,7 @@ class Executor:
         self._finish_grads()
         self._exit.close()
         self._evict_lazy_slots()
+        self._internals = {}
         self.acts.end_step()
         self.engine.synchronize()
         self._micro = None
@@ -335,6 +339,7 @@ class Executor:
         if first:
             self._adhoc_used = False
         self._pending_offload: dict[int, torch.Tensor] = {}
+        self._internals: dict[int, OffloadedInternals] = {}  # Note: [offloaded internals] in engine/internals.py
         self._pending_grads: list[PendingGrads] = []
         self._retiring: list[int] = []  # resident layers whose gradient D2H was issued
         self._call_storages: dict[int, int] = {}  # see StepStats.call_bytes
@@ -451,6 +456,12 @@ class Executor:
                 self._call_storages[storage.data_ptr()] = storage.nbytes()
         self.stats.call_bytes = max(self.stats.call_bytes, sum(self._call_storages.values()))
 
+    def _not_internals(self, x: torch.Tensor) -> set[int]:
+        """Storages a block's saved tensors may view that are not its internals: its input (a
+        boundary, with a home of its own) and the tensors of the micro-batch's block calls (rotary
+        tables, masks, encoder states: ``StepStats.call_bytes``, static in the plan)."""
+        return {x.untyped_storage().data_ptr(), *self._call_storages}
+
     def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """Evaluation: stream the weights through the two slots, keep nothing. Inside a training
         micro-batch (a no-grad forward in ``training_step``) the slots belong to the planned pass:
@@ -492,6 +503,9 @@ class Executor:
                 with self._host_side():
                     self.acts.offload(op.index, src.detach(), s.homes[op.index])
                 self.tracker.add(f"offload{op.index}", self._nbytes(src))
+            elif op.lane == "d2h" and op.kind == "offload_internals":
+                with self._host_side():
+                    self._internals[op.index].offload(self.acts)
             elif op.lane == "h2d" and op.kind == "weights":
                 if s.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
                     self.wait_updated(op.index)
@@ -516,12 +530,18 @@ class Executor:
         with self.params.bind(j, slot, grads=keep), self.trace.timed(name, "forward", j), \
                 state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
             if keep:
-                hooks = WeightTokenHooks(lambda: self.params.slot_weights(j, slot),
-                                         lambda n: self.tracker.add(f"internals{j}", n),
-                                         skip_storage=x.untyped_storage().data_ptr())
+                weights, count = (lambda: self.params.slot_weights(j, slot)), \
+                    (lambda n: self.tracker.add(f"internals{j}", n))
+                if s.internals_offload_window[j] is not None:
+                    moving = self._internals[j] = OffloadedInternals(j, self.device, weights, count,
+                                                                     self._not_internals(x))
+                    pack, unpack = moving.pack, moving.unpack_with(self.acts)
+                else:
+                    hooks = WeightTokenHooks(weights, count, skip=self._not_internals(x))
+                    pack, unpack = hooks.pack, hooks.unpack
                 xg = x.detach().requires_grad_()
                 rin = [t.detach().requires_grad_() for t in routed]
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     spec, outs = self._run_block(j, xg, call, rin, first=True,
                                                  rerun=s.homes[j + 1] == "recompute")
                 # Roots of the kept graph: the hidden state and routed outputs are returned detached;
@@ -530,7 +550,11 @@ class Executor:
                 n_struct = 1 + len(spec.routed)
                 with torch.enable_grad():
                     roots = outs[:n_struct] + [torch.ops.aten.alias(t) for t in outs[n_struct:]]
-                ctx.kept = (xg, rin, roots)
+                # Note: [kept roots hold no data] The backward needs the roots' graph, not their
+                # values: keeping the tensors would keep the block's output (the next boundary) on
+                # the device after its planned offload. Their gradient edges keep only the graph.
+                ctx.kept = (xg, rin, [get_gradient_edge(r) if r.requires_grad else None for r in roots])
+                del roots
                 outs = [t.detach() for t in outs[:n_struct]] + outs[n_struct:]
             else:
                 spec, outs = self._run_block(j, x, call, routed, first=True)
@@ -627,13 +651,15 @@ class Executor:
                 roots, all_grads = self._with_running_input_grads(ctx, rin, list(roots), list(grads))
                 with self.trace.timed(name, "backward", t):
                     _backprop(roots, all_grads)
+                if t in self._internals:
+                    self._internals.pop(t).free(self.acts)
                 self.tracker.drop(f"internals{t}")
             else:
                 x = self._boundary(t)
                 call, routed = self._calls.pop(t)
                 xg = x.detach().requires_grad_()
                 rin = [r.detach().requires_grad_() for r in routed]
-                hooks = CountingHooks(lambda: self.params.slot_weights(t, slot), x.untyped_storage().data_ptr())
+                hooks = CountingHooks(lambda: self.params.slot_weights(t, slot), self._not_internals(x))
                 with self.trace.timed(name, "local_recompute", t), self._states[t].replay(), torch.enable_grad(), \
                         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
                     _, outs = self._run_block(t, xg, call, rin, first=False)
@@ -728,6 +754,10 @@ class Executor:
             elif op.lane == "h2d" and op.kind == "reload":
                 self.acts.prefetch(op.index)
                 self.tracker.add(f"reload{op.index}", self.acts.nbytes(op.index))
+            elif op.lane == "h2d" and op.kind == "reload_internals":
+                moving = self._internals[op.index]
+                moving.reload(self.acts)
+                self.tracker.add(f"internals{op.index}", moving.nbytes)
             elif op.lane == "nvme_read":
                 with self._host_side():
                     self.acts.read_to_host(op.index)
@@ -836,6 +866,10 @@ class Executor:
             off = s.offload_window[i]
             if home in ("cpu", "nvme") and off is not None and off < w and i in self.acts:
                 self.acts.settle(i)
+        for j, moving in self._internals.items():  # Note: [offloaded internals]
+            if s.internals_offload_window[j] < w and moving.state == "offloaded":
+                moving.settle(self.acts)
+                self.tracker.drop(f"internals{j}")
         self._reap_offloads()
 
     def _reap_offloads(self) -> None:
@@ -873,8 +907,10 @@ class Executor:
         return t.numel() * t.element_size()
 
 
-def _backprop(roots: list[torch.Tensor], grads: tuple) -> None:
-    """Backpropagate the node's output gradients (None: that output was not used) from the roots."""
-    pairs = [(r, g) for r, g in zip(roots, grads, strict=True) if g is not None and r.requires_grad]
+def _backprop(roots: list[torch.Tensor | GradientEdge | None], grads: tuple) -> None:
+    """Backpropagate the node's output gradients (None: that output was not used) from the roots
+    (tensors, or gradient edges of kept roots; None: a root without grad)."""
+    pairs = [(r, g) for r, g in zip(roots, grads, strict=True)
+             if g is not None and r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
     if pairs:
         torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
