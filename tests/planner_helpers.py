@@ -40,11 +40,27 @@ def with_host_costs(wl: Workload, cast, accum, *, nonblock_cast: float = 0.0, no
                    nonblock_accum_seconds=nonblock_accum).validate()
 
 
-def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True):
+def internals_choices(L: int, j: int, options=None) -> list[tuple[int | None, int | None]]:
+    """The MILP's (offload window, reload window) choices for a kept layer ``j``'s internals, ``(None,
+    None)`` (they stay) first: F{j+1} .. F{j+internals_offload_horizon}, and B{j+1} ..
+    B{j+internals_reload_slack} or H (``milp_internals``)."""
+    from lightning_lazytrain.planner.milp import MilpOptions
+
+    opt = options or MilpOptions()
+    out = [(None, None)]
+    if not (opt.offload_internals and opt.keep_internals and opt.window_memory):
+        return out
+    offs = range(j + 1, min(L - 1, j + opt.internals_offload_horizon) + 1)
+    rels = sorted(set(range(j + 1, min(L, j + opt.internals_reload_slack) + 1)) | {L})
+    return out + [(w, t) for w in offs for t in rels]
+
+
+def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True, internals: bool = True):
     """Every schedule in the MILP's space for ``L`` layers (L <= 8 = max_block; offload in the
-    boundary's own forward window, any legal reload window, backward prefetch). ``pipelined``:
-    the optimizer mode (True: pipelined, False: serial, None: each schedule in both modes, the space
-    of ``MilpOptions(optimizer_mode="auto")``)."""
+    boundary's own forward window, any legal reload window, backward prefetch; with ``internals``,
+    each kept layer's internals stay or move in any of the default ``MilpOptions``' windows).
+    ``pipelined``: the optimizer mode (True: pipelined, False: serial, None: each schedule in both
+    modes, the space of ``MilpOptions(optimizer_mode="auto")``)."""
     from itertools import product
 
     from lightning_lazytrain.planner import InvalidInput, Schedule
@@ -73,11 +89,17 @@ def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True):
                 keep_internals = [False] * L
                 for j, k in zip(kept, keep):
                     keep_internals[j] = k
-                for res in product((False, True), repeat=len(free)):
-                    resident = [False] * L
-                    for j, r in zip(free, res):
-                        resident[j] = r
-                    for mode in modes:
-                        yield Schedule(num_layers=L, homes=homes, keep_internals=tuple(keep_internals),
-                                       resident_weights=tuple(resident), offload_window=probe.offload_window,
-                                       reload_window=tuple(reload_window), optimizer=mode)
+                moving = [j for j in range(L) if keep_internals[j]] if internals else []
+                for moves in product(*(internals_choices(L, j) for j in moving)):
+                    off, back = [None] * L, [None] * L
+                    for j, (w, t) in zip(moving, moves):
+                        off[j], back[j] = w, t
+                    for res in product((False, True), repeat=len(free)):
+                        resident = [False] * L
+                        for j, r in zip(free, res):
+                            resident[j] = r
+                        for mode in modes:
+                            yield Schedule(num_layers=L, homes=homes, keep_internals=tuple(keep_internals),
+                                           resident_weights=tuple(resident), offload_window=probe.offload_window,
+                                           reload_window=tuple(reload_window), internals_offload_window=tuple(off),
+                                           internals_reload_window=tuple(back), optimizer=mode)

@@ -144,9 +144,11 @@ def test_host_lane_lengthens_windows_in_the_simulator_and_the_milp():
     assert sim.iteration_seconds == pytest.approx(8.75, abs=1e-6)
     assert res.objective == pytest.approx(8.75, abs=1e-6)
     host = [seg for seg in sim.timeline if seg.lane == "host"]
-    assert {(seg.window, seg.kind, seg.index) for seg in host} == {
-        ("F0", "cast", 1), ("B1", "cast", 0), ("B0", "accumulate", 1), ("T", "accumulate", 0),
-        ("T", "accumulate", -1), ("T", "cast", -1), ("T", "cast", 0)}
+    expected = {("F0", "cast", 1), ("B0", "accumulate", 1), ("T", "accumulate", 0), ("T", "accumulate", -1),
+                ("T", "cast", -1), ("T", "cast", 0)}
+    if not s.resident_weights[0]:  # a tie: layer 0's B1 cast and fetch hide under the backward either way
+        expected.add(("B1", "cast", 0))
+    assert {(seg.window, seg.kind, seg.index) for seg in host} == expected
     assert sim.lane_bytes.get("host", 0.0) == 0.0
     # the same schedule without residency pays the second cast of layer 1 in H
     again = simulate(Schedule(**{**_fields(s), "resident_weights": (False, False)}), wl, hw)
@@ -179,14 +181,15 @@ def random_instance(rng: random.Random, L: int, *, host: bool = True):
     return wl, hw, nvme
 
 
-def milp_time_equals_simulator_for_every_schedule(wl, hw, nvme: bool, pipelined: bool) -> int:
-    """Seed the MILP with each schedule of its space; its iteration time (window variables at
-    their tight lower bounds) equals the simulator's. Returns how many schedules were checked."""
+def milp_time_equals_simulator_for_every_schedule(wl, hw, nvme: bool, pipelined: bool, internals: bool = True) -> int:
+    """Seed the MILP with each schedule of its space (``internals``: with the moved internals'
+    choices); its iteration time (window variables at their tight lower bounds) equals the
+    simulator's. Returns how many schedules were checked."""
     import pyomo.environ as pyo
 
     model = ScheduleModel(wl, hw, MilpOptions(pipelined_optimizer=pipelined))
     n = 0
-    for s in milp_space(wl.num_layers, nvme=nvme, pipelined=pipelined):
+    for s in milp_space(wl.num_layers, nvme=nvme, pipelined=pipelined, internals=internals):
         model.seed_from(s)
         sim = simulate(s, wl, hw, check=False)
         assert pyo.value(model.iteration_time()) == pytest.approx(sim.iteration_seconds, rel=1e-9), s
@@ -205,8 +208,8 @@ def test_milp_window_times_match_the_simulator_on_every_schedule_with_host_costs
 def test_milp_window_times_match_the_simulator_on_every_four_layer_schedule():
     rng = random.Random(11)
     for pipelined in (True, False):
-        wl, hw, _ = random_instance(rng, 4)
-        assert milp_time_equals_simulator_for_every_schedule(wl, hw, True, pipelined) > 2000
+        wl, hw, _ = random_instance(rng, 4)  # (moved internals: tests/test_planner_internals.py, 10x the space)
+        assert milp_time_equals_simulator_for_every_schedule(wl, hw, True, pipelined, internals=False) > 2000
 
 
 def best_enumerated(wl, hw, nvme: bool) -> float:

@@ -122,7 +122,7 @@ def test_milp_window_times_match_the_simulator_on_every_four_layer_schedule_with
     hw = hardware(1000 * G, h2d=1 * G, d2h=1.5 * G, nvme_cap=100 * G, nvme_bw=0.5 * G)
     model = ScheduleModel(wl, hw, MilpOptions())
     checked = waited = 0
-    for s in milp_space(n, nvme=True):
+    for s in milp_space(n, nvme=True, internals=False):  # moved internals: test_planner_internals.py
         model.seed_from(s)
         sim = simulate(s, wl, hw, check=False)
         assert pyo.value(model.iteration_time()) == pytest.approx(sim.iteration_seconds, rel=1e-9), s

@@ -10,13 +10,15 @@ Symbols -> variables (``L`` layers, boundaries ``0..L``, window names as in ``sc
               ``MilpOptions.optimizer_mode`` is ``auto`` (a forced mode is a constant)
     o[i,w,h]  boundary i (tier h in {c, n}) is offloaded by the D2H lane of F{w}
     q[i,t,h]  boundary i comes back by the H2D lane of B{t} (t = L: H)
+    f[j], oi[j,w], qi[j,t]   layer j's kept internals go to the host by F{w}'s D2H and come back by
+              B{t}'s H2D (``milp_internals``: its variables and the terms it adds to the rows below)
     tF1[j], tF[j], tH, tB[t], tT   window durations (tF1: first micro-batch, carries the optimizer)
 
 Constraint groups (each a named method so an ablation is one switch):
     _create_path         flow over boundaries: one path 0 -> L through the materialised ones
     _create_homes        one home per materialised boundary, k_j <= g_j, resident layers never recomputed
     _create_transfers    every offload gets one window, every reload one window before first use
-    _create_host         CPU bytes and NVMe bytes within capacity
+    _create_host         CPU bytes (boundaries and offloaded internals) and NVMe bytes within capacity
     _create_gpu_memory   device bytes <= cap in *every* window (or, ablated, one aggregate sum)
     _create_window_times tau_w >= each lane's load in w; chains are summed: optimizer -> cast -> fetch,
                          grads D2H -> accumulate, the host lane's FIFO casts -> their fetches (and
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidInput
 from .hardware import Hardware
+from .milp_internals import InternalsOffload
 from .schedule import Schedule
 from .simulator import MEM_TOL
 from .workload import Workload
@@ -52,9 +55,12 @@ class MilpOptions:
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True
+    offload_internals: bool = True  # a kept layer's internals may go to host memory and back (milp_internals)
     max_block: int = 8  # longest recompute block (edge length cap)
     reload_slack: int = 2  # reload at most this many windows before the earliest legal one... and later
     offload_horizon: int = 1  # offload within this many forward windows of the boundary's production
+    internals_offload_horizon: int = 2  # layer j's internals leave in F{j+1} .. F{j+this}
+    internals_reload_slack: int = 2  # ... and come back in B{j+1} .. B{j+this}, or in H
     mip_gap: float = 1e-3
     time_limit: float = 60.0
     threads: int | None = None
@@ -134,6 +140,7 @@ class ScheduleModel:
         m.cons = pyo.ConstraintList()
         self.lane_loads: dict[str, list] = {}  # window var name -> list of expressions (for seeding)
         self._fix_trivial()
+        self.internals = InternalsOffload(self)  # its variables and the k -> f rows
         self._create_path()
         self._create_homes()
         self._create_transfers()
@@ -216,11 +223,15 @@ class ScheduleModel:
             if self.use_nvme:
                 self.add(m.any_nvme >= m.n[i])
 
+    def host_bytes(self):
+        """Host bytes (the simulator's ``host_bytes``): static, cpu boundaries, NVMe staging, moved internals."""
+        m, A = self.m, self.A
+        return (self.wl.host_static_bytes + sum(A[i] * m.c[i] for i in self.inner) + 2 * max(A) * m.any_nvme
+                + self.internals.host_bytes())
+
     def _create_host(self) -> None:
         m, A, hw = self.m, self.A, self.hw
-        bounce = 2 * max(A)
-        self.add(self.fits(self.wl.host_static_bytes + sum(A[i] * m.c[i] for i in self.inner)
-                           + bounce * m.any_nvme, hw.cpu_memory_bytes))
+        self.add(self.fits(self.host_bytes(), hw.cpu_memory_bytes))
         if self.use_nvme:
             self.add(self.fits(sum(A[i] * m.n[i] for i in self.inner), hw.nvme_capacity_bytes))
 
@@ -234,7 +245,7 @@ class ScheduleModel:
             expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
         if w + 1 < self.L:  # a resident layer's buffer exists from its fetch, one window early
             expr += lay[w + 1].param_bytes * m.r[w + 1]
-        return expr
+        return expr - self.internals.away_forward(w)
 
     def gpu_bytes_head(self):
         m, A, lay, L = self.m, self.A, self.lay, self.L
@@ -243,7 +254,7 @@ class ScheduleModel:
             expr += A[i] * m.g[i] + A[i] * self.rel(i, L)
         for j in range(L):
             expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
-        return expr
+        return expr - self.internals.away_backward(L)
 
     def gpu_bytes_backward(self, u: int):
         m, A, lay, L = self.m, self.A, self.lay, self.L
@@ -259,7 +270,7 @@ class ScheduleModel:
         if u + 1 < L:  # a resident layer's gradients until their D2H, one window after its backward
             expr += lay[u + 1].grad_bytes * m.r[u + 1]
         expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
-        return expr
+        return expr - self.internals.away_backward(u)
 
     def fits(self, nbytes, capacity: float):
         """``nbytes <= capacity`` with rows in GB: byte-sized coefficients (1e10) leave HiGHS's
@@ -303,14 +314,15 @@ class ScheduleModel:
         gth, rs, ar = self.gth, self.rs, self.ar
         for j in range(L):
             fetch = self.p_s[j + 1] if j + 1 < L else 0.0
-            d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h
+            d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h + self.internals.d2h_seconds(j, d2h)
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
             optimizer = lay[j + 1].opt_seconds * pipe if j + 1 < L else 0.0
             # chain: optimizer (pipelined only) -> cast -> fetch of layer j + 1
             chain = optimizer + cast[j + 1] + fetch
             if gth[j + 1]:  # shard: the all-gather follows the fetch
                 chain = chain + gth[j + 1]
-            bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, chain, d2h_load, nvw_load])
+            hull = self.internals.hull_rows(lay[j].fwd_seconds, "F", j, d2h)
+            bound(m.tF1[j], f"tF1[{j}]", [lay[j].fwd_seconds, chain, d2h_load, nvw_load] + hull)
             if wl.grad_accum > 1:
                 exprs = [lay[j].fwd_seconds, cast[j + 1] + fetch + gth[j + 1] if gth[j + 1] else cast[j + 1] + fetch,
                          d2h_load, nvw_load]
@@ -321,11 +333,12 @@ class ScheduleModel:
                         exprs += [g0 + acc[0], cast[1] + acc[0]]
                     if rs[0] and gth[1]:  # the all-gather of layer 1 queues behind the reduce-scatter
                         exprs.append(rs[0] + gth[1])
-                bound(m.tF[j], f"tF[{j}]", exprs)
+                bound(m.tF[j], f"tF[{j}]", exprs + hull)
         if self.dp == "none":
             h2d_h = (lay[L - 1].param_bytes * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
         else:
             h2d_h = self.p_s[L - 1] * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner) / h2d
+        h2d_h += self.internals.h2d_seconds(L, h2d)  # behind the boundary reloads
         if cast[L - 1]:
             h2d_h += cast[L - 1] * (1 - m.r[L - 1])  # the fetch, and the reloads behind it, wait for its cast
         nvw_h = sum(A[i] * self.off(i, L - 1, ("n",)) for i in self.inner) / nvw
@@ -333,12 +346,12 @@ class ScheduleModel:
         h_rows = [wl.head_seconds, h2d_h, nvw_h, nvr_h]
         if gth[L - 1]:  # shard: cast -> fetch -> all-gather of layer L-1
             h_rows.append((cast[L - 1] + self.p_s[L - 1] + gth[L - 1]) * (1 - m.r[L - 1]))
-        bound(m.tH, "tH", h_rows)
+        bound(m.tH, "tH", h_rows + self.internals.hull_rows(wl.head_seconds, "B", L, h2d))
         for u in range(L):
             blocks = self.block_into(u + 1)
             tail = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u])  # after the block's re-runs
             compute = tail + sum(m.x[s, e] * sum(lay[j].fwd_seconds for j in range(s, u)) for (s, e) in blocks)
-            reloads = sum(A[i] * self.rel(i, u) for i in self.inner) / h2d
+            reloads = sum(A[i] * self.rel(i, u) for i in self.inner) / h2d + self.internals.h2d_seconds(u, h2d)
             grads = self.g_s[u + 1] if u + 1 < L else 0.0
             if rs[u + 1]:  # shard: the gradient D2H waits for the reduce-scatter, first on the collective lane
                 grads = rs[u + 1] + grads
@@ -358,7 +371,7 @@ class ScheduleModel:
                 exprs.append(cast_end + acc[u + 1])  # the accumulate queues behind the window's casts
             if ar[u + 1]:
                 exprs += [grads + acc[u + 1] + ar[u + 1], cast_end + acc[u + 1] + ar[u + 1]]
-            bound(m.tB[u], f"tB[{u}]", exprs)
+            bound(m.tB[u], f"tB[{u}]", exprs + self.internals.hull_rows(lay[u].bwd_seconds, "B", u, h2d))
         bound(m.tT, "tT", self._t_window())
 
     def block_chain(self, s: int, u: int, h2d: float) -> tuple[float, float, float, float, float, float]:
@@ -470,7 +483,7 @@ class ScheduleModel:
 
     def _create_objective(self) -> None:
         pyo, m, L = self.pyo, self.m, self.L
-        moves = self.EPS * sum(m.c[i] + 2 * m.n[i] for i in self.inner)
+        moves = self.EPS * (sum(m.c[i] + 2 * m.n[i] for i in self.inner) + self.internals.moves())
         if self.opt.time_objective:
             m.obj = pyo.Objective(expr=self.iteration_time() + moves, sense=pyo.minimize)
             return
@@ -510,6 +523,7 @@ class ScheduleModel:
                 m.r[j].set_value(int(s.resident_weights[j]))
         if not m.any_nvme.fixed:
             m.any_nvme.set_value(int(any(h == "nvme" for h in s.homes)))
+        self.internals.seed_from(s)
         if len(self.modes) > 1:
             m.pipe.set_value(int(s.optimizer == "pipelined"))
         elif s.optimizer not in self.modes:
@@ -535,9 +549,11 @@ class ScheduleModel:
         for (i, t, h) in self.rel_idx:
             if on(m.q[i, t, h]):
                 rel[i] = t
+        internals_off, internals_rel = self.internals.extract()
         return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(on(m.k[j]) for j in range(L)),
                         resident_weights=tuple(on(m.r[j]) for j in range(L)), offload_window=tuple(off),
-                        reload_window=tuple(rel), backward_prefetch=True, optimizer=self.optimizer(),
+                        reload_window=tuple(rel), internals_offload_window=internals_off,
+                        internals_reload_window=internals_rel, backward_prefetch=True, optimizer=self.optimizer(),
                         data_parallel=self.dp, policy=policy)
 
     def optimizer(self) -> str:

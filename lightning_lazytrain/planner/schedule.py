@@ -33,6 +33,12 @@ Decisions:
 - ``reload_window[i]``: backward window (a layer index ``t`` for ``B{t}``, or ``L`` for ``H``)
   whose H2D lane brings the boundary back; an nvme boundary's file read runs one window earlier.
   It must end before the boundary's first use (``B{e-1}`` for block ``(i, e)``).
+- ``internals_offload_window[j]`` / ``internals_reload_window[j]`` (both ``None``, or both set and
+  only for a layer that keeps its internals): the layer's saved tensors other than its input
+  boundary (``internal_bytes - boundary_bytes[j]`` bytes) go to host memory over the D2H lane of
+  ``F{w}``, ``j < w <= L-1``, and come back over the H2D lane of ``B{t}`` (``H`` for ``t = L``),
+  ``j < t <= L``, which ends before ``B{j}``. On the device they live in ``F{j}..F{w}`` and from
+  the reload window to ``B{j}``. An empty tuple means no layer moves its internals.
 - ``backward_prefetch``: the weights for ``B{t}`` are fetched during ``B{t+1}`` (MegaTrain: no,
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
@@ -69,10 +75,12 @@ class Op:
     """One item of work in a window: a compute op or a transfer on a lane.
 
     ``kind``: forward, head, recompute, local_recompute, backward (compute); weights,
-    recompute_weights, reload (h2d); grads, offload (d2h); nvme_write, nvme_read; optimizer (cpu);
+    recompute_weights, reload, reload_internals (h2d); grads, offload, offload_internals (d2h);
+    nvme_write, nvme_read; optimizer (cpu);
     cast (before every weights/recompute_weights op of the same index, which has ``after`` on
     it), accumulate (after every grads op of the same index, ``after`` on it) (host).
-    ``index``: a layer (weights, grads, compute, optimizer, cast, accumulate) or a boundary (offload, reload);
+    ``index``: a layer (weights, grads, compute, optimizer, cast, accumulate, offload_internals,
+    reload_internals) or a boundary (offload, reload);
     -1 for the non-block parameters. ``after``: position in the window's op list of an op that
     must finish before this one starts, or -1.
     """
@@ -138,6 +146,8 @@ class Schedule:
     resident_weights: tuple[bool, ...]
     offload_window: tuple[int | None, ...]
     reload_window: tuple[int | None, ...]
+    internals_offload_window: tuple[int | None, ...] = ()  # () = no layer moves its internals
+    internals_reload_window: tuple[int | None, ...] = ()
     backward_prefetch: bool = True
     optimizer: str = "pipelined"
     data_parallel: str = "none"
@@ -146,6 +156,9 @@ class Schedule:
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        for key in ("internals_offload_window", "internals_reload_window"):
+            value = tuple(getattr(self, key))
+            object.__setattr__(self, key, value if value else (None,) * max(self.num_layers, 0))
         self._check()
 
     # ---- validation ---------------------------------------------------------------------------
@@ -188,6 +201,25 @@ class Schedule:
                     raise InvalidInput(f"schedule.reload_window[{i}]", rel, f"must be in [{first}, {last}]")
             elif off is not None or rel is not None:
                 raise InvalidInput(f"schedule.offload_window[{i}]", (off, rel), f"only cpu/nvme boundaries move, this is {home!r}")
+        for key in ("internals_offload_window", "internals_reload_window"):
+            if len(getattr(self, key)) != L:
+                raise InvalidInput(f"schedule.{key}", len(getattr(self, key)), f"needs {L} entries (or none)")
+        for j in range(L):
+            off, rel = self.internals_offload_window[j], self.internals_reload_window[j]
+            if off is None and rel is None:
+                continue
+            if off is None or rel is None:
+                raise InvalidInput(f"schedule.internals_offload_window[{j}]", (off, rel),
+                                   "offload and reload windows of a layer's internals are both set or both None")
+            if not self.keep_internals[j]:
+                raise InvalidInput(f"schedule.internals_offload_window[{j}]", off,
+                                   f"layer {j} does not keep its internals (keep_internals[{j}] is False)")
+            if not j + 1 <= off <= L - 1:
+                raise InvalidInput(f"schedule.internals_offload_window[{j}]", off,
+                                   f"must be a forward window after F{j}: in [{j + 1}, {L - 1}]")
+            if not j + 1 <= rel <= L:
+                raise InvalidInput(f"schedule.internals_reload_window[{j}]", rel,
+                                   f"must end before B{j}: in [{j + 1}, {L}] (B{{t}}, or H for {L})")
 
     # ---- derived structure --------------------------------------------------------------------
     def next_materialised(self) -> list[int]:
@@ -220,6 +252,11 @@ class Schedule:
         return {h: sum(1 for x in self.homes if x == h) for h in HOMES}
 
     @property
+    def offloaded_internals(self) -> tuple[int, ...]:
+        """Layers whose kept internals go to host memory and back."""
+        return tuple(j for j, w in enumerate(self.internals_offload_window) if w is not None)
+
+    @property
     def recomputed_layers(self) -> int:
         """Extra forward passes per micro-batch: block recompute plus local recompute."""
         block = sum(e - 1 - s for s, e in self.recompute_blocks)
@@ -245,6 +282,10 @@ class Schedule:
         recompute of j-2: the buffer it reuses), ``recompute_weights j`` (after the cast), then
         ``recompute j`` (after its fetch; after j-1 by the compute lane's order); the prefetch of
         layer t-1 casts after the recompute of t-1 (the spare buffer). Nothing else changes order.
+
+        Offloaded internals: ``offload_internals j`` on the D2H lane of ``F{w}`` after the window's
+        boundary offloads, ``reload_internals j`` on the H2D lane of ``B{t}`` / ``H`` after its
+        boundary reloads (ascending layer order, no ``after``: the lanes' FIFO order only).
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
@@ -261,6 +302,9 @@ class Schedule:
                     ops.append(Op("d2h", "offload", i))
                 if self.homes[i] == "nvme" and self.offload_window[i] == j - 1:
                     ops.append(Op("nvme_write", "offload", i))
+            for k in range(L):
+                if self.internals_offload_window[k] == j:
+                    ops.append(Op("d2h", "offload_internals", k))
             if j + 1 < L:
                 if pipelined and first_microbatch:
                     ops.append(Op("cpu", "optimizer", j + 1))
@@ -356,6 +400,9 @@ class Schedule:
                 ops.append(Op("h2d", "reload", i))
             if home == "nvme" and self.reload_window[i] == t - 1:
                 ops.append(Op("nvme_read", "reload", i))
+        for j in range(self.num_layers):
+            if self.internals_reload_window[j] == t:
+                ops.append(Op("h2d", "reload_internals", j))
         return ops
 
     # ---- serialisation ------------------------------------------------------------------------
@@ -369,6 +416,8 @@ class Schedule:
             "resident_weights": list(self.resident_weights),
             "offload_window": list(self.offload_window),
             "reload_window": list(self.reload_window),
+            **({"internals_offload_window": list(self.internals_offload_window),
+                "internals_reload_window": list(self.internals_reload_window)} if self.offloaded_internals else {}),
             "backward_prefetch": self.backward_prefetch,
             "optimizer": self.optimizer,
             **({"data_parallel": self.data_parallel} if self.data_parallel != "none" else {}),
@@ -391,6 +440,8 @@ class Schedule:
                    keep_internals=tuple(bool(k) for k in data["keep_internals"]),
                    resident_weights=tuple(bool(r) for r in data["resident_weights"]),
                    offload_window=tuple(data["offload_window"]), reload_window=tuple(data["reload_window"]),
+                   internals_offload_window=tuple(data.get("internals_offload_window", ())),
+                   internals_reload_window=tuple(data.get("internals_reload_window", ())),
                    backward_prefetch=bool(data["backward_prefetch"]), optimizer=data["optimizer"],
                    data_parallel=data.get("data_parallel", "none"), policy=data.get("policy", ""), meta=data.get("meta", {}))
 

@@ -97,6 +97,8 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
     elif op.kind == "grads":
         nbytes = (wl.nonblock_grad_bytes * wl.nonblock_link_fraction if op.index < 0
                   else layers[op.index].grad_bytes * layers[op.index].link_fraction)
+    elif op.kind in ("offload_internals", "reload_internals"):  # a layer's saved tensors but its input
+        nbytes = layers[op.index].internal_bytes - A[op.index]
     else:  # offload / reload / nvme legs move a boundary
         nbytes = A[op.index]
     bandwidth = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
@@ -147,7 +149,11 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
             out.append((produced, i, A[i], f"boundary {i} (forward)"))
             out.append((2 * L - (nxt[i] - 1), consumed, A[i], f"boundary {i} (recomputed)"))
     for j, layer in enumerate(layers):
-        if s.keep_internals[j]:
+        off, rel = s.internals_offload_window[j], s.internals_reload_window[j]
+        if s.keep_internals[j] and off is not None:  # on the host from the end of F{off} to B{rel}
+            out.append((j, off, layer.internal_bytes - A[j], f"layer {j} kept internals before offload"))
+            out.append((2 * L - rel, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals reloaded"))
+        elif s.keep_internals[j]:
             out.append((j, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals"))
         if s.resident_weights[j]:
             # Its own buffer from the fetch (in F{j-1}; layer 0's in T) to B{j}; its gradients from
@@ -179,6 +185,7 @@ def host_bytes(s: Schedule, wl: Workload) -> tuple[float, float]:
     """(peak host bytes, NVMe bytes)."""
     A = wl.boundary_bytes
     cpu = sum(A[i] for i, h in enumerate(s.homes) if h == "cpu")
+    cpu += sum(wl.layers[j].internal_bytes - A[j] for j in s.offloaded_internals)
     nvme = sum(A[i] for i, h in enumerate(s.homes) if h == "nvme")
     bounce = 2 * max(A) if nvme > 0 else 0.0  # pinned staging for the file legs
     return wl.host_static_bytes + cpu + bounce, nvme
