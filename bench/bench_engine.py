@@ -1,13 +1,15 @@
 """Engine benchmark on CPU: plan vs actual with an emulated link, MILP plan vs MegaTrain, and the
 executor's overhead over plain PyTorch.
 
-    python bench/bench_engine.py [torch threads, default 1]   # ~2 minutes on a 2-core machine
+    python bench/bench_engine.py [torch threads, default 1] [sections, default 1234]   # ~3 minutes on 2 cores
 
 1. Emulated link (H2D/D2H/NVMe worker threads sleep to a set bandwidth) sized so a layer's weight
    transfer takes about as long as its forward: the measured step time of the MILP plan and of the
    megatrain policy vs the simulator's prediction for the same schedule on the measured workload.
 2. The same run: measured time of the MILP plan vs the megatrain policy (ratio).
 3. No emulation, a budget that fits everything (keep_all): executor step vs plain PyTorch step.
+4. Offloaded internals (``MilpOptions.offload_internals``, the ablation switch): the MILP plan at a
+   tight budget with and without the decision, measured on the emulated link (and predicted).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.models import LlamaLM
 from lightning_lazytrain.planner import Hardware, ModelSpec, keep_all, megatrain, recompute_all, simulate, solve
+from lightning_lazytrain.planner.milp import MilpOptions
 
 SPEC = ModelSpec(name="bench", num_layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=4, head_dim=64,
                  vocab=4096)
@@ -86,6 +89,16 @@ def main() -> None:
         print(f"  {name}: homes {plan.count_homes()}, kept {sum(plan.keep_internals)}, "
               f"resident {sum(plan.resident_weights)}, blocks {plan.recompute_blocks}")
 
+    sections = sys.argv[2] if len(sys.argv) > 2 else "1234"
+    if "1" in sections or "2" in sections:
+        emulated_vs_predicted(base, tokens, wl, hw, plans, links)
+    if "3" in sections:
+        overhead(base, tokens)
+    if "4" in sections:
+        offloaded_internals(base, tokens, wl, lo, hi)
+
+
+def emulated_vs_predicted(base, tokens, wl, hw, plans, links) -> None:
     print("\n## 1-2. emulated link: measured vs predicted, plan vs megatrain")
     measured = {}
     for name, schedule in [*plans.items(), ("megatrain K=4", megatrain(SPEC.num_layers, 4))]:
@@ -102,6 +115,8 @@ def main() -> None:
     for name in plans:
         print(f"measured megatrain / {name} = {measured['megatrain K=4'] / measured[name]:.3f}")
 
+
+def overhead(base, tokens) -> None:
     print("\n## 3. no emulation, everything fits (keep_all): executor vs plain PyTorch")
     plain = copy.deepcopy(base)
     t_plain = timed_steps(plain, None, tokens, torch.optim.SGD(plain.parameters(), lr=1e-3), steps=STEPS + 2)
@@ -111,6 +126,37 @@ def main() -> None:
     ex.close()
     a, b = statistics.median(t_plain), statistics.median(t_ex)
     print(f"plain {a:.3f} s, executor {b:.3f} s: overhead {b / a - 1:+.1%} (target <= +10%)")
+
+
+def offloaded_internals(base, tokens, wl, lo, hi) -> None:
+    # A link on which one layer's internals move in about one forward (the weights in a third of it).
+    fwd = statistics.median(layer.fwd_seconds for layer in wl.layers)
+    bandwidth = (wl.layers[0].internal_bytes - wl.boundary_bytes[0]) / fwd
+    hw = hardware_for(bandwidth)
+    links = {lane: LinkSpec(bandwidth, 0.0) for lane in ("h2d", "d2h")}
+    print(f"\n## 4. offloaded internals: the MILP plan with and without the decision (emulated link "
+          f"{bandwidth / 1e6:.0f} MB/s: a layer's internals, {(wl.layers[0].internal_bytes - wl.boundary_bytes[0]) / 1e6:.0f} MB, "
+          f"in one forward)")
+    for frac in (0.3, 0.05):
+        cap = lo + frac * (hi - lo)
+        row, plans = {}, {}
+        for on in (False, True):
+            res = solve(wl, hw.replace(gpu_memory_cap_bytes=cap), MilpOptions(offload_internals=on))
+            plan = plans[on] = res.schedule
+            predicted = simulate(plan, wl, hw.replace(gpu_memory_cap_bytes=1e12)).iteration_seconds
+            m = copy.deepcopy(base)
+            ex = Executor(m, plan, links=links)
+            times = timed_steps(m, ex, tokens, torch.optim.SGD(m.parameters(), lr=1e-3))
+            ex.close()
+            moved = sum(w is not None for w in plan.internals_offload_window)
+            row[on] = statistics.median(times)
+            print(f"  cap {cap / 1e6:.0f} MB, offload_internals={on}: kept {sum(plan.keep_internals)}, internals moved "
+                  f"{moved}, measured {row[on]:.3f} s, predicted {predicted:.3f} s, "
+                  f"measured/predicted {row[on] / predicted:.3f}")
+        if plans[True] == plans[False]:
+            print(f"  cap {cap / 1e6:.0f} MB: the same plan either way (the decision does not pay here)")
+        else:
+            print(f"  cap {cap / 1e6:.0f} MB: measured speed-up of the decision {row[False] / row[True]:.3f}x")
 
 
 if __name__ == "__main__":
