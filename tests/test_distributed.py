@@ -82,19 +82,29 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     assert not (tmp_path / "weights.pt").exists()
 
 
-def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tmp_path):
+@pytest.mark.parametrize("fmt, optimizer", [("sharded", "sgd"), ("sharded", "hybrid8"), ("full", "sgd")])
+def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tmp_path, fmt, optimizer):
     """Two epochs of two steps: 2 ranks uninterrupted; 2 ranks stopped after epoch 0 and resumed from
     the checkpoint (bit-identical); and the same checkpoint resumed by 1 rank with twice the batch
-    (the same training, to 1e-6)."""
+    (the same training, to 1e-6). ``sharded``: a DCP directory, each rank writing a share (with
+    ``hybrid8`` HybridAdamW's uint8 states, fp32 block scales and qmaps go through it); ``full``: one
+    file from rank 0."""
     b = 2
-    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False)
+    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False, checkpoint_format=fmt, optimizer=optimizer)
     for d in ("full", "first", "second"):
         (tmp_path / d).mkdir()
-    ckpt = str(tmp_path / "epoch0.ckpt")
+    ckpt = tmp_path / "epoch0.ckpt"
     for run in (launch(tmp_path / "full", steps=4, **common),
-                launch(tmp_path / "first", steps=2, save=ckpt, **common),
-                launch(tmp_path / "second", steps=4, resume=ckpt, **common)):
+                launch(tmp_path / "first", steps=2, save=str(ckpt), **common),
+                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
+    if fmt == "sharded":  # both ranks wrote a share, neither all of it (DCP deduplicated the replicas)
+        shares = {p.name: p.stat().st_size for p in ckpt.glob("*.distcp")}
+        assert sorted(shares) == ["__0_0.distcp", "__1_0.distcp"], shares
+        assert all(0.25 < n / sum(shares.values()) < 0.75 for n in shares.values()), shares
+    else:
+        assert ckpt.is_file()
     full_losses, full = outputs(tmp_path / "full")
     first_losses, _ = outputs(tmp_path / "first")
     second_losses, resumed = outputs(tmp_path / "second")
@@ -104,11 +114,15 @@ def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tm
         assert torch.equal(resumed[name], value), name
 
     one = _script().train({"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain",
-                           "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": ckpt})
+                           "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt),
+                           "optimizer": optimizer})
     ours = [(x + y) / 2 for x, y in zip(*second_losses)]
     torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(ours), rtol=1e-6, atol=0.0)
-    for name, value in one.model.state_dict().items():
-        assert (full[name] - value).norm() <= 1e-6 * value.norm(), name
+    if optimizer == "sgd":  # Adam divides rounding-level gradient differences (the summation order of
+        # one rank vs two) by their own size, and 8-bit states quantise them: its weights differ by a
+        # few 1e-6 of their norm, as DDP's would (see the test above); the losses still agree to 1e-6
+        for name, value in one.model.state_dict().items():
+            assert (full[name] - value).norm() <= 1e-6 * value.norm(), name
 
 
 @pytest.mark.parametrize("policy, accum", [("milp", 1), ("megatrain", 2)])
@@ -128,3 +142,45 @@ def test_each_rank_moves_the_bytes_the_simulator_predicts_per_lane(tmp_path, pol
             assert predicted["collective"] > 0
             for lane in ("h2d", "d2h", "collective", "nvme_read", "nvme_write"):
                 assert measured.get(lane, 0.0) == predicted.get(lane, 0.0), (r, row["step"], lane)
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    """1 -> 2: one rank with twice the batch trains epoch 0 and saves (one process: the single
+    verified file); two ranks resume from it and train epoch 1 as two uninterrupted ranks do (to 1e-6)."""
+    b = 2
+    for d in ("one", "full", "second"):
+        (tmp_path / d).mkdir()
+    ckpt = tmp_path / "one" / "epoch0.ckpt"
+    _script().train({"devices": 1, "batch": 2 * b, "steps": 2, "epoch_steps": 2, "strategy": "lazytrain",
+                     "policy": "milp", "same_init": False, "union_of": 2, "epoch": 0, "save": str(ckpt)})
+    assert ckpt.is_file()
+    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False)
+    for run in (launch(tmp_path / "full", steps=4, **common),
+                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    full_losses, full = outputs(tmp_path / "full")
+    second_losses, resumed = outputs(tmp_path / "second")
+    for r in range(2):
+        torch.testing.assert_close(torch.tensor(second_losses[r]), torch.tensor(full_losses[r][2:]), rtol=1e-6, atol=0.0)
+    for name, value in full.items():
+        assert (resumed[name] - value).norm() <= 1e-6 * value.norm(), name
+
+
+def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """A checkpoint saved every step to one path: the first save creates it, the second replaces it,
+    at the third rank 1's DCP writer writes its file and then fails. Every rank stops with that
+    error (no hang), and the path holds the second save, whole (its CRCs check), with no temporary
+    directory or half checkpoint next to it."""
+    from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+
+    ckpt = tmp_path / "ckpts" / "every.ckpt"
+    run = launch(tmp_path, timeout=180, batch=2, steps=4, save=str(ckpt), save_every=1, fail_save_rank=1,
+                 fail_save_at=3, same_init=False)
+    assert run.returncode != 0
+    assert "injected writer failure on rank 1 at save 3" in run.stdout + run.stderr
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["every.ckpt"]
+    assert is_sharded_checkpoint(ckpt)
+    state = load_sharded(ckpt)  # verified: every file's size and CRC
+    assert state["global_step"] == 2
+    assert len(state["optimizer_states"][0]["state"]) == len(state["state_dict"])  # SGD momentum per parameter
+    assert not (tmp_path / "weights.pt").exists()
