@@ -2,6 +2,7 @@
 
     python bench/bench_planner.py            # ~2 minutes on a 2-core machine
     python bench/bench_planner.py 1 5        # only sections 1 and 5 (5: optimizer mode, solve time under load)
+    python bench/bench_planner.py 6          # offloaded internals at 27B / H800 / batch 72: with and without
 
 Prints every figure that bench/RESULTS.md quotes. Predictions are ratios within one simulator,
 so both sides of each comparison share the same hardware numbers and cost formulas.
@@ -78,7 +79,67 @@ def median_solve(wl: Workload, hw: Hardware, runs: int = 3, busy: int = 0, **opt
             "build": statistics.median(r.build_seconds for r in results),
             "all": [r.solve_seconds for r in results], "gap": max(r.mip_gap or 0.0 for r in results),
             "status": "/".join(sorted({r.status for r in results})),
-            "iteration": results[0].simulated.iteration_seconds, "optimizer": results[0].schedule.optimizer}
+            "iteration": results[0].simulated.iteration_seconds, "optimizer": results[0].schedule.optimizer,
+            "result": results[0]}
+
+
+def offloaded_internals(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
+    """Section 6 (issue 12, item 5): a kept layer's internals to host memory and back, 27B / H800 /
+    batch 72, the MILP with and without the decision (``MilpOptions.offload_internals``), and what
+    binds it: one layer's internals on the link against the windows' idle link time and memory."""
+    print("\n## 6. Offloaded internals, 27B / H800 / batch 72 (the profile, calibrated), median of 3 solves, "
+          "target gap 0.1%")
+    wl = Workload.analytic(m27, t27, hw)
+    mt = simulate(megatrain(m27.num_layers, 4), wl, hw)
+    print(f"megatrain: {mt.iteration_seconds:.2f} s, {mt.tokens_per_second:.1f} tokens/s")
+    print("offload_internals | iteration s | tokens/s | / megatrain | layers moved | kept | local re-runs | "
+          "status | worst gap | build s | solve s (median; runs)")
+    rows = {}
+    for switch in (True, False):
+        r = rows[switch] = median_solve(wl, hw, mip_gap=1e-3, time_limit=60, offload_internals=switch)
+        s, sim = r["result"].schedule, r["result"].simulated
+        runs = ", ".join(f"{x:.2f}" for x in r["all"])
+        print(f"{switch} | {sim.iteration_seconds:.2f} | {sim.tokens_per_second:.1f} | "
+              f"{mt.iteration_seconds / sim.iteration_seconds:.4f}x | {len(s.offloaded_internals)} | "
+              f"{sum(s.keep_internals)} | {sum(not k for k in s.keep_internals)} | {r['status']} | {r['gap']:.1e} | "
+              f"{r['build']:.2f} | {r['solve']:.2f} ({runs})")
+    print(f"(load average before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)")
+    for busy in (1, 2):
+        r = median_solve(wl, hw, busy=busy, mip_gap=1e-3, time_limit=60)
+        runs = ", ".join(f"{x:.2f}" for x in r["all"])
+        print(f"offload_internals on, {busy} competing process(es): solve {r['solve']:.2f} s ({runs}), "
+              f"status {r['status']}, worst gap {r['gap']:.1e}, iteration {r['iteration']:.2f} s")
+    # What binds: one layer's internals over the link against the idle link time of the windows that
+    # could carry them, and the device memory of the backward windows they would come back in.
+    res = rows[True]["result"]
+    s, sim = res.schedule, res.simulated
+    L = wl.num_layers
+    nbytes = [l.internal_bytes - a for l, a in zip(wl.layers, wl.boundary_bytes)]
+    busy_lane: dict[tuple[str, str], float] = {}
+    first = s.windows(last_microbatch=wl.grad_accum == 1)
+    for seg in sim.timeline[: sum(len(w.ops) for w in first)]:  # the first micro-batch
+        busy_lane[(seg.window, seg.lane)] = busy_lane.get((seg.window, seg.lane), 0.0) + seg.end - seg.start
+    f_idle = [sim.window_seconds[f"F{w}"] - busy_lane.get((f"F{w}", "d2h"), 0.0) for w in range(1, L)]
+    b_idle = [sim.window_seconds[f"B{t}"] - busy_lane.get((f"B{t}", "h2d"), 0.0) for t in range(1, L)]
+    h_idle = sim.window_seconds["H"] - busy_lane.get(("H", "h2d"), 0.0)
+    room = [hw.gpu_memory_cap_bytes - sim.window_bytes[f"B{t}"] for t in range(1, L)]
+    fwd = statistics.median(l.fwd_seconds for l in wl.layers)
+    print(f"one layer's internals (saved tensors but the input): {min(nbytes) / 1e9:.2f}-{max(nbytes) / 1e9:.2f} GB "
+          f"= {min(nbytes) / hw.d2h_bytes_per_s:.2f}-{max(nbytes) / hw.d2h_bytes_per_s:.2f} s on the D2H lane, "
+          f"{min(nbytes) / hw.h2d_bytes_per_s:.2f}-{max(nbytes) / hw.h2d_bytes_per_s:.2f} s on the H2D lane; "
+          f"a local re-run it saves: {fwd:.3f} s (median forward)")
+    print(f"idle D2H per forward window F1..F{L - 1}: {min(f_idle):.3f}-{max(f_idle):.3f} s (window "
+          f"{statistics.median(sim.window_seconds[f'F{w}'] for w in range(L)):.3f} s); idle H2D per backward window "
+          f"B{L - 1}..B1: {min(b_idle):.3f}-{max(b_idle):.3f} s, in H: {h_idle:.3f} s")
+    print(f"device memory left under the cap in B{L - 1}..B1: {min(room) / 1e9:.1f}-{max(room) / 1e9:.1f} GB; "
+          f"peak {sim.peak_gpu_bytes / 1e9:.1f} GB in {sim.peak_window}")
+    out = max(0.0, min(nbytes) / hw.d2h_bytes_per_s - max(f_idle))
+    back = max(0.0, min(nbytes) / hw.h2d_bytes_per_s - max(b_idle))
+    need = (min(nbytes) + statistics.median(wl.boundary_bytes)) / fwd
+    print(f"moving one layer's internals lengthens its forward window by >= {out:.2f} s (D2H) and a backward window "
+          f"by >= {back:.2f} s (H2D; or 0 in H, which then holds them: {hw.gpu_memory_cap_bytes - sim.window_bytes['H']:.1e} "
+          f"bytes left there) to save {fwd:.3f} s; its D2H (with the window's boundary offload) hides under a "
+          f"forward window only at >= {need / 1e9:.0f} GB/s")
 
 
 def optimizer_mode_and_load(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
@@ -173,8 +234,8 @@ def main(sections: set[int]) -> int:
               f"{sum(res.schedule.resident_weights)}, peak {ours.peak_gpu_bytes / 1e9:.1f} GB, exposed "
               f"{ours.exposed_transfer_seconds:.2f} s, recompute {ours.recompute_seconds:.2f} s")
         print("ablations (predicted iteration s; each switch off alone):")
-        for switch in ("keep_internals", "resident_weights", "pipelined_optimizer", "nvme", "time_objective",
-                       "window_memory"):
+        for switch in ("keep_internals", "offload_internals", "resident_weights", "pipelined_optimizer", "nvme",
+                       "time_objective", "window_memory"):
             r = solve(wl, hw_cal, **{switch: False})
             extra = "" if r.violation is None else f"  INFEASIBLE per window: {r.violation}"
             print(f"  -{switch}: {r.simulated.iteration_seconds:.2f} s ({r.simulated.iteration_seconds / ours.iteration_seconds - 1:+.1%}){extra}")
@@ -190,11 +251,13 @@ def main(sections: set[int]) -> int:
             print(f"{name} | {mt_b} | {ours_b} | {pm} | {pl}")
     if 5 in sections:
         optimizer_mode_and_load(hw, m27, t27)
+    if 6 in sections:
+        offloaded_internals(hw, m27, t27)
     return 0
 
 
 if __name__ == "__main__":
     t0 = time.perf_counter()
-    code = main({int(a) for a in sys.argv[1:]} or {1, 2, 3, 4, 5})
+    code = main({int(a) for a in sys.argv[1:]} or {1, 2, 3, 4, 5, 6})
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     raise SystemExit(code)

@@ -150,9 +150,12 @@ class PlanConfig:
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True
+    offload_internals: bool = True  # a kept layer's internals may go to host memory and back
     max_block: int = 8
     reload_slack: int = 2
     offload_horizon: int = 1
+    internals_offload_horizon: int = 2
+    internals_reload_slack: int = 2
     mip_gap: float = 1e-3
     time_limit: float = 60.0
     threads: Optional[int] = None
