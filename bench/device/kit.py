@@ -172,12 +172,13 @@ def tiny_spec():
     return ModelSpec(**TINY_FIELDS)
 
 
-def _custom(L: int, homes, keep=None, res=None, off=None, rel=None):
+def _custom(L: int, homes, keep=None, res=None, off=None, rel=None, ioff=(), irel=()):
     from lightning_lazytrain.planner import Schedule
 
     return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(keep or [False] * L),
                     resident_weights=tuple(res or [False] * L), offload_window=tuple(off or [None] * (L + 1)),
-                    reload_window=tuple(rel or [None] * (L + 1)), policy="custom")
+                    reload_window=tuple(rel or [None] * (L + 1)), internals_offload_window=tuple(ioff),
+                    internals_reload_window=tuple(irel), policy="custom")
 
 
 def fixed_schedules(L: int = 4) -> dict:
@@ -198,6 +199,9 @@ def fixed_schedules(L: int = 4) -> dict:
                               rel=[None, 2, 3, None, None]),
         "kept_internals_resident": _custom(L, ["gpu", "gpu", "recompute", "gpu", "gpu"],
                                            keep=[True, False, False, True], res=[False, False, True, True]),
+        "offloaded_internals": _custom(L, ["gpu", "gpu", "gpu", "cpu", "gpu"], keep=[True, True, True, False],
+                                       off=[None, None, None, 3, None], rel=[None, None, None, 4, None],
+                                       ioff=[1, 3, None, None], irel=[2, 4, None, None]),
     }
 
 

@@ -1,7 +1,8 @@
 """Stage (b): the executor equals plain autograd under every schedule, with gradient accumulation.
 
 For each schedule (keep_all, recompute_all, megatrain K=1/2/4, CPU homes, NVMe homes, kept
-internals + resident weights, a MILP plan solved on the workload measured on this device), a
+internals + resident weights, offloaded internals, a MILP plan solved on the workload measured on
+this device), a
 tiny Llama is trained for ``--steps`` optimizer steps of ``--micro`` micro-batches (SGD on the
 host masters) through the executor, and the same with plain autograd on the same device. Every
 micro-batch loss, every parameter's accumulated gradient before each step, every parameter after
