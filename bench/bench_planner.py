@@ -140,6 +140,18 @@ def offloaded_internals(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
           f"by >= {back:.2f} s (H2D; or 0 in H, which then holds them: {hw.gpu_memory_cap_bytes - sim.window_bytes['H']:.1e} "
           f"bytes left there) to save {fwd:.3f} s; its D2H (with the window's boundary offload) hides under a "
           f"forward window only at >= {need / 1e9:.0f} GB/s")
+    print("\nwhere compute is slow next to the link: RTX 3090 (profile, uncalibrated), the paper's batches + one "
+          "larger; one solve each")
+    print("model | batch | iteration s on | off | on / off | layers moved | kept on / off | solve s on / off | gap on")
+    for name, batch in (("qwen2.5-3b", 8), ("qwen2.5-3b", 32), ("qwen2.5-7b", 6), ("qwen2.5-14b", 4),
+                        ("qwen3.6-27b", 2)):
+        h3, model, train = load("rtx3090", name)
+        w3 = Workload.analytic(model, train.replace(micro_batch_size=batch), h3)
+        on, off = solve(w3, h3, mip_gap=1e-3), solve(w3, h3, mip_gap=1e-3, offload_internals=False)
+        a, b = on.simulated.iteration_seconds, off.simulated.iteration_seconds
+        print(f"{name} | {batch} | {a:.2f} | {b:.2f} | {a / b:.3f} | {len(on.schedule.offloaded_internals)} | "
+              f"{sum(on.schedule.keep_internals)} / {sum(off.schedule.keep_internals)} | {on.solve_seconds:.2f} / "
+              f"{off.solve_seconds:.2f} | {on.mip_gap or 0.0:.1e}")
 
 
 def optimizer_mode_and_load(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
