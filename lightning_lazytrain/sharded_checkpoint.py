@@ -66,6 +66,15 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 
 # ---- the checkpoint dict <-> (skeleton, flat tensors) ---------------------------------------------
+def _copy_dict(obj: dict) -> dict:
+    """A shallow copy of the same class, with its attributes (a ``state_dict``'s ``_metadata``, which
+    modules read when loading, as ``torch.save`` keeps it)."""
+    out = obj.copy()
+    if getattr(obj, "__dict__", None):
+        out.__dict__.update(obj.__dict__)
+    return out
+
+
 def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KEYS
                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(skeleton, tensors): ``checkpoint`` with every tensor under ``keys`` replaced by a marker
@@ -79,7 +88,7 @@ def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KE
             tensors[key] = obj.detach().cpu()
             return {MARKER: key}
         if isinstance(obj, dict):
-            out = obj.copy()  # keeps OrderedDict and other dict subclasses
+            out = _copy_dict(obj)
             for k, v in obj.items():
                 out[k] = walk(v, f"{key}/{k}")
             return out
@@ -103,7 +112,7 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
                 if key not in tensors:
                     raise KeyError(f"sharded checkpoint has no tensor {key!r}")
                 return tensors[key]
-            out = obj.copy()
+            out = _copy_dict(obj)
             for k, v in obj.items():
                 out[k] = walk(v)
             return out

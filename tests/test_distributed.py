@@ -184,3 +184,12 @@ def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert state["global_step"] == 2
     assert len(state["optimizer_states"][0]["state"]) == len(state["state_dict"])  # SGD momentum per parameter
     assert not (tmp_path / "weights.pt").exists()
+    # flipped bytes in a shard are refused before they could resume, naming the file
+    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
+
+    shard = ckpt / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="__1_0.distcp.*CRC"):
+        load_sharded(ckpt)
