@@ -78,6 +78,7 @@ class HardwareConfig:
     inter_node_gb_per_s: float = 0.0  # network per node
     host_link_share: float = 1.0  # fraction of h2d/d2h one rank gets while every rank copies
     host_collective_gb_per_s: float = 0.0  # host (gloo) all-reduce bus bandwidth
+    gpu_memory_gb_per_s: float = 0.0  # device memory bandwidth (datasheet); 0 = unknown (prices partial keeps)
     # ---- descriptive -----------------------------------------------------------------------
     description: str = ""
     nvme_drives: int = 0
@@ -151,6 +152,7 @@ class PlanConfig:
     resident_weights: bool = True
     nvme: bool = True
     offload_internals: bool = True  # a kept layer's internals may go to host memory and back
+    partial_keep: bool = False  # a layer may keep only its matmul outputs (recompute the elementwise ops)
     max_block: int = 8
     reload_slack: int = 2
     offload_horizon: int = 1
@@ -205,7 +207,7 @@ _FROM_GB_KEYS = ("name", "gpu_memory_gb", "gpu_memory_cap_gb", "peak_tflops", "e
                  "d2h_gb_per_s", "nvme_read_gb_per_s", "nvme_write_gb_per_s", "nvme_capacity_gb",
                  "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s", "host_gb_per_s",
                  "gpus_per_node", "nodes", "intra_node_gb_per_s", "inter_node_gb_per_s", "host_link_share",
-                 "host_collective_gb_per_s")
+                 "host_collective_gb_per_s", "gpu_memory_gb_per_s")
 
 
 def to_hardware(cfg: Any) -> Hardware:

@@ -48,6 +48,7 @@ KIND_COLORS: dict[str, str] = {
     "backward": "#c44e52",
     "recompute": "#dd8452",
     "local_recompute": "#f0b27a",
+    "partial_recompute": "#f5d3a8",
     # transfers
     "weights": "#55a868",
     "recompute_weights": "#a6d99b",

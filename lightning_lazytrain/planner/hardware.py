@@ -50,6 +50,9 @@ class Hardware:
     inter_node_bytes_per_s: float = 0.0  # network bandwidth per node (all its NICs together)
     host_link_share: float = 1.0  # fraction of h2d/d2h each rank gets when every rank copies at once
     host_collective_bytes_per_s: float = 0.0  # host-side (gloo) all-reduce bus bandwidth between ranks
+    # device memory bandwidth (HBM/GDDR, datasheet): prices a partial keep's elementwise recompute
+    # (workload.py, ELEMENTWISE_EFFICIENCY); 0 = unknown, a partial keep is then priced as a full re-run
+    gpu_memory_bytes_per_s: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -76,7 +79,8 @@ class Hardware:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"hardware.{key}", value, "must be an integer >= 1")
-        for key in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_collective_bytes_per_s"):
+        for key in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_collective_bytes_per_s",
+                    "gpu_memory_bytes_per_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = none)")
@@ -110,7 +114,7 @@ class Hardware:
                 cpu_adam_gparams_per_s: float, cpu_adam8_gparams_per_s: float,
                 host_gb_per_s: float = DEFAULT_HOST_BYTES_PER_S / GB, gpus_per_node: int = 1, nodes: int = 1,
                 intra_node_gb_per_s: float = 0.0, inter_node_gb_per_s: float = 0.0, host_link_share: float = 1.0,
-                host_collective_gb_per_s: float = 0.0) -> Hardware:
+                host_collective_gb_per_s: float = 0.0, gpu_memory_gb_per_s: float = 0.0) -> Hardware:
         """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
         return cls(
             name=name,
@@ -133,4 +137,5 @@ class Hardware:
             inter_node_bytes_per_s=inter_node_gb_per_s * GB,
             host_link_share=host_link_share,
             host_collective_bytes_per_s=host_collective_gb_per_s * GB,
+            gpu_memory_bytes_per_s=gpu_memory_gb_per_s * GB,
         ).validate()

@@ -55,6 +55,7 @@ class _Op:
     passes: tuple[int, ...] = ()  # inputs that receive the output's gradient itself (adds, views)
     fwd_ws: float = 0.0
     bwd_ws: float = 0.0
+    matmul: bool = False  # a matmul-class op (projection, attention kernel): its outputs a partial keep stores
 
 
 @dataclass
@@ -70,6 +71,12 @@ class LayerMemory:
     fwd_work_bytes: float
     bwd_work_bytes: float
     breakdown: dict = field(default_factory=dict)  # op name -> saved bytes it holds first
+    # A partial keep (``Schedule.partial_keep``): the new storages of the matmul-class ops, kept from the
+    # forward to the backward (selective activation checkpointing's MUST_SAVE outputs), and the bytes the
+    # other (elementwise) ops read and write when the backward re-runs them (``Tape.partial``).
+    partial_bytes: float = 0.0
+    elementwise_bytes: float = 0.0
+    partial_recompute_bytes: float = 0.0  # saved tensors the elementwise recompute re-materialises (not kept ones)
 
 
 class Tape:
@@ -97,7 +104,7 @@ class Tape:
 
     def op(self, name: str, ins: tuple[int, ...] | list[int], out_bytes: list[float], *, saves=(), grads=(),
            passes=(), fwd_ws: float = 0.0, bwd_ws: float = 0.0, save_outs: tuple[int, ...] = (),
-           out_grads: list[float] | None = None, view_of: int | None = None) -> list[int]:
+           out_grads: list[float] | None = None, view_of: int | None = None, matmul: bool = False) -> list[int]:
         """Record an op; returns its outputs. ``out_bytes``: new storage per output (with ``view_of``:
         the outputs are views of that tensor's storage and ``out_bytes`` are their gradients' bytes).
         ``saves``/``save_outs``: inputs / output indices autograd keeps; ``grads``: inputs its backward
@@ -109,8 +116,30 @@ class Tape:
             outs = [self._new(b, grad=None if out_grads is None else out_grads[k]) for k, b in enumerate(out_bytes)]
         saved = tuple(dict.fromkeys(tuple(self.t[s].base for s in saves)
                                     + tuple(self.t[outs[k]].base for k in save_outs)))  # storages, once each
-        self.ops.append(_Op(name, tuple(ins), tuple(outs), saved, tuple(grads), tuple(passes), fwd_ws, bwd_ws))
+        self.ops.append(_Op(name, tuple(ins), tuple(outs), saved, tuple(grads), tuple(passes), fwd_ws, bwd_ws, matmul))
         return outs
+
+    def partial(self) -> tuple[float, float, float]:
+        """(partial bytes, elementwise bytes, recompute bytes) of a partial keep: the new storages of every
+        matmul-class op (kept from the forward to the backward, whether the backward needs them or not:
+        selective checkpointing stores every MUST_SAVE output); the bytes the remaining ops read (each
+        distinct input storage once per op) and write (their new storages) when the backward re-runs them
+        (views move nothing); and the saved tensors (without the input) that are not kept outputs, which
+        that recompute re-materialises."""
+        base = [t.base for t in self.t]
+        outs = {o for op in self.ops if op.matmul for o in op.outs if base[o] == o}
+        kept = sum(self.t[o].nbytes for o in outs)
+        saved = {s for op in self.ops for s in op.saves if s != base[self.x]}
+        rest = sum(self.t[s].nbytes for s in saved - outs)
+        moved = 0.0
+        for op in self.ops:
+            if op.matmul:
+                continue
+            new = sum(self.t[o].nbytes for o in op.outs if base[o] == o)
+            if new == 0:
+                continue  # a view
+            moved += new + sum(self.t[b].nbytes for b in dict.fromkeys(base[i] for i in op.ins))
+        return kept, moved, rest
 
     # ---- the replay ---------------------------------------------------------------------------
     def run(self) -> LayerMemory:
@@ -207,8 +236,10 @@ class Tape:
                 else:
                     release(buf)  # added in place into the existing gradient
         bwd_work = max(0.0, peak - saved_bytes)
+        partial_bytes, elementwise_bytes, rest = self.partial()
         return LayerMemory(saved_bytes=saved_bytes, fwd_work_bytes=fwd_work, bwd_work_bytes=bwd_work,
-                           breakdown=breakdown)
+                           breakdown=breakdown, partial_bytes=partial_bytes, elementwise_bytes=elementwise_bytes,
+                           partial_recompute_bytes=rest)
 
 
 # ---- the decoder layers ----------------------------------------------------------------------------
@@ -258,7 +289,7 @@ def layer_tape(model, train) -> Tape:
 
     def linear(name, x, n_in, n_out, bias=False):
         w = (n_in * n_out + (n_out if bias else 0)) * e  # the weight (and bias) gradient before it joins .grad
-        return T.op(name, [x], [n * n_out * e], saves=[x], grads=[x], bwd_ws=w)[0]
+        return T.op(name, [x], [n * n_out * e], saves=[x], grads=[x], bwd_ws=w, matmul=True)[0]
 
     def cast(name, x, elems, to_bytes, from_bytes):
         return _cast(T, name, x, elems, to_bytes, from_bytes)
@@ -316,7 +347,7 @@ def layer_tape(model, train) -> Tape:
             # under GQA (FlashAttention-2's mha_bwd); the CPU kernel's workspace is not visible.
             ws = n * q * FP32 + n * heads * FP32 + (2 * n * q * e if kvh < heads else 0)
             o = T.op("attn.sdpa", [qt, kt, vt], [n * q * e, n * heads * FP32], saves=[qt, kt, vt], save_outs=(0, 1),
-                     grads=[qt, kt, vt], bwd_ws=ws, out_grads=[n * q * e, 0])[0]
+                     grads=[qt, kt, vt], bwd_ws=ws, out_grads=[n * q * e, 0], matmul=True)[0]
             out = linear("attn.o", o, q, h, model.bias)
             T.hold(*attn_locals)
             return out, None
@@ -329,7 +360,7 @@ def layer_tape(model, train) -> Tape:
         elif kvh < heads:  # repeat_kv: expand + reshape copies to the full head count
             kt = T.op("attn.repeat_k", [kt], [n * q * e], grads=[kt])[0]
             vt = T.op("attn.repeat_v", [vt], [n * q * e], grads=[vt])[0]
-        a = T.op("attn.qk", [qt, kt], [sc * e], saves=[qt, kt], grads=[qt, kt])[0]
+        a = T.op("attn.qk", [qt, kt], [sc * e], saves=[qt, kt], grads=[qt, kt], matmul=True)[0]
         a = T.op("attn.scaling", [a], [sc * e], grads=[a])[0]
         if model.attn_softcap:
             a = T.op("attn.softcap_div", [a], [sc * e], grads=[a])[0]
@@ -341,7 +372,7 @@ def layer_tape(model, train) -> Tape:
         p = T.op("attn.softmax", [a], [sc * pb], save_outs=(0,), grads=[a])[0]
         p = cast("attn.probs_to_dtype", p, sc, e, pb)
         T.hold(masked)  # softmax(masked, dtype=fp32).to(dtype): the argument lives through the whole line
-        o = T.op("attn.pv", [p, vt], [n * q * e], saves=[p, vt], grads=[p, vt])[0]
+        o = T.op("attn.pv", [p, vt], [n * q * e], saves=[p, vt], grads=[p, vt], matmul=True)[0]
         T.hold(kt, vt)  # eager_attention_forward's locals (repeated k, v) until it returns
         o = T.op("attn.transpose", [o], [n * q * e], passes=[o])[0]  # transpose(1, 2).contiguous()
         out = linear("attn.o", o, q, h, model.bias)
@@ -380,11 +411,12 @@ def layer_tape(model, train) -> Tape:
         ws = T.op("experts.weights", [w, perm], [nk * rw], saves=[perm], grads=[w])[0]
         offs = T.op("experts.offsets", [ids], [ne * 4], out_grads=[0])[0]
         gu = T.op("experts.gate_up", [xs, offs], [nk * 2 * fe * e], saves=[xs, offs], grads=[xs],
-                  bwd_ws=ne * 2 * fe * h * e)[0]
+                  bwd_ws=ne * 2 * fe * h * e, matmul=True)[0]
         g, u = T.op("experts.chunk", [gu], [nk * fe * e, nk * fe * e], grads=[gu], view_of=gu)
         a = activation("experts.act", g, nk * fe)
         p = T.op("experts.mul", [a, u], [nk * fe * e], saves=[a, u], grads=[a, u])[0]
-        dn = T.op("experts.down", [p, offs], [nk * h * e], saves=[p, offs], grads=[p], bwd_ws=ne * fe * h * e)[0]
+        dn = T.op("experts.down", [p, offs], [nk * h * e], saves=[p, offs], grads=[p], bwd_ws=ne * fe * h * e,
+                  matmul=True)[0]
         # backward: dL/d(dn) in the output dtype, then cast to dn's; the weights' gradient unreduced first
         wo = T.op("experts.weigh", [dn, ws], [nk * h * ob], saves=[dn, ws], grads=[dn, ws],
                   bwd_ws=nk * h * ob + (nk * h * ob if ob != e else 0))[0]

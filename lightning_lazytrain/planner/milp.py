@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from .errors import InvalidInput
 from .hardware import Hardware
 from .milp_internals import InternalsOffload
+from .milp_partial import PartialKeep
 from .schedule import Schedule
 from .simulator import MEM_TOL
 from .workload import Workload
@@ -56,6 +57,7 @@ class MilpOptions:
     resident_weights: bool = True
     nvme: bool = True
     offload_internals: bool = True  # a kept layer's internals may go to host memory and back (milp_internals)
+    partial_keep: bool = False  # a layer may keep only its matmul outputs (milp_partial; engine/partial_keep.py)
     max_block: int = 8  # longest recompute block (edge length cap)
     reload_slack: int = 2  # reload at most this many windows before the earliest legal one... and later
     offload_horizon: int = 1  # offload within this many forward windows of the boundary's production
@@ -141,6 +143,7 @@ class ScheduleModel:
         self.lane_loads: dict[str, list] = {}  # window var name -> list of expressions (for seeding)
         self._fix_trivial()
         self.internals = InternalsOffload(self)  # its variables and the k -> f rows
+        self.partial = PartialKeep(self)  # its variables and the p + k <= g rows
         self._create_path()
         self._create_homes()
         self._create_transfers()
@@ -245,7 +248,7 @@ class ScheduleModel:
             expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
         if w + 1 < self.L:  # a resident layer's buffer exists from its fetch, one window early
             expr += lay[w + 1].param_bytes * m.r[w + 1]
-        return expr - self.internals.away_forward(w)
+        return expr - self.internals.away_forward(w) + self.partial.held(w)
 
     def gpu_bytes_head(self):
         m, A, lay, L = self.m, self.A, self.lay, self.L
@@ -254,11 +257,12 @@ class ScheduleModel:
             expr += A[i] * m.g[i] + A[i] * self.rel(i, L)
         for j in range(L):
             expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
-        return expr - self.internals.away_backward(L)
+        return expr - self.internals.away_backward(L) + self.partial.held(L)
 
     def gpu_bytes_backward(self, u: int):
         m, A, lay, L = self.m, self.A, self.lay, self.L
         expr = self.wl.static_gpu_bytes + lay[u].bwd_work_bytes + (lay[u].internal_bytes - A[u]) * (1 - m.k[u])
+        expr += self.partial.recompute_bytes(u)
         for i in range(u + 1):
             expr += A[i] * m.g[i]
             expr += A[i] * sum(self.rel(i, t) for t in range(u, L + 1))
@@ -270,7 +274,7 @@ class ScheduleModel:
         if u + 1 < L:  # a resident layer's gradients until their D2H, one window after its backward
             expr += lay[u + 1].grad_bytes * m.r[u + 1]
         expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
-        return expr - self.internals.away_backward(u)
+        return expr - self.internals.away_backward(u) + self.partial.held(u)
 
     def fits(self, nbytes, capacity: float):
         """``nbytes <= capacity`` with rows in GB: byte-sized coefficients (1e10) leave HiGHS's
@@ -349,7 +353,8 @@ class ScheduleModel:
         bound(m.tH, "tH", h_rows + self.internals.hull_rows(wl.head_seconds, "B", L, h2d))
         for u in range(L):
             blocks = self.block_into(u + 1)
-            tail = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u])  # after the block's re-runs
+            # after the block's re-runs; a partial keep's elementwise recompute replaces the local one
+            tail = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u]) + self.partial.recompute_seconds(u)
             compute = tail + sum(m.x[s, e] * sum(lay[j].fwd_seconds for j in range(s, u)) for (s, e) in blocks)
             reloads = sum(A[i] * self.rel(i, u) for i in self.inner) / h2d + self.internals.h2d_seconds(u, h2d)
             grads = self.g_s[u + 1] if u + 1 < L else 0.0
@@ -524,6 +529,7 @@ class ScheduleModel:
         if not m.any_nvme.fixed:
             m.any_nvme.set_value(int(any(h == "nvme" for h in s.homes)))
         self.internals.seed_from(s)
+        self.partial.seed_from(s)
         if len(self.modes) > 1:
             m.pipe.set_value(int(s.optimizer == "pipelined"))
         elif s.optimizer not in self.modes:
@@ -553,7 +559,8 @@ class ScheduleModel:
         return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(on(m.k[j]) for j in range(L)),
                         resident_weights=tuple(on(m.r[j]) for j in range(L)), offload_window=tuple(off),
                         reload_window=tuple(rel), internals_offload_window=internals_off,
-                        internals_reload_window=internals_rel, backward_prefetch=True, optimizer=self.optimizer(),
+                        internals_reload_window=internals_rel, partial_keep=self.partial.extract(),
+                        backward_prefetch=True, optimizer=self.optimizer(),
                         data_parallel=self.dp, policy=policy)
 
     def optimizer(self) -> str:

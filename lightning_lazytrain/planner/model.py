@@ -182,6 +182,9 @@ class BlockCost:
     internal_bytes: int  # everything autograd saves for backward, *including* the input boundary
     fwd_work_bytes: int  # transient peak of a forward without grad, beyond input and output
     bwd_work_bytes: int  # transient peak of a backward, beyond the saved internals
+    partial_bytes: int = 0  # a partial keep: the matmul-class ops' outputs (memory_model.Tape.partial)
+    elementwise_bytes: int = 0  # ... and what its elementwise recompute reads and writes
+    partial_recompute_bytes: int = 0  # ... and the saved tensors that recompute re-materialises
     notes: dict = field(default_factory=dict)
 
 
@@ -217,4 +220,6 @@ def block_cost(model: ModelSpec, train: TrainSpec) -> BlockCost:
     saved = boundary + mem.saved_bytes
     return BlockCost(params=model.block_params, fwd_flops=fwd, bwd_flops=bwd, boundary_bytes=boundary,
                      internal_bytes=int(round(saved)), fwd_work_bytes=int(round(mem.fwd_work_bytes)),
-                     bwd_work_bytes=int(round(mem.bwd_work_bytes)), notes={"saved_by": mem.breakdown})
+                     bwd_work_bytes=int(round(mem.bwd_work_bytes)), partial_bytes=int(round(mem.partial_bytes)),
+                     elementwise_bytes=int(round(mem.elementwise_bytes)),
+                     partial_recompute_bytes=int(round(mem.partial_recompute_bytes)), notes={"saved_by": mem.breakdown})

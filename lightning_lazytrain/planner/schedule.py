@@ -39,6 +39,12 @@ Decisions:
   ``F{w}``, ``j < w <= L-1``, and come back over the H2D lane of ``B{t}`` (``H`` for ``t = L``),
   ``j < t <= L``, which ends before ``B{j}``. On the device they live in ``F{j}..F{w}`` and from
   the reload window to ``B{j}``. An empty tuple means no layer moves its internals.
+- ``partial_keep[j]`` (issue 12, item 5): layer j's forward runs with grad under selective
+  activation checkpointing and keeps only the outputs of its matmul-class ops (projections, the
+  attention kernel's outputs; ``Workload`` ``partial_bytes``) from ``F{j}`` to ``B{j}``; ``B{j}``
+  re-runs only the elementwise ops (``partial_recompute``, ``partial_seconds``) instead of the whole
+  layer. Requires ``homes[j] == "gpu"`` and ``keep_internals[j]`` False. Not a re-run of the layer
+  (``recomputed_forwards`` does not count it). An empty tuple means no layer partially keeps.
 - ``backward_prefetch``: the weights for ``B{t}`` are fetched during ``B{t+1}`` (MegaTrain: no,
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
@@ -56,6 +62,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Literal
@@ -74,7 +81,7 @@ Home = Literal["gpu", "cpu", "nvme", "recompute"]
 class Op:
     """One item of work in a window: a compute op or a transfer on a lane.
 
-    ``kind``: forward, head, recompute, local_recompute, backward (compute); weights,
+    ``kind``: forward, head, recompute, local_recompute, partial_recompute, backward (compute); weights,
     recompute_weights, reload, reload_internals (h2d); grads, offload, offload_internals (d2h);
     nvme_write, nvme_read; optimizer (cpu);
     cast (before every weights/recompute_weights op of the same index, which has ``after`` on
@@ -148,6 +155,7 @@ class Schedule:
     reload_window: tuple[int | None, ...]
     internals_offload_window: tuple[int | None, ...] = ()  # () = no layer moves its internals
     internals_reload_window: tuple[int | None, ...] = ()
+    partial_keep: tuple[bool, ...] = ()  # () = no layer partially keeps (all False)
     backward_prefetch: bool = True
     optimizer: str = "pipelined"
     data_parallel: str = "none"
@@ -159,6 +167,8 @@ class Schedule:
         for key in ("internals_offload_window", "internals_reload_window"):
             value = tuple(getattr(self, key))
             object.__setattr__(self, key, value if value else (None,) * max(self.num_layers, 0))
+        partial = tuple(bool(p) for p in self.partial_keep)
+        object.__setattr__(self, "partial_keep", partial if partial else (False,) * max(self.num_layers, 0))
         self._check()
 
     # ---- validation ---------------------------------------------------------------------------
@@ -220,6 +230,23 @@ class Schedule:
             if not j + 1 <= rel <= L:
                 raise InvalidInput(f"schedule.internals_reload_window[{j}]", rel,
                                    f"must end before B{j}: in [{j + 1}, {L}] (B{{t}}, or H for {L})")
+        if len(self.partial_keep) != L:
+            raise InvalidInput("schedule.partial_keep", len(self.partial_keep), f"needs {L} entries (or none)")
+        for j in range(L):
+            if not self.partial_keep[j]:
+                continue
+            if self.keep_internals[j]:
+                raise InvalidInput(f"schedule.partial_keep[{j}]", True,
+                                   f"layer {j} keeps all its internals (keep_internals[{j}] is True)")
+            if self.homes[j] != "gpu":
+                raise InvalidInput(f"schedule.partial_keep[{j}]", True, f"needs homes[{j}]='gpu', got {self.homes[j]!r}")
+
+    def in_mode(self, data_parallel: str) -> Schedule:
+        """This schedule for ranks of a ``data_parallel`` job (the same decisions; the mode adds the
+        collectives to the windows): a policy's schedule for a rank's workload."""
+        if data_parallel == self.data_parallel:
+            return self
+        return dataclasses.replace(self, data_parallel=data_parallel)
 
     # ---- derived structure --------------------------------------------------------------------
     def next_materialised(self) -> list[int]:
@@ -257,10 +284,16 @@ class Schedule:
         return tuple(j for j, w in enumerate(self.internals_offload_window) if w is not None)
 
     @property
+    def partial_layers(self) -> tuple[int, ...]:
+        """Layers that keep only their matmul outputs (``partial_keep``)."""
+        return tuple(j for j, p in enumerate(self.partial_keep) if p)
+
+    @property
     def recomputed_layers(self) -> int:
-        """Extra forward passes per micro-batch: block recompute plus local recompute."""
+        """Extra forward passes per micro-batch: block recompute plus local recompute (a partial
+        keep's elementwise recompute is not one)."""
         block = sum(e - 1 - s for s, e in self.recompute_blocks)
-        local = sum(1 for k in self.keep_internals if not k)
+        local = sum(1 for k, p in zip(self.keep_internals, self.partial_keep) if not k and not p)
         return block + local
 
     # ---- windows and their ops (the transfer plan) -------------------------------------------
@@ -340,7 +373,9 @@ class Schedule:
                     fetch = _fetch(ops, "recompute_weights", j, after=rerun.get(j - 2, -1), gather=sh)
                     ops.append(Op("compute", "recompute", j, after=fetch))
                     rerun[j] = len(ops) - 1
-            if not self.keep_internals[t]:
+            if self.partial_keep[t]:
+                ops.append(Op("compute", "partial_recompute", t, after=dep))
+            elif not self.keep_internals[t]:
                 ops.append(Op("compute", "local_recompute", t, after=dep))
             ops.append(Op("compute", "backward", t, after=dep))
             if t + 1 < L and not sh:
@@ -418,6 +453,7 @@ class Schedule:
             "reload_window": list(self.reload_window),
             **({"internals_offload_window": list(self.internals_offload_window),
                 "internals_reload_window": list(self.internals_reload_window)} if self.offloaded_internals else {}),
+            **({"partial_keep": list(self.partial_keep)} if self.partial_layers else {}),
             "backward_prefetch": self.backward_prefetch,
             "optimizer": self.optimizer,
             **({"data_parallel": self.data_parallel} if self.data_parallel != "none" else {}),
@@ -442,6 +478,7 @@ class Schedule:
                    offload_window=tuple(data["offload_window"]), reload_window=tuple(data["reload_window"]),
                    internals_offload_window=tuple(data.get("internals_offload_window", ())),
                    internals_reload_window=tuple(data.get("internals_reload_window", ())),
+                   partial_keep=tuple(bool(p) for p in data.get("partial_keep", ())),
                    backward_prefetch=bool(data["backward_prefetch"]), optimizer=data["optimizer"],
                    data_parallel=data.get("data_parallel", "none"), policy=data.get("policy", ""), meta=data.get("meta", {}))
 

@@ -49,7 +49,7 @@ class SimResult:
     compute_seconds: float
     recompute_seconds: float
     lane_bytes: dict[str, float]  # per lane that ran an op; compute, cpu and host move 0 bytes
-    recomputed_forwards: dict[int, int]  # layer -> extra forward runs per iteration (block + local)
+    recomputed_forwards: dict[int, int]  # layer -> extra forward runs per iteration (block + local; not partial)
     window_seconds: dict[str, float]  # one micro-batch (the first), plus T
     window_bytes: dict[str, float]  # device bytes per window
     timeline: list[Segment] = field(default_factory=list)
@@ -75,6 +75,8 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
         if op.kind == "head":
             return wl.head_seconds, 0.0
         layer = layers[op.index]
+        if op.kind == "partial_recompute":  # a partial keep's elementwise recompute
+            return layer.partial_seconds, 0.0
         return (layer.bwd_seconds if op.kind == "backward" else layer.fwd_seconds), 0.0
     if op.lane == "cpu":
         return (wl.nonblock_opt_seconds if op.index < 0 else layers[op.index].opt_seconds), 0.0
@@ -155,6 +157,8 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
             out.append((2 * L - rel, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals reloaded"))
         elif s.keep_internals[j]:
             out.append((j, 2 * L - j, layer.internal_bytes - A[j], f"layer {j} kept internals"))
+        if s.partial_keep[j]:  # its matmul outputs, F{j}..B{j}; B{j} re-materialises the rest (below)
+            out.append((j, 2 * L - j, layer.partial_bytes, f"layer {j} partial keep"))
         if s.resident_weights[j]:
             # Its own buffer from the fetch (in F{j-1}; layer 0's in T) to B{j}; its gradients from
             # F{j} until their D2H in the next window (B{j-1}; layer 0's in T) is done.
@@ -163,7 +167,10 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
             if j == 0:
                 out.append((2 * L + 1, 2 * L + 1, layer.param_bytes, "layer 0 resident weights (T)"))
         out.append((j, j, layer.fwd_work_bytes, f"layer {j} forward work"))
-        saved = 0.0 if s.keep_internals[j] else layer.internal_bytes - A[j]
+        # B{j}: a local recompute re-materialises every saved tensor; a partial keep's recompute those that
+        # are not its kept matmul outputs (counted in its lifetime above)
+        saved = (0.0 if s.keep_internals[j] else layer.partial_recompute_bytes if s.partial_keep[j]
+                 else layer.internal_bytes - A[j])
         out.append((2 * L - j, 2 * L - j, saved + layer.bwd_work_bytes, f"layer {j} backward"))
         if s.block_ending_at(j + 1) is not None:
             out.append((2 * L - j, 2 * L - j, wl.max_param_bytes, f"recompute weight buffer B{j}"))
@@ -237,10 +244,11 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
     for start, end in s.recompute_blocks:
         for j in range(start, end - 1):
             reruns[j] += g
-    for j in range(s.num_layers):
-        reruns[j] += 0 if s.keep_internals[j] else g
+    for j in range(s.num_layers):  # a partial keep's elementwise recompute is not a re-run of the layer
+        reruns[j] += 0 if s.keep_internals[j] or s.partial_keep[j] else g
     reruns = {j: n for j, n in reruns.items() if n}
     recompute = sum(n * wl.layers[j].fwd_seconds for j, n in reruns.items())
+    recompute += g * sum(wl.layers[j].partial_seconds for j in s.partial_layers)
     tokens = wl.tokens * g
     return SimResult(
         iteration_seconds=now,

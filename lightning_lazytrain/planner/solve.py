@@ -59,7 +59,8 @@ def in_space(s: Schedule, opt: MilpOptions, optimizer: str | None = None, data_p
     return Schedule(num_layers=s.num_layers, homes=s.homes, keep_internals=s.keep_internals,
                     resident_weights=s.resident_weights, offload_window=s.offload_window,
                     reload_window=s.reload_window, internals_offload_window=s.internals_offload_window,
-                    internals_reload_window=s.internals_reload_window, backward_prefetch=True, optimizer=mode,
+                    internals_reload_window=s.internals_reload_window,
+                    partial_keep=s.partial_keep if opt.partial_keep else (), backward_prefetch=True, optimizer=mode,
                     data_parallel=data_parallel or s.data_parallel, policy=s.policy)
 
 

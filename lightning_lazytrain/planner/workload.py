@@ -29,6 +29,12 @@ STATE_BYTES_8 = 2.0 + 2 * 4 / 256  # two uint8 states + one fp32 absmax per 256-
 # Host arenas (``engine/host_arena.py``): one buffer per kind, whole pages, slices at 256-byte offsets.
 HOST_ARENA_ALIGN = 256
 HOST_PAGE = 4096
+# A partial keep's elementwise recompute (norms, rotary, activation, products) is memory-bound: its
+# time is the bytes those ops read and write (memory_model.Tape.partial) at this fraction of the
+# device's memory bandwidth (Hardware.gpu_memory_bytes_per_s). PyTorch eager runs each as its own
+# streaming kernel; such kernels reach 70-90% of HBM bandwidth on large tensors, the lower end taken
+# (an estimate, not measured on a GPU here). Unknown bandwidth: priced as a full re-run (no gain).
+ELEMENTWISE_EFFICIENCY = 0.7
 # The engine's ParamStore: block slots (0/1 double buffering, 2 the recompute buffer; residents add more).
 PARAM_SLOTS = 3
 
@@ -95,6 +101,14 @@ class LayerWork:
     reduce_bytes: float = 0.0
     allreduce_seconds: float = 0.0
     allreduce_bytes: float = 0.0
+    # partial keep (``Schedule.partial_keep``): bytes a partial-keep forward keeps beyond its input (the
+    # matmul-class ops' outputs, F{j}..B{j}), the seconds of its elementwise recompute in B{j}, and the
+    # saved tensors that recompute re-materialises there (those that are not kept outputs: in B{j} it
+    # takes the place of a local recompute's internal_bytes - boundary); 0 partial bytes = not known for
+    # this layer (a measured workload without them), the MILP then offers no partial keep
+    partial_bytes: float = 0.0
+    partial_seconds: float = 0.0
+    partial_recompute_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -209,16 +223,22 @@ class Workload:
                       nonblock_opt_seconds: float, host_static_bytes: float, tokens: int, grad_accum: int = 1,
                       name: str = "measured", cast_seconds: list[float] | None = None,
                       accum_seconds: list[float] | None = None, nonblock_cast_seconds: float = 0.0,
-                      nonblock_accum_seconds: float = 0.0) -> Workload:
+                      nonblock_accum_seconds: float = 0.0, partial_bytes: list[float] | None = None,
+                      partial_seconds: list[float] | None = None,
+                      partial_recompute_bytes: list[float] | None = None) -> Workload:
         """Build from measured per-layer lists (the profiler's output). The host-lane costs
         (``cast_seconds``, ``accum_seconds``: per layer, per fetch / per gradient D2H) default to 0."""
         n = len(fwd_seconds)
         cast_seconds = [0.0] * n if cast_seconds is None else cast_seconds
         accum_seconds = [0.0] * n if accum_seconds is None else accum_seconds
+        partial_bytes = [0.0] * n if partial_bytes is None else partial_bytes
+        partial_seconds = [0.0] * n if partial_seconds is None else partial_seconds
+        partial_recompute_bytes = [0.0] * n if partial_recompute_bytes is None else partial_recompute_bytes
         lists = dict(bwd_seconds=bwd_seconds, params=params, param_bytes=param_bytes, grad_bytes=grad_bytes,
                      internal_bytes=internal_bytes, fwd_work_bytes=fwd_work_bytes,
                      bwd_work_bytes=bwd_work_bytes, opt_seconds=opt_seconds, cast_seconds=cast_seconds,
-                     accum_seconds=accum_seconds)
+                     accum_seconds=accum_seconds, partial_bytes=partial_bytes, partial_seconds=partial_seconds,
+                     partial_recompute_bytes=partial_recompute_bytes)
         for key, values in lists.items():
             if len(values) != n:
                 raise InvalidInput(key, len(values), f"need {n} entries (one per layer, like fwd_seconds)")
@@ -227,7 +247,9 @@ class Workload:
                       fwd_seconds=float(fwd_seconds[j]), bwd_seconds=float(bwd_seconds[j]),
                       internal_bytes=float(internal_bytes[j]), fwd_work_bytes=float(fwd_work_bytes[j]),
                       bwd_work_bytes=float(bwd_work_bytes[j]), opt_seconds=float(opt_seconds[j]),
-                      cast_seconds=float(cast_seconds[j]), accum_seconds=float(accum_seconds[j]))
+                      cast_seconds=float(cast_seconds[j]), accum_seconds=float(accum_seconds[j]),
+                      partial_bytes=float(partial_bytes[j]), partial_seconds=float(partial_seconds[j]),
+                      partial_recompute_bytes=float(partial_recompute_bytes[j]))
             for j in range(n))
         return cls(layers=layers, boundary_bytes=tuple(float(a) for a in boundary_bytes),
                    head_seconds=head_seconds, head_work_bytes=head_work_bytes, nonblock_params=nonblock_params,
@@ -251,11 +273,16 @@ class Workload:
         frac8 = train.eight_bit_fraction
         opt_per_param = (1 - frac8) / hardware.cpu_adam_params_per_s + frac8 / hardware.cpu_adam8_params_per_s
         cast_per_param, accum_per_param = host_lane_seconds_per_param(e, ge, hardware)
+        fwd_seconds = cost.fwd_flops / rate
+        partial_seconds = (cost.elementwise_bytes / (hardware.gpu_memory_bytes_per_s * ELEMENTWISE_EFFICIENCY)
+                           if hardware.gpu_memory_bytes_per_s > 0 else fwd_seconds)
         layer = LayerWork(params=cost.params, param_bytes=cost.params * e, grad_bytes=cost.params * ge,
                           fwd_seconds=cost.fwd_flops / rate, bwd_seconds=cost.bwd_flops / rate,
                           internal_bytes=cost.internal_bytes, fwd_work_bytes=cost.fwd_work_bytes,
                           bwd_work_bytes=cost.bwd_work_bytes, opt_seconds=cost.params * opt_per_param,
-                          cast_seconds=cost.params * cast_per_param, accum_seconds=cost.params * accum_per_param)
+                          cast_seconds=cost.params * cast_per_param, accum_seconds=cost.params * accum_per_param,
+                          partial_bytes=float(cost.partial_bytes), partial_seconds=min(partial_seconds, fwd_seconds),
+                          partial_recompute_bytes=float(cost.partial_recompute_bytes))
         n_tok = train.tokens
         nonblock = model.embedding_params + model.head_params
         head_matmul = model.vocab * model.hidden  # LM head (tied or not, same FLOPs)
