@@ -24,11 +24,11 @@ SPEC = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4
 L = SPEC.num_layers
 
 
-def custom(homes, keep=None, res=None, off=None, rel=None, ioff=(), irel=()) -> Schedule:
+def custom(homes, keep=None, res=None, off=None, rel=None, ioff=(), irel=(), partial=()) -> Schedule:
     return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(keep or [False] * L),
                     resident_weights=tuple(res or [False] * L), offload_window=tuple(off or [None] * (L + 1)),
                     reload_window=tuple(rel or [None] * (L + 1)), internals_offload_window=tuple(ioff),
-                    internals_reload_window=tuple(irel), policy="custom")
+                    internals_reload_window=tuple(irel), partial_keep=tuple(partial), policy="custom")
 
 
 SCHEDULES = {
@@ -48,6 +48,10 @@ SCHEDULES = {
     "offloaded_internals": custom(["gpu", "gpu", "gpu", "cpu", "gpu"], keep=[True, True, True, False],
                                   off=[None, None, None, 3, None], rel=[None, None, None, 4, None],
                                   ioff=[1, 3, None, None], irel=[2, 4, None, None]),
+    # Note: [partial keep]: layers 0 and 1 keep their matmul outputs (layer 1 is also re-run without
+    # grad in B2's recompute block, for boundary 2), layer 2 re-runs locally, layer 3 keeps everything
+    "partial_keep": custom(["gpu", "gpu", "recompute", "gpu", "gpu"], keep=[False, False, False, True],
+                           partial=[True, True, False, False]),
 }
 
 
@@ -252,7 +256,8 @@ def block_forward_flops(model, tokens) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("name", ["keep_all", "recompute_all", "megatrain_K2", "megatrain_K4", "cpu_homes"])
+@pytest.mark.parametrize("name", ["keep_all", "recompute_all", "megatrain_K2", "megatrain_K4", "cpu_homes",
+                                  "partial_keep"])
 def test_recomputed_flops_are_exactly_the_predicted_reruns(reference, tmp_path, name):
     model, tokens = reference
     with FlopCounterMode(display=False) as plain:
@@ -323,7 +328,8 @@ HF_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
-@pytest.mark.parametrize("policy", ["megatrain_K2", "cpu_homes", "kept_internals_resident", "offloaded_internals"])
+@pytest.mark.parametrize("policy", ["megatrain_K2", "cpu_homes", "kept_internals_resident", "offloaded_internals",
+                                    "partial_keep"])
 def test_hugging_face_models_equal_plain_autograd(tmp_path, name, policy):
     transformers = pytest.importorskip("transformers")
     spec = dict(HF_CONFIGS[name])
@@ -387,3 +393,62 @@ def test_a_rerun_starts_after_its_weights_arrive_on_a_slow_link(reference, tmp_p
     for seg in reruns:
         landed = [c.end for c in copies if c.index == seg.index and c.end <= seg.start + 1e-4]
         assert landed, f"{seg.kind} of layer {seg.index} in {seg.window} started before its weights landed"
+
+
+def test_partial_keep_refuses_a_block_that_changes_a_matmul_output_in_place(tmp_path):
+    """Note: [partial keep]: a block that changes a matmul output in place (as Falcon divides its QK^T
+    product) cannot re-run exactly from the kept output: the executor refuses it in the forward of the
+    first step (before any optimizer step), and a profile gives the layer no partial bytes, so a plan
+    from it never partially keeps the layer. The unchanged block (no in-place op) is exact."""
+    from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
+
+    class Block(torch.nn.Module):
+        def __init__(self, inplace):
+            super().__init__()
+            self.lin, self.inplace = torch.nn.Linear(8, 8), inplace
+
+        def forward(self, x):
+            y = self.lin(x)
+            y = y.mul_(0.5) if self.inplace else y * 0.5
+            return torch.tanh(y) + x
+
+    class Net(torch.nn.Module):
+        def __init__(self, inplace):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block(inplace) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x.square().mean()
+
+    x = torch.randn(5, 8, requires_grad=True)
+    partial = Schedule(num_layers=2, homes=("gpu",) * 3, keep_internals=(False, False),
+                       resident_weights=(False, False), offload_window=(None,) * 3, reload_window=(None,) * 3,
+                       partial_keep=(True, True))
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        net = Net(inplace)
+        ref = copy.deepcopy(net)
+        ref(x).backward()
+        ex = Executor(net, recompute_all(2), nvme_dir=tmp_path)
+        try:
+            wl = measure_workload(ex, lambda: net(x).backward(), tokens=5)
+        finally:
+            ex.close()
+        assert all((layer.partial_bytes > 0) != inplace for layer in wl.layers)
+        for p in net.parameters():
+            p.grad = None
+        ex = Executor(net, partial, nvme_dir=tmp_path)
+        try:
+            ex.begin_microbatch()
+            if inplace:
+                with pytest.raises(UnsupportedBlockPattern, match="in place"):
+                    net(x)
+                ex.abort_microbatch()
+                continue
+            net(x).backward()
+            ex.end_microbatch()
+        finally:
+            ex.close()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))

@@ -32,6 +32,7 @@ two slots.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -51,6 +52,7 @@ from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheRe
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
 from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import DeviceBytes
+from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks, PartialForward
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.planner.schedule import Schedule
@@ -117,6 +119,12 @@ class StepStats:
     # Device bytes of the tensors the block calls receive besides the hidden state (rotary tables,
     # masks, encoder states; each storage once), kept for the re-runs until the block's backward.
     call_bytes: int = 0
+    # Note: [partial keep] (engine/partial_keep.py): per partially keeping layer, the matmul outputs it
+    # stored; per locally re-run layer of a profiled step, what a partial keep would store, re-materialise
+    # and spend on its elementwise ops (the profile's measurement)
+    partial_bytes: dict[int, int] = field(default_factory=dict)
+    partial_recompute_bytes: dict[int, int] = field(default_factory=dict)
+    partial_seconds: dict[int, float] = field(default_factory=dict)
 
 
 class Executor:
@@ -163,12 +171,15 @@ class Executor:
         self.resident_slot = {j: 3 + r for r, j in enumerate(residents)}
         slots = 3 + len(residents)
         if self.params is None or self.params.num_slots != slots:
+            hook = None
             if self.params is not None:
+                hook = self.params.on_final_grads  # (distributed.GradSync's, if any) carries over
                 self.params.close()
             # The recompute slot and the resident slots hold device memory only while the plan counts
             # them (lazy slots: allocated by stage, given back by evict).
             self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
                                      num_slots=slots, lazy_slots=range(2, slots))
+            self.params.on_final_grads = hook
         uses_nvme = "nvme" in schedule.homes
         if uses_nvme and self._nvme_dir is None:
             raise ValueError("the schedule puts activations on NVMe: pass nvme_dir= (a directory on the NVMe drive)")
@@ -304,6 +315,7 @@ class Executor:
         self._exit.close()
         self._evict_lazy_slots()
         self._internals = {}
+        self._partial = {}
         self.acts.end_step()
         self.engine.synchronize()
         self._micro = None
@@ -340,6 +352,7 @@ class Executor:
             self._adhoc_used = False
         self._pending_offload: dict[int, torch.Tensor] = {}
         self._internals: dict[int, OffloadedInternals] = {}  # Note: [offloaded internals] in engine/internals.py
+        self._partial: dict[int, PartialForward] = {}  # Note: [partial keep] in engine/partial_keep.py
         self._pending_grads: list[PendingGrads] = []
         self._retiring: list[int] = []  # resident layers whose gradient D2H was issued
         self._call_storages: dict[int, int] = {}  # see StepStats.call_bytes
@@ -522,7 +535,8 @@ class Executor:
         elif home in ("cpu", "nvme") and s.offload_window[j] > j:
             self._pending_offload[j] = x.detach()
         slot = self.slot_of(j)
-        keep = s.keep_internals[j]
+        partial = s.partial_keep[j]
+        keep = s.keep_internals[j] or partial
         if keep:
             self._finish_grads(slot=slot)  # bind with grads zeroes the slot's grad buffer
         state = self._states[j] = ForwardState.capture(self.device)
@@ -530,6 +544,11 @@ class Executor:
         with self.params.bind(j, slot, grads=keep), self.trace.timed(name, "forward", j), \
                 state.watch_buffers(self.stack[j], self._mutable_buffers.setdefault(j, {})):
             if keep:
+                xg = x.detach().requires_grad_()
+                rin = [t.detach().requires_grad_() for t in routed]
+            if partial:  # Note: [partial keep]
+                spec, outs = self._partial_forward(j, call, x, xg, rin)
+            elif keep:
                 weights, count = (lambda: self.params.slot_weights(j, slot)), \
                     (lambda n: self.tracker.add(f"internals{j}", n))
                 if s.internals_offload_window[j] is not None:
@@ -539,11 +558,10 @@ class Executor:
                 else:
                     hooks = WeightTokenHooks(weights, count, skip=self._not_internals(x))
                     pack, unpack = hooks.pack, hooks.unpack
-                xg = x.detach().requires_grad_()
-                rin = [t.detach().requires_grad_() for t in routed]
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     spec, outs = self._run_block(j, xg, call, rin, first=True,
                                                  rerun=s.homes[j + 1] == "recompute")
+            if keep:
                 # Roots of the kept graph: the hidden state and routed outputs are returned detached;
                 # hook-captured tensors must be returned as the very objects the hooks stored, so an
                 # alias keeps their graph (the node's apply re-points the objects' history).
@@ -561,7 +579,9 @@ class Executor:
         self._last_output = (spec, len(spec.routed))
         ctx.n_outputs = len(outs)
         out = outs[0]
-        if keep:
+        if partial:
+            self.stats.partial_bytes[j] = self._partial[j].nbytes
+        elif keep:
             self.stats.internal_bytes[j] = self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x)
         if j == L - 1:
             self.stats.boundary_bytes[L] = self._nbytes(out)
@@ -570,11 +590,34 @@ class Executor:
             self._issue_transfers("H")
         return tuple(outs)
 
+    def _partial_forward(self, j: int, call: BlockCall, x: torch.Tensor, xg: torch.Tensor,
+                         rin: list) -> tuple[BlockOutput, list[torch.Tensor]]:
+        """Block j's forward under selective checkpointing (Note: [partial keep]): its matmul outputs
+        are kept (counted as ``partial{j}``); ``B{j}``'s backprop re-runs the rest with the stored
+        re-run call, hooks silenced, the forward's state replayed."""
+        rcall = self._calls[j][0]  # the re-run call (KV caches as the block found them)
+        pf = self._partial[j] = PartialForward(j, self.device, lambda n: self.tracker.add(f"partial{j}", n),
+                                               self._not_internals(x))
+        spec: list[BlockOutput] = []
+
+        def forward(xx: torch.Tensor, rr: list) -> list[torch.Tensor]:
+            out_spec, outs = self._run_block(j, xx, call, rr, first=True, rerun=True)
+            spec.append(out_spec)
+            return outs
+
+        def rerun(xx: torch.Tensor, rr: list) -> list[torch.Tensor]:
+            with self._states[j].replay():
+                return self._run_block(j, xx, rcall, rr, first=False)[1]
+
+        outs = pf.run(forward, rerun, xg, rin)
+        return spec[0], outs
+
     def _adhoc_forward(self, ctx: Any, j: int, call: BlockCall, x: torch.Tensor, routed: list) -> tuple:
         """A further forward pass of block j in the same micro-batch: weights through the recompute
         slot, input kept on the device, re-run and gradients to the host in its own backward. Exact,
         synchronous and not part of the plan (its memory and time are not predicted)."""
         assert self.params is not None
+        self._adhoc_used = True  # from here on (distributed.py: Note: [overlapped all-reduce])
         state = ForwardState.capture(self.device)
         args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)  # before the cache grows
         rcall, rrouted = BlockCall.pack(args, kwargs)
@@ -649,21 +692,33 @@ class Executor:
                 xg, rin, roots = ctx.kept
                 self._calls.pop(t)
                 roots, all_grads = self._with_running_input_grads(ctx, rin, list(roots), list(grads))
+                partial = self._partial.pop(t, None)
+                if partial is not None:  # Note: [partial keep]: the backprop re-runs the elementwise ops
+                    partial.recomputing = True
                 with self.trace.timed(name, "backward", t):
                     _backprop(roots, all_grads)
                 if t in self._internals:
                     self._internals.pop(t).free(self.acts)
                 self.tracker.drop(f"internals{t}")
+                self.tracker.drop(f"partial{t}")
             else:
                 x = self._boundary(t)
                 call, routed = self._calls.pop(t)
                 xg = x.detach().requires_grad_()
                 rin = [r.detach().requires_grad_() for r in routed]
-                hooks = CountingHooks(lambda: self.params.slot_weights(t, slot), self._not_internals(x))
+                # a profiled step also measures what a partial keep of the layer would store (Note: [partial keep])
+                mode = MatmulOutputs(self.device) if self.profiling else None
+                hooks = (CountingHooks if mode is None else functools.partial(OverlapHooks, mode))(
+                    lambda: self.params.slot_weights(t, slot), self._not_internals(x))
                 with self.trace.timed(name, "local_recompute", t), self._states[t].replay(), torch.enable_grad(), \
-                        torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                        torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack), \
+                        (mode if mode is not None else contextlib.nullcontext()):
                     _, outs = self._run_block(t, xg, call, rin, first=False)
                 self._check_outputs(ctx, t, outs)
+                if mode is not None:
+                    self.stats.partial_bytes[t] = 0 if mode.mutated else mode.nbytes  # 0: never partially kept
+                    self.stats.partial_recompute_bytes[t] = hooks.bytes - hooks.overlap
+                    self.stats.partial_seconds[t] = mode.elementwise_seconds
                 self.tracker.add(f"internals{t}", hooks.bytes)
                 self.stats.internal_bytes[t] = hooks.bytes + self._nbytes(x)
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1

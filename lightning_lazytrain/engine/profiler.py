@@ -2,7 +2,8 @@
 
 Runs one micro-batch under the executor's current schedule (a ``min_memory`` or
 ``recompute_all`` schedule is the safe provisional choice) and reads the executor's trace:
-per-layer forward and backward seconds, boundary and saved-internal bytes, parameter and
+per-layer forward and backward seconds, boundary and saved-internal bytes, a partial keep's
+bytes and elementwise seconds (``partial_keep.MatmulOutputs``), parameter and
 gradient bytes of the streamed compute copies, the head's time. The transient working sets are the real device bytes each window allocates beyond what the executor tracks:
 ``torch.cuda.max_memory_allocated`` on CUDA, ``live_bytes.LiveBytes`` (a dispatch-mode storage
 tracker) on CPU.
@@ -95,4 +96,11 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         cast_seconds=[mean("cast", j) for j in range(L)], accum_seconds=[mean("accumulate", j) for j in range(L)],
         nonblock_cast_seconds=mean("cast", REST), nonblock_accum_seconds=mean("accumulate", REST),
         host_static_bytes=float(host_static),
+        # Note: [partial keep] (engine/partial_keep.py): measured in the local recompute of every layer the
+        # profiled schedule re-runs (a layer it does not re-run gets 0 bytes: the MILP offers it no partial
+        # keep): the matmul outputs a partial keep stores, the saved tensors its recompute re-materialises,
+        # the measured seconds of the elementwise ops (dispatch-mode timing, synchronised per op on CUDA)
+        partial_bytes=[float(stats.partial_bytes.get(j, 0)) for j in range(L)],
+        partial_recompute_bytes=[float(stats.partial_recompute_bytes.get(j, 0)) for j in range(L)],
+        partial_seconds=[float(stats.partial_seconds.get(j, 0.0)) for j in range(L)],
         tokens=tokens, grad_accum=grad_accum, name="measured")
