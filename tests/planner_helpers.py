@@ -55,7 +55,8 @@ def internals_choices(L: int, j: int, options=None) -> list[tuple[int | None, in
     return out + [(w, t) for w in offs for t in rels]
 
 
-def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True, internals: bool = True):
+def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True, internals: bool = True,
+               partial: bool = False):
     """Every schedule in the MILP's space for ``L`` layers (L <= 8 = max_block; offload in the
     boundary's own forward window, any legal reload window, backward prefetch; with ``internals``,
     each kept layer's internals stay or move in any of the default ``MilpOptions``' windows).
@@ -66,6 +67,9 @@ def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True, int
     from lightning_lazytrain.planner import InvalidInput, Schedule
 
     modes = ("serial", "pipelined") if pipelined is None else ("pipelined",) if pipelined else ("serial",)
+    # per layer with its input on the GPU: 0 local recompute, 1 keep internals, 2 partial keep (with ``partial``:
+    # the MILP offers it where the workload has partial bytes, milp_partial)
+    choices = (0, 1, 2) if partial else (0, 1)
     tiers = ("gpu", "cpu", "nvme", "recompute") if nvme else ("gpu", "cpu", "recompute")
     for inner in product(tiers, repeat=L - 1):
         homes = ("gpu",) + inner + ("gpu",)
@@ -85,10 +89,10 @@ def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True, int
             reload_window = [None] * (L + 1)
             for i, t in zip(moved, rel):
                 reload_window[i] = t
-            for keep in product((False, True), repeat=len(kept)):
-                keep_internals = [False] * L
+            for keep in product(choices, repeat=len(kept)):
+                keep_internals, partial_keep = [False] * L, [False] * L
                 for j, k in zip(kept, keep):
-                    keep_internals[j] = k
+                    keep_internals[j], partial_keep[j] = k == 1, k == 2
                 moving = [j for j in range(L) if keep_internals[j]] if internals else []
                 for moves in product(*(internals_choices(L, j) for j in moving)):
                     off, back = [None] * L, [None] * L
@@ -102,4 +106,5 @@ def milp_space(L: int, *, nvme: bool = False, pipelined: bool | None = True, int
                             yield Schedule(num_layers=L, homes=homes, keep_internals=tuple(keep_internals),
                                            resident_weights=tuple(resident), offload_window=probe.offload_window,
                                            reload_window=tuple(reload_window), internals_offload_window=tuple(off),
-                                           internals_reload_window=tuple(back), optimizer=mode)
+                                           internals_reload_window=tuple(back), partial_keep=tuple(partial_keep),
+                                           optimizer=mode)
