@@ -3,6 +3,7 @@
     python bench/bench_planner.py            # ~2 minutes on a 2-core machine
     python bench/bench_planner.py 1 5        # only sections 1 and 5 (5: optimizer mode, solve time under load)
     python bench/bench_planner.py 6          # offloaded internals at 27B / H800 / batch 72: with and without
+    python bench/bench_planner.py 7          # partial keep at 27B / H800 / batch 72: with and without
 
 Prints every figure that bench/RESULTS.md quotes. Predictions are ratios within one simulator,
 so both sides of each comparison share the same hardware numbers and cost formulas.
@@ -154,6 +155,46 @@ def offloaded_internals(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
               f"{off.solve_seconds:.2f} | {on.mip_gap or 0.0:.1e}")
 
 
+def partial_keep(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
+    """Section 7 (issue 12, item 5): partial keep (a layer keeps its matmul outputs, B{j} re-runs the
+    elementwise ops), 27B / H800 / batch 72, the MILP with and without ``MilpOptions.partial_keep``."""
+    print("\n## 7. Partial keep, 27B / H800 / batch 72 (the profile, calibrated), median of 3 solves, target gap 0.1%")
+    wl = Workload.analytic(m27, t27, hw)
+    mt = simulate(megatrain(m27.num_layers, 4), wl, hw)
+    lay = wl.layers[1]
+    print(f"megatrain: {mt.iteration_seconds:.2f} s, {mt.tokens_per_second:.1f} tokens/s; per layer: internals "
+          f"{(lay.internal_bytes - wl.boundary_bytes[1]) / 1e9:.2f} GB, partial keep {lay.partial_bytes / 1e9:.2f} GB "
+          f"(+{lay.partial_recompute_bytes / 1e9:.2f} GB re-materialised in its B), elementwise recompute "
+          f"{lay.partial_seconds:.4f} s vs a local re-run {lay.fwd_seconds:.4f} s")
+    print("partial_keep | iteration s | tokens/s | / megatrain | partial layers | kept | local re-runs | status | "
+          "worst gap | build s | solve s (median; runs)")
+    for switch in (True, False):
+        r = median_solve(wl, hw, mip_gap=1e-3, time_limit=60, partial_keep=switch)
+        s, sim = r["result"].schedule, r["result"].simulated
+        runs = ", ".join(f"{x:.2f}" for x in r["all"])
+        print(f"{switch} | {sim.iteration_seconds:.2f} | {sim.tokens_per_second:.1f} | "
+              f"{mt.iteration_seconds / sim.iteration_seconds:.4f}x | {list(s.partial_layers)} | "
+              f"{[j for j, k in enumerate(s.keep_internals) if k]} | {s.recomputed_layers} | {r['status']} | "
+              f"{r['gap']:.1e} | {r['build']:.2f} | {r['solve']:.2f} ({runs})")
+        if switch:
+            room = sorted((hw.gpu_memory_cap_bytes - b, w) for w, b in sim.window_bytes.items())[:4]
+            print("  least room under the cap: " + ", ".join(f"{w} {b / 1e9:.2f} GB" for b, w in room))
+    print(f"(load average before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)")
+    r = median_solve(wl, hw, busy=1, mip_gap=1e-3, time_limit=60)
+    runs = ", ".join(f"{x:.2f}" for x in r["all"])
+    print(f"partial_keep on, 1 competing process: solve {r['solve']:.2f} s ({runs}), status {r['status']}, "
+          f"worst gap {r['gap']:.1e}, iteration {r['iteration']:.2f} s")
+    print("\nRTX 3090 (profile, uncalibrated), one solve each")
+    print("model | batch | iteration s on | off | on / off | partial layers | solve s on / off | gap on")
+    for name, batch in (("qwen2.5-3b", 8), ("qwen2.5-7b", 6), ("qwen2.5-14b", 4), ("qwen3.6-27b", 2)):
+        h3, model, train = load("rtx3090", name)
+        w3 = Workload.analytic(model, train.replace(micro_batch_size=batch), h3)
+        on, off = solve(w3, h3, mip_gap=1e-3), solve(w3, h3, mip_gap=1e-3, partial_keep=False)
+        a, b = on.simulated.iteration_seconds, off.simulated.iteration_seconds
+        print(f"{name} | {batch} | {a:.2f} | {b:.2f} | {a / b:.3f} | {len(on.schedule.partial_layers)} | "
+              f"{on.solve_seconds:.2f} / {off.solve_seconds:.2f} | {on.mip_gap or 0.0:.1e}")
+
+
 def optimizer_mode_and_load(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
     """Section 5 (issue 12): the MILP's optimizer-mode binary against the two forced modes, and the
     27B solve with other CPU-bound work on the machine."""
@@ -265,6 +306,8 @@ def main(sections: set[int]) -> int:
         optimizer_mode_and_load(hw, m27, t27)
     if 6 in sections:
         offloaded_internals(hw, m27, t27)
+    if 7 in sections:
+        partial_keep(hw, m27, t27)
     return 0
 
 
