@@ -149,6 +149,7 @@ def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp"
             schedule = baseline(policy, wl.num_layers, K)
         else:
             schedule = load_schedule(policy)
+        schedule = schedule.in_mode(wl.data_parallel)  # several ranks: the job's collectives
         sim = simulate(schedule, wl, hardware)
         status, solver = "policy", {"name": "none", "policy": schedule.policy}
     result = PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,

@@ -19,6 +19,25 @@ Note: [replicate mode]
     barriers). The all-reduce is serial after the backward; overlapping it per layer with the
     backward, and reduce-scatter on the devices in a sharded mode, are what comes next.
 
+Note: [overlapped all-reduce]
+    With ``overlap`` (``LazyTrainStrategy(overlap_grad_sync=True)``, the default with automatic
+    optimization; the planner's ``replicate_overlap`` mode) a group's all-reduce does not wait for
+    the step to end: the executor's last accumulation of a group in a step
+    (``ParamStore.on_final_grads``, in the last micro-batch's backward windows) hands the group to
+    a collective thread of its own (FIFO, a daemon: a rank that fails never waits on it at exit),
+    which waits for that accumulation on the host lane, exchanges the group's "has a gradient"
+    flags, sums and divides the flat gradient, and takes the group's norms again in place (the
+    step's ``grad_norms``/``layer_sq_norms`` entries are the very objects the executor handed over).
+    The groups finished in ``T`` (layer 0's, handed over the same way, and the non-block group,
+    written back at the end) and any group not handed over are averaged at the step's end, after
+    the thread has drained, as before. Every rank hands the groups over in the schedule's order,
+    so the collectives on the group match across ranks. Per element the arithmetic is the serial
+    path's (one sum over the ranks, one division), so results are bit-identical to it and to DDP.
+    A gradient added to a group after its final accumulation would be missed: that happens only
+    when a block ran a second, ad-hoc pass in the step (``Executor._adhoc_used``; e.g. two
+    forwards before one backward); the first job of a step therefore agrees over the ranks whether
+    any rank did, and if so every group of that step is averaged at the end instead.
+
 Note: [collective bytes]
     ``GradSync.average_grads`` returns (and keeps in ``step_bytes``) what the step's collectives
     moved, per rank, in the planner's unit (``planner.multi.host_allreduce_bytes``): an all-reduce
@@ -39,6 +58,10 @@ Note: [collective bytes]
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +72,12 @@ from lightning_lazytrain.engine.param_store import REST, ParamStore
 from lightning_lazytrain.planner.multi import host_allreduce_bytes
 
 __all__ = ["GradSync"]
+
+
+def _sq_sum(norms: dict[torch.nn.Parameter, torch.Tensor]) -> torch.Tensor:
+    """A group's squared gradient norm from its per-parameter norms (as ``average_grads``)."""
+    parts = [n.float() for n in norms.values()]
+    return torch.stack(parts).square().sum() if parts else torch.zeros(())
 
 
 class GradSync:
@@ -64,6 +93,120 @@ class GradSync:
         self.world_size = dist.get_world_size(self.group)
         # what the last average_grads moved, per rank (Note: [collective bytes])
         self.step_bytes: dict[str, float] = {"collective": 0.0, "flags": 0.0}
+        self.step_seconds = 0.0
+        # Note: [overlapped all-reduce]
+        self.overlap = False
+        self.adhoc_probe: Callable[[], bool] = lambda: False
+        self.overlapped: list[int] = []  # groups the last step averaged during its backward
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._step_reset()
+
+    # ---- overlapped all-reduce (Note: [overlapped all-reduce]) ---------------------------------
+    def _step_reset(self) -> None:
+        self._done: list[int] = []
+        self._jobs = 0
+        self._lock = threading.Lock()
+        self._fallback: bool | None = None  # decided by the step's first job, the same on every rank
+        self._bytes = {"collective": 0.0, "flags": 0.0}
+        self._seconds = 0.0  # in the gradient all-reduces
+        self._error: BaseException | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def attach(self, params: ParamStore) -> None:
+        """Average each group as soon as its step's gradient is complete (a thread of its own)."""
+        self.overlap = True
+        if self._thread is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="lazytrain-gradsync", daemon=True)
+            self._thread.start()
+        params.on_final_grads = self._submit  # carried over when the executor rebuilds its ParamStore
+
+    def detach(self, params: ParamStore) -> None:
+        params.on_final_grads = None
+        self.overlap = False
+
+    def close(self) -> None:
+        """Stop the collective thread (after its jobs); the process group lives on, as DDP leaves it."""
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+            self._thread, self._queue = None, None
+
+    def _submit(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
+        assert self._queue is not None
+        with self._lock:
+            self._jobs += 1
+            self._idle.clear()
+        self._queue.put((params, layer, done, norms, sq))
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            params, layer, done, norms, sq = job
+            try:
+                if self._error is None:
+                    self._reduce_one(params, layer, done, norms, sq)
+            except BaseException as err:  # re-raised in the launching thread at the step's end
+                self._error = err
+            finally:
+                with self._lock:
+                    self._jobs -= 1
+                    if self._jobs == 0:
+                        self._idle.set()
+
+    def _reduce_one(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
+        done.wait()  # the group's last accumulation on the host lane
+        if self._fallback is None:
+            flag = torch.tensor([int(bool(self.adhoc_probe()))], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            self._fallback = bool(flag.item())
+        if self._fallback:
+            return
+        if layer in self._done:  # the executor hands each group over once per step
+            raise RuntimeError(f"group {layer} was handed over twice in one step")
+        moved, flags = self._average_group(params, layer, wait=False)
+        self._bytes["collective"] += moved
+        self._bytes["flags"] += flags
+        if norms is not None or sq is not None:
+            fresh = params.grad_norms(layer)
+            if norms is not None:
+                norms.clear()
+                norms.update(fresh)
+            if sq is not None:
+                sq.copy_(_sq_sum(fresh))
+        self._done.append(layer)
+
+    def _drain(self) -> None:
+        self._idle.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"the overlapped gradient all-reduce failed: {type(err).__name__}: {err}") from err
+
+    def _average_group(self, params: ParamStore, j: int, *, wait: bool = True) -> tuple[float, float]:
+        """Average one group in place: its flags (MAX), then its flat gradient (SUM, / W).
+        Returns (gradient bytes, flag bytes) moved by this rank."""
+        flat, views = params.flat_host_grads(j, wait=wait)
+        has = torch.tensor([p.grad is not None for p, _ in views], dtype=torch.int32)
+        moved = flags = 0.0
+        if has.numel():
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
+            flags = host_allreduce_bytes(has.numel() * has.element_size(), self.world_size)
+        with torch.no_grad():
+            if flat.numel():
+                t0 = time.perf_counter()
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                self._seconds += time.perf_counter() - t0
+                flat.div_(self.world_size)
+                moved = host_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
+            for k, (p, view) in enumerate(views):
+                if has[k] and p.grad is None and p.requires_grad:
+                    p.grad = view
+        return moved, flags
 
     def _layers(self, params: ParamStore) -> list[int]:
         return [REST, *range(params.num_layers)]
@@ -86,8 +229,17 @@ class GradSync:
         """Average the step's host gradients over the ranks, in place; refresh the norms the executor
         took (``StepStats.grad_norms``, per parameter, and ``layer_sq_norms``) from the averages.
         Returns the bytes this rank's gradient all-reduces moved (the ``collective`` lane; Note:
-        [collective bytes]); ``step_bytes`` has them and the flag exchange's."""
-        layers = self._layers(params)
+        [collective bytes]); ``step_bytes`` has them and the flag exchange's. With ``overlap``, the
+        groups already averaged during the backward are skipped (Note: [overlapped all-reduce])."""
+        early_moved = early_flags = seconds = 0.0
+        done: list[int] = []
+        if self.overlap:
+            self._drain()
+            done = [] if self._fallback else list(self._done)
+            early_moved, early_flags, seconds = self._bytes["collective"], self._bytes["flags"], self._seconds
+            self._step_reset()
+        self.overlapped = done
+        layers = [j for j in self._layers(params) if j not in done]
         flats = {j: params.flat_host_grads(j) for j in layers}
         has = torch.tensor([p.grad is not None for j in layers for p, _ in flats[j][1]], dtype=torch.int32)
         moved, flags = 0.0, 0.0
@@ -99,7 +251,9 @@ class GradSync:
             for j in layers:
                 flat, views = flats[j]
                 if flat.numel():
+                    t0 = time.perf_counter()
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                    seconds += time.perf_counter() - t0
                     flat.div_(self.world_size)
                     moved += host_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
                 for p, view in views:
@@ -113,5 +267,14 @@ class GradSync:
                     if sq_norms is not None and j in sq_norms:
                         parts = [n.float() for n in norms.values()]
                         sq_norms[j] = torch.stack(parts).square().sum() if parts else torch.zeros(())
+        moved, flags = moved + early_moved, flags + early_flags
         self.step_bytes = {"collective": moved, "flags": flags}
+        self.step_seconds = seconds
         return moved
+
+    def bytes_per_s(self) -> float | None:
+        """The host all-reduce bandwidth the last step saw (planner unit, per rank: bytes over the
+        seconds the gradient all-reduces took, waits for slower ranks included), or None."""
+        if self.step_bytes["collective"] <= 0 or self.step_seconds <= 0:
+            return None
+        return self.step_bytes["collective"] / self.step_seconds

@@ -85,6 +85,11 @@ class LazyTrainStrategy(ParallelStrategy):
             GPUs, gloo on CPU); gradients and masters are exchanged on a gloo group of their own.
         timeout: of the collectives (default: torch's); a rank that fails makes the others fail
             when they next exchange data, at the latest after this long.
+        overlap_grad_sync: with several processes, average each group's host gradients as soon as
+            the step's backward has finished it, on a thread of its own, instead of all of them after
+            the backward (``distributed.py``: Note: [overlapped all-reduce]; bit-identical; the plan
+            is made for the planner's ``replicate_overlap`` mode, else ``replicate``). Only with
+            automatic optimization.
         replan: re-profile and re-plan when the measured step time drifts from the prediction
             (``True``, ``False`` or a dict of ``replan.ReplanOptions``: threshold, patience,
             min_gain, max_replans); only for ``policy="milp"``.
@@ -97,7 +102,8 @@ class LazyTrainStrategy(ParallelStrategy):
                  emulate_link_gb_per_s: float | None = None, verify_checkpoints: bool = True,
                  device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded") -> None:
+                 timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
+                 overlap_grad_sync: bool = True) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
                          checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)
@@ -116,6 +122,7 @@ class LazyTrainStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.grad_sync: Any = None  # distributed.GradSync with several processes
+        self.overlap_grad_sync = bool(overlap_grad_sync)
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)
@@ -301,6 +308,10 @@ class LazyTrainStrategy(ParallelStrategy):
         if self.grad_sync is not None:
             assert self.executor.params is not None
             self.grad_sync.broadcast_state(self.executor.params, module)  # rank 0's start, as DDP
+            if self.overlap_grad_sync and getattr(module, "automatic_optimization", True):
+                ex = self.executor
+                self.grad_sync.attach(ex.params)
+                self.grad_sync.adhoc_probe = lambda: ex._adhoc_used
         rank_zero_info(f"lazytrain: {L_provisional} blocks at {stack.path!r}, executor on {device} "
                        f"({precision}) built in {time.perf_counter() - t0:.2f} s")
 
@@ -613,6 +624,7 @@ class LazyTrainStrategy(ParallelStrategy):
                 wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
                                          grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
                                          opt_params_per_s=hardware.cpu_adam_params_per_s)
+                wl = self._rank_workload(wl)
                 plan = plan_from_workload(wl, hardware, policy=self.policy)
                 plan.timings["hardware"] = t_hw
                 plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
@@ -665,6 +677,23 @@ class LazyTrainStrategy(ParallelStrategy):
         out = _artifact_dir(trainer)
         if out and trainer.is_global_zero:
             plan.write(out)
+
+    def _rank_workload(self, wl: Any) -> Any:
+        """With several processes: the plan is one rank's, with the host all-reduce of every group
+        at the bandwidth the profiled step measured (``replicate_overlap`` with
+        ``overlap_grad_sync``, else ``replicate``: the windows they run in)."""
+        sync = self.grad_sync
+        if not self.is_distributed or sync is None:
+            return wl
+        from lightning_lazytrain.planner.multi import measured_rank_workload
+
+        bandwidth = sync.bytes_per_s()
+        if bandwidth is None:  # no gradient crossed (a frozen model): nothing to price
+            return wl
+        # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
+        # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
+        mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
+        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
 
     def _hardware(self) -> Hardware:
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
@@ -747,6 +776,8 @@ class LazyTrainStrategy(ParallelStrategy):
         self._pending_metrics = {}
         self._replan_reason, self._predicted = None, None
         self._drift.reset()
+        if self.grad_sync is not None:
+            self.grad_sync.close()
         self.grad_sync = None
         if self.cluster_environment is None:  # torn down before Lightning connected it
             Strategy.teardown(self)

@@ -8,8 +8,11 @@ with 8-bit states), epoch_steps (steps per epoch), save / resume (checkpoint pat
 steps between saves, default steps), checkpoint_format ("sharded" or "full"), fail_save_rank /
 fail_save_at (that rank's DCP writer writes its files, then fails, at that save, 1-based),
 record_bytes (each rank writes bytes_rank{r}.json: per step the executor's and GradSync's bytes per
-lane and the simulator's per-rank prediction for the schedule that step ran), union_of / epoch (one
-process sees, per batch, the union of what union_of ranks see in that epoch).
+lane and the simulator's per-rank prediction for the schedule that step ran, and the groups whose
+all-reduce overlapped the backward), union_of / epoch (one process sees, per batch, the union of
+what union_of ranks see in that epoch), overlap (LazyTrainStrategy's overlap_grad_sync, default
+true), two_forwards (the loss is the mean of two forwards, the second on the reversed sequences:
+every block runs twice before the backward).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Net(L.LightningModule):
         if self.global_rank == o.get("fail_rank", -1) and batch_idx == o.get("fail_step", -1):
             raise RuntimeError(f"injected failure on rank {self.global_rank} at batch {batch_idx}")
         loss = self.model(input_ids=batch, labels=batch).loss
+        if o.get("two_forwards"):
+            flipped = batch.flip(1)
+            loss = (loss + self.model(input_ids=flipped, labels=flipped).loss) / 2
         self.losses.append(loss.item())
         if os.environ.get("DIST_DEBUG"):
             print("DEBUG", self.global_rank, batch_idx, batch[:, 0].tolist(), loss.item(), flush=True)
@@ -75,7 +81,9 @@ class RecordBytes(L.Callback):
         if (batch_idx + 1) % self.accum:
             return
         strategy = trainer.strategy
+        sync = strategy.grad_sync
         self.rows.append({"step": trainer.global_step, "policy": self._schedule.policy,
+                          "overlapped": list(sync.overlapped) if sync is not None else [],
                           "measured": {k: float(v) for k, v in strategy.last_stats.lane_bytes.items()},
                           "predicted": predicted_lane_bytes(strategy, self._schedule, trainer.world_size)})
 
@@ -128,7 +136,8 @@ def train(opts: dict) -> Net:
         from lightning_lazytrain.strategy import LazyTrainStrategy
 
         strategy = LazyTrainStrategy(policy=opts.get("policy", "milp"), timeout=timedelta(seconds=60),
-                                     checkpoint_format=opts.get("checkpoint_format", "sharded"))
+                                     checkpoint_format=opts.get("checkpoint_format", "sharded"),
+                                     overlap_grad_sync=opts.get("overlap", True))
     else:
         strategy = "auto"
     module = Net(opts)

@@ -40,22 +40,33 @@ def outputs(path: Path) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
             torch.load(path / "weights.pt"))
 
 
-@pytest.mark.parametrize("policy, accum, clip, optimizer", [
-    ("milp", 1, None, "sgd"),
-    ("megatrain", 2, 0.5, "sgd"),
-    ("recompute_all", 2, 0.5, "hybrid"),
+@pytest.mark.parametrize("policy, accum, clip, optimizer, overlap", [
+    ("milp", 1, None, "sgd", True),
+    ("milp", 2, 0.5, "sgd", True),  # planned as replicate (the MILP's overlap is for grad_accum 1)
+    ("recompute_all", 2, 0.5, "hybrid", True),
+    ("megatrain", 2, 0.5, "sgd", False),  # every group averaged after the backward
 ])
-def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer):
+def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer,
+                                                                     overlap):
+    """The same training as Lightning's DDP, bit for bit; with ``overlap`` (distributed.py, Note:
+    [overlapped all-reduce]) every group's all-reduce ran on the collective thread as soon as the
+    group was finished (the blocks' during the backward), without, all of them after it."""
     b, steps = 2, 3
     common = dict(batch=b, steps=steps, accum=accum, clip=clip, optimizer=optimizer,
                   same_init=False)  # ranks start differently: rank 0's weights are broadcast, as DDP does
     (tmp_path / "lazy").mkdir()
     (tmp_path / "ddp").mkdir()
-    for run in (launch(tmp_path / "lazy", policy=policy, **common),
+    for run in (launch(tmp_path / "lazy", policy=policy, overlap=overlap, record_bytes=True, **common),
                 launch(tmp_path / "ddp", strategy="auto", **common)):  # Lightning's DDP
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     losses, weights = outputs(tmp_path / "lazy")
     ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    layers = _script().LAYERS
+    for r in range(2):
+        rows = json.loads((tmp_path / "lazy" / f"bytes_rank{r}.json").read_text())
+        assert len(rows) == steps
+        for row in rows:
+            assert sorted(row["overlapped"]) == (list(range(-1, layers)) if overlap else []), (r, row["step"])
     # the same training as DDP, bit for bit (fp32, deterministic CPU kernels; HybridAdamW's fused
     # clip is clip_grad_norm_ bit for bit, see optim/clip.py Note: [exact clip])
     assert losses == ddp_losses
@@ -73,6 +84,27 @@ def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, p
         # DDP is no closer to one rank than we are, and that is the bound)
         slack = (ddp_weights[name] - value).norm() if optimizer != "sgd" else 0.0
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
+
+
+def test_a_second_pass_through_the_blocks_averages_after_the_backward(tmp_path):
+    """Two forwards before one backward (every block runs an ad-hoc second pass, whose gradients
+    reach the host after its planned ones): the overlapped all-reduce would miss them, so the ranks
+    agree to average every group after the backward in such a step; the run still equals one rank
+    with twice the batch (to 1e-6)."""
+    b, steps = 2, 2
+    run = launch(tmp_path, batch=b, steps=steps, policy="megatrain", two_forwards=True, record_bytes=True,
+                 same_init=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    losses, weights = outputs(tmp_path)
+    for r in range(2):
+        rows = json.loads((tmp_path / f"bytes_rank{r}.json").read_text())
+        assert [row["overlapped"] for row in rows] == [[]] * steps
+    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "strategy": "auto", "same_init": False,
+                           "union_of": 2, "two_forwards": True})
+    torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):

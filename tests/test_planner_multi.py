@@ -232,3 +232,33 @@ def test_modes_on_a_small_model():
     assert res["replicate"].host_bytes_per_node > 3.5 * one.host_bytes_per_node
     assert res["replicate_overlap"].sim.iteration_seconds <= res["replicate"].sim.iteration_seconds + 1e-9
     assert res["fsdp"].schedule.optimizer == "serial" and res["fsdp"].status == "policy"
+
+
+def test_a_running_jobs_rank_workload_prices_the_measured_all_reduce():
+    """``measured_rank_workload``: a rank's measured workload keeps its measured host times (they
+    were taken with every rank working) and gets each group's host all-reduce at the measured
+    bandwidth; the MILP plans it in that mode, and its plan equals the simulator."""
+    from lightning_lazytrain.planner.multi import host_allreduce_bytes, measured_rank_workload
+
+    wl, hw, _ = _multi_instance(3, "replicate_overlap")  # grad_accum 1 (the MILP's overlap)
+    wl = replace(wl, data_parallel="none", ranks=1, ranks_per_node=1)
+    for mode in ("replicate", "replicate_overlap"):
+        rank = measured_rank_workload(wl, 4, 4, 2e9, mode)
+        assert rank.data_parallel == mode and rank.ranks == 4
+        for mine, theirs in zip(rank.layers, wl.layers):
+            assert mine.allreduce_bytes == host_allreduce_bytes(theirs.params * 4, 4)
+            assert mine.allreduce_seconds == pytest.approx(mine.allreduce_bytes / 2e9)
+            assert (mine.opt_seconds, mine.cast_seconds, mine.accum_seconds) == (
+                theirs.opt_seconds, theirs.cast_seconds, theirs.accum_seconds)
+        res = solve(rank, hw, time_limit=30)
+        assert res.schedule.data_parallel == mode
+        sim = simulate(res.schedule, rank, hw)
+        assert sim.lane_bytes["collective"] == pytest.approx(
+            sum(x.allreduce_bytes for x in rank.layers) + rank.nonblock_allreduce_bytes)
+        if res.objective is not None:
+            assert res.objective == pytest.approx(sim.iteration_seconds, rel=1e-2)
+        # a policy's schedule for that rank: the same decisions in the job's mode
+        assert simulate(megatrain(wl.num_layers, 2).in_mode(mode), rank, hw).iteration_seconds > 0
+    assert measured_rank_workload(wl, 1, 1, 2e9) is wl
+    with pytest.raises(InvalidInput):
+        measured_rank_workload(wl, 2, 2, 2e9, "shard")

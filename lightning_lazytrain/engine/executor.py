@@ -527,7 +527,9 @@ class Executor:
                     self.tracker.add(f"resident{op.index}", self.params.slot_bytes(op.index, self.slot_of(op.index)))
             elif op.lane == "d2h" and op.kind == "grads":
                 sent.append(self.params.send_grads(op.index, self.slot_of(op.index)))
-        self._finish_grads(sent)  # their host-lane accumulation queues after the window's casts
+        # their host-lane accumulation queues after the window's casts; layer 0's grads of the previous
+        # micro-batch are not the step's last ones (its last leave in T)
+        self._finish_grads(sent, final=False)
         home = s.homes[j]
         if home == "gpu":
             self._saved[j] = x.detach()
@@ -835,7 +837,8 @@ class Executor:
             if self.params.allocated(slot):
                 self.params.evict(slot)
 
-    def _finish_grads(self, pending: list[PendingGrads] | None = None, *, slot: int | None = None) -> None:
+    def _finish_grads(self, pending: list[PendingGrads] | None = None, *, slot: int | None = None,
+                      final: bool = True) -> None:
         """Complete grad D2Hs: the given ones, those from ``slot``, or all pending ones."""
         assert self.params is not None
         if pending is None:
@@ -844,7 +847,8 @@ class Executor:
         last = self._micro is not None and self._micro[1]
         for p in pending:
             param_norms: dict[nn.Parameter, torch.Tensor] | None = {} if last else None
-            norm = self.params.finish_grads(p, norm=last, extra=self._adhoc_grads.pop(p.layer, None), wait=False,
+            norm = self.params.finish_grads(p, norm=last, final=last and final,
+                                            extra=self._adhoc_grads.pop(p.layer, None), wait=False,
                                             param_norms=param_norms)
             if norm is not None:
                 self.stats.layer_sq_norms[p.layer] = norm

@@ -70,7 +70,7 @@ Note: [host lane] The host-side work of a copy -- casting fp32 masters into a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -165,6 +165,10 @@ class ParamStore:
         self.engine = copy_engine if copy_engine is not None else make_copy_engine(self.device)
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self._scratch: torch.Tensor | None = None  # see _add (host lane only)
+        # Called by ``finish_grads`` with ``norm`` (a step's last accumulation of a group) as
+        # ``on_final_grads(store, layer, accumulated_handle, param_norms, sq_norm)``: several processes
+        # average a group's gradients as soon as they are complete (distributed.GradSync, overlap).
+        self.on_final_grads: Callable[[ParamStore, int, CopyHandle, dict | None, torch.Tensor], None] | None = None
         self._groups = self._build_groups()
         groups = list(self._groups.values())
         for g in groups:
@@ -554,7 +558,7 @@ class ParamStore:
             s.grads[: g.numel].zero_()
             return s.grad_host[: g.numel].clone(), pending.touched
 
-    def finish_grads(self, pending: PendingGrads, *, norm: bool = True,
+    def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
                      extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True,
                      param_norms: dict[nn.Parameter, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Accumulate a ``send_grads`` copy into the host fp32 grads once it has landed.
@@ -568,6 +572,9 @@ class ParamStore:
         With ``norm``, the host lane takes each parameter's norm (``grad_norms``: what
         ``clip_grad_norm_`` computes per tensor) and the squared group norm from those; a given
         ``param_norms`` dict is filled with them (replacing its contents) for exact clipping.
+
+        ``final`` (default: ``norm``): the step's last accumulation of this group, handed to
+        ``on_final_grads``.
 
         ``extra`` (from ``take_grads``): gradients of further uses of the same weights in this
         backward, summed with these *before* they join the host grad, as autograd sums every use of
@@ -591,6 +598,8 @@ class ParamStore:
 
         s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{layer}",
                                          nbytes=2 * s.grad_host[:n].nbytes + 3 * g.grad.nbytes)
+        if out is not None and (norm if final is None else final) and self.on_final_grads is not None:
+            self.on_final_grads(self, layer, s.accumulated, param_norms, out)
         pending.handle.sync_current_stream()
         if wait:
             s.accumulated.wait()
@@ -607,12 +616,15 @@ class ParamStore:
         with torch.no_grad():
             return dict(zip(params, torch._foreach_norm([p.grad for p in params], 2.0)))
 
-    def flat_host_grads(self, layer: int) -> tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]:
+    def flat_host_grads(self, layer: int, *, wait: bool = True
+                        ) -> tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]:
         """The group's flat host grad holding every parameter's current ``.grad`` (one set elsewhere
         is copied in; zero where a parameter has none), and each parameter with its view in it.
-        For whole-group operations such as a gradient all-reduce; after the host lane is done."""
+        For whole-group operations such as a gradient all-reduce; after the host lane is done with
+        the group (``wait``: with every group; without, the caller waited for the group's own work)."""
         g = self._group(layer)
-        self.wait_host()
+        if wait:
+            self.wait_host()
         with torch.no_grad():
             self._ensure_host_grads(g, {id(i) for i in g.params if i.param.grad is not None})
         return g.grad, [(i.param, self._view(g.grad, i)) for i in g.params]

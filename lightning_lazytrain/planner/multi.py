@@ -156,6 +156,33 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
     ).validate()
 
 
+def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, host_collective_bytes_per_s: float,
+                           mode: str = "replicate") -> Workload:
+    """One rank's workload of a running ``replicate``/``replicate_overlap`` job, from the workload that
+    rank measured (its host-lane and optimizer times were taken while every rank of its node worked,
+    so they are not rescaled as ``rank_workload`` rescales a one-GPU workload): every group gets its
+    host all-reduce (``host_allreduce_bytes`` of its fp32 gradient, at the measured bandwidth)."""
+    if mode not in ("replicate", "replicate_overlap"):
+        raise InvalidInput("mode", mode, "a running job averages host gradients: 'replicate' or 'replicate_overlap'")
+    if world_size <= 1:
+        return wl
+    if host_collective_bytes_per_s <= 0:
+        raise InvalidInput("host_collective_bytes_per_s", host_collective_bytes_per_s, "must be > 0")
+
+    def allreduce(params: int) -> tuple[float, float]:
+        nbytes = host_allreduce_bytes(params * HOST_GRAD_BYTES, world_size)
+        return nbytes / host_collective_bytes_per_s, nbytes
+
+    layers = []
+    for layer in wl.layers:
+        sec, nbytes = allreduce(layer.params)
+        layers.append(replace(layer, allreduce_seconds=sec, allreduce_bytes=nbytes))
+    sec, nbytes = allreduce(wl.nonblock_params)
+    return replace(wl, layers=tuple(layers), data_parallel=mode, ranks=world_size, ranks_per_node=ranks_per_node,
+                   nonblock_allreduce_seconds=sec, nonblock_allreduce_bytes=nbytes,
+                   name=f"{wl.name}/{mode}x{world_size}").validate()
+
+
 def fsdp_schedules(wl: Workload) -> list[Schedule]:
     """FSDP2-like fixed policies for ``wl``: keep every activation, or recompute every layer (activation
     checkpointing); serial optimizer, backward prefetch, nothing offloaded, nothing resident."""

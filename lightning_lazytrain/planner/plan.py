@@ -103,7 +103,7 @@ def evaluate_baselines(wl: Workload, hw: Hardware, K: int = 4) -> tuple[dict, di
     results: dict[str, SimResult | str] = {}
     schedules: dict[str, Schedule] = {}
     for name in BASELINES:
-        s = baseline(name, wl.num_layers, K)
+        s = baseline(name, wl.num_layers, K).in_mode(wl.data_parallel)
         schedules[name] = s
         try:
             results[name] = simulate(s, wl, hw)
@@ -128,7 +128,7 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             f"resident non-block weights, their grads and two layer buffers need {format_bytes(floor)} before any "
             f"activation, the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
             f"smallest GPU budget that works: above {format_bytes(floor, digits=4)}")
-    tight = simulate(min_memory(wl.num_layers), wl, hw, check=False)
+    tight = simulate(min_memory(wl.num_layers).in_mode(wl.data_parallel), wl, hw, check=False)
     if tight.peak_gpu_bytes > hw.gpu_memory_cap_bytes:
         hint = ""
         if model is not None and train is not None:
