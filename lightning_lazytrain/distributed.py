@@ -14,10 +14,11 @@ Note: [replicate mode]
       clipping uses (and the per-layer squared norms) are taken again from the averaged gradients.
 
     Gradients and masters live in host memory, so these collectives run on a gloo group of their
-    own (also next to NCCL on GPUs), in the launching thread, at a step boundary: they never
-    interleave with Lightning's collectives on the default group (logging with ``sync_dist``,
-    barriers). The all-reduce is serial after the backward; overlapping it per layer with the
-    backward, and reduce-scatter on the devices in a sharded mode, are what comes next.
+    own (also next to NCCL on GPUs): they never interleave with Lightning's collectives on the
+    default group (logging with ``sync_dist``, barriers). By default each group's all-reduce runs
+    on a collective thread during the backward (Note: [overlapped all-reduce]); without it, in the
+    launching thread at the step boundary. Reduce-scatter on the devices in a sharded mode is what
+    comes next.
 
 Note: [overlapped all-reduce]
     With ``overlap`` (``LazyTrainStrategy(overlap_grad_sync=True)``, the default with automatic
