@@ -66,6 +66,9 @@ STAGES: tuple[StageSpec, ...] = (
               cpu_args=("--steps", "4")),
     StageSpec("throughput", "stage_throughput.py", 200,
               "~1B LlamaLM: MILP plan vs megatrain vs plain bf16, tokens/s and memory vs the cap"),
+    StageSpec("distributed", "stage_distributed.py", 60,
+              "NCCL default group of world size 1 + GradSync's overlapped all-reduce next to the CUDA executor: "
+              "bitwise equal to no sync"),
     StageSpec("nvme", "stage_nvme.py", 60, "O_DIRECT probe and spill write/read GB/s"),
     StageSpec("pytest_gpu", "stage_pytest_gpu.py", 150, "pytest -m gpu"),
 )

@@ -1,0 +1,112 @@
+"""Stage (h): the several-devices path on one device — an NCCL default group (gloo in a CPU
+rehearsal) of world size 1, the strategy's own gloo group for host tensors (``distributed.GradSync``)
+and the overlapped all-reduce thread (Note: [overlapped all-reduce]) next to the CUDA executor.
+
+A tiny Llama trains ``--steps`` optimizer steps of ``--micro`` micro-batches through the executor
+with ``GradSync`` attached (every group handed to the collective thread as its step's last
+accumulation lands, averaged over the one rank, its norms taken again), and the same without it.
+With one rank the average is the identity, so every loss, gradient and parameter must be bitwise
+equal; every group must have been averaged on the thread (``GradSync.overlapped``), and no byte
+counted on the collective lane (one rank moves none). Also checks that NCCL moves a CUDA tensor
+(a broadcast and an all-reduce on the default group). What it cannot show: several GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from kit import Stage, compare, fixed_schedules, make_batches, run_executor, stage_main, strict_fp32, tiny_model, tiny_spec
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--schedules", default="megatrain_K2,offloaded_internals")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_synced(model, schedule, batches, device: str, workdir, sync) -> tuple:
+    """``kit.run_executor``'s loop with ``sync`` averaging each step's grads (as the strategy does)."""
+    from kit import RunResult, _snapshot
+    from lightning_lazytrain.engine.executor import Executor
+
+    m = copy.deepcopy(model)
+    ex = Executor(m, schedule, device=device, nvme_dir=workdir)
+    sync.attach(ex.params)
+    sync.adhoc_probe = lambda: ex._adhoc_used
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    r, overlapped, moved = RunResult(), [], []
+    try:
+        for step in batches:
+            r.losses.append([])
+            for k, tokens in enumerate(step):
+                ex.begin_microbatch(first=k == 0, last=k == len(step) - 1)
+                loss = m.loss(tokens.to(device))
+                loss.backward()
+                stats = ex.end_microbatch()
+                if stats is not None:
+                    r.stats = stats
+                    moved.append(sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms))
+                    overlapped.append(sorted(sync.overlapped))
+                r.losses[-1].append(loss.detach().cpu())
+            r.grads.append(_snapshot(m, grads=True))
+            opt.step()
+            opt.zero_grad()
+            r.params.append(_snapshot(m, grads=False))
+        with ex.inference(), torch.no_grad():
+            r.eval_loss = m.loss(batches[0][0].to(device)).cpu()
+    finally:
+        sync.detach(ex.params)
+        ex.close()
+    return r, overlapped, moved
+
+
+def body(st: Stage, args: argparse.Namespace) -> None:
+    dev = args.device
+    strict_fp32()
+    backend = "nccl" if dev == "cuda" else "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend, rank=0, world_size=1)
+    try:
+        st.figures["backend"] = dist.get_backend()
+        x = torch.arange(4.0, device=dev)
+        dist.broadcast(x, src=0)
+        dist.all_reduce(x)
+        st.check(torch.equal(x.cpu(), torch.arange(4.0)), f"{backend} broadcast/all-reduce changed a tensor: {x}")
+
+        from lightning_lazytrain.distributed import GradSync
+
+        sync = GradSync()
+        model = tiny_model()
+        batches = make_batches(tiny_spec(), args.steps, args.micro)
+        schedules = fixed_schedules()
+        layers = tiny_spec().num_layers
+        for name in [s for s in args.schedules.split(",") if s]:
+            want = run_executor(model, schedules[name], batches, dev, args.workdir)
+            got, overlapped, moved = run_synced(model, schedules[name], batches, dev, args.workdir, sync)
+            worst, problems = compare(got, want, exact=True, tol=0.0)
+            for p in problems:
+                st.fail(f"{name}: {p}")
+            st.check(overlapped == [list(range(-1, layers))] * args.steps,
+                     f"{name}: groups averaged on the collective thread per step {overlapped}")
+            st.check(all(b == 0 for b in moved), f"{name}: one rank counted collective bytes {moved}")
+            st.figures[name] = {"max_rel_err": worst, "overlapped_per_step": len(overlapped[0]) if overlapped else 0}
+        sync.close()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(stage_main("distributed", body, add_args))
