@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "bench" / "device"
 CUDA_STAGES = {"sanitizer", "sync_debug", "pytest_gpu"}
-CPU_STAGES = {"equivalence", "delays", "lightning", "throughput", "nvme"}
+CPU_STAGES = {"equivalence", "delays", "lightning", "throughput", "distributed", "nvme"}
 
 
 @pytest.fixture(scope="module")
