@@ -136,13 +136,14 @@ def plan_for(executor: Executor, run_microbatch: Callable[[], None], hardware: H
 
 
 def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp", options: MilpOptions | None = None,
-                       K: int = 4) -> AutoPlan:
-    """Diagnose, evaluate the baselines and solve (or apply ``policy``) for a measured workload."""
+                       K: int = 4, start: Schedule | None = None) -> AutoPlan:
+    """Diagnose, evaluate the baselines and solve (or apply ``policy``) for a measured workload;
+    ``start``: the schedule a re-plan warm-starts from (``solve``)."""
     t0 = time.perf_counter()
     diagnose(wl, hardware)  # an impossible budget: which tier is short, by how much
     results, schedules = evaluate_baselines(wl, hardware, K)
     if policy == "milp":
-        sol = solve(wl, hardware, options)
+        sol = solve(wl, hardware, options, start=start)
         schedule, sim, status, solver = sol.schedule, sol.simulated, sol.status, sol.solver_json()
     else:
         if policy in POLICIES:

@@ -625,7 +625,8 @@ class LazyTrainStrategy(ParallelStrategy):
                                          grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
                                          opt_params_per_s=hardware.cpu_adam_params_per_s)
                 wl = self._rank_workload(wl)
-                plan = plan_from_workload(wl, hardware, policy=self.policy)
+                plan = plan_from_workload(wl, hardware, policy=self.policy,
+                                          start=ex.schedule if replan is not None else None)
                 plan.timings["hardware"] = t_hw
                 plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
                 if replan is not None:
@@ -652,7 +653,8 @@ class LazyTrainStrategy(ParallelStrategy):
             gain = 1.0 - new_s / current_s if current_s > 0 else 0.0
             switch = gain >= self.replan.min_gain
             self.replans.append({"step": trainer.global_step, "reason": replan, "current_predicted_s": current_s,
-                                 "new_predicted_s": new_s, "gain": gain, "switched": switch})
+                                 "new_predicted_s": new_s, "gain": gain, "switched": switch,
+                                 "warm_start": plan.result.solver.get("seed")})
             rank_zero_info(f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule "
                            f"{current_s:.3f} s, new plan {new_s:.3f} s ({gain:+.1%}): "
                            f"{'switching' if switch else 'keeping the current schedule'}")

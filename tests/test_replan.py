@@ -121,6 +121,8 @@ def test_a_slower_link_mid_run_triggers_one_replan_and_training_stays_exact():
     assert len(strategy.replans) == 1, strategy.replans
     r = strategy.replans[0]
     assert "moved from" in r["reason"] and r["step"] >= 5
+    # the re-solve was warm-started (from the current plan when it still beat the baselines)
+    assert r["warm_start"] is not None
     # the re-profile measured the slower link: the schedule it had is now predicted far slower
     assert r["current_predicted_s"] > 3 * slow.before
     # after the switch the run is predicted by the new plan, and the prediction tracks it again:

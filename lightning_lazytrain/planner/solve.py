@@ -84,8 +84,14 @@ def best_baseline(wl: Workload, hw: Hardware, opt: MilpOptions, K: int = 4) -> t
     return best
 
 
-def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **overrides) -> SolveResult:
-    """Solve for the fastest schedule. See the module docstring for the model."""
+def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, start: Schedule | None = None,
+          **overrides) -> SolveResult:
+    """Solve for the fastest schedule. See the module docstring for the model.
+
+    ``start``: a schedule to warm-start from (a re-plan passes the schedule the run is on): used
+    as HiGHS's MIP start (and as the fallback) when it fits the new workload, lies in the model's
+    space and is at least as fast as the best baseline; ``SolveResult.seed_policy`` says
+    ``"current plan"`` then."""
     import pyomo.environ as pyo
     from pyomo.contrib.appsi.base import TerminationCondition
     from pyomo.contrib.appsi.solvers import Highs
@@ -97,9 +103,23 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **over
     hw.validate()
     t0 = time.perf_counter()
     model = ScheduleModel(wl, hw, opt)
-    seed = best_baseline(wl, hw, opt)  # the warm start (if opt.seed) and the fallback
+    baseline_seed = seed = best_baseline(wl, hw, opt)  # the warm start (if opt.seed) and the fallback
+    origin = seed[0].policy if seed else None
+    if start is not None:
+        cand = in_space(start, opt, data_parallel=wl.data_parallel)
+        try:
+            sim = simulate(cand, wl, hw)
+        except InfeasibleSchedule:
+            sim = None
+        if sim is not None and (seed is None or sim.iteration_seconds <= seed[1].iteration_seconds):
+            seed, origin = (cand, sim), "current plan"
     if seed is not None and opt.seed:
-        model.seed_from(seed[0])
+        try:
+            model.seed_from(seed[0])
+        except KeyError:  # the start lies outside the model's index sets (block length, horizons)
+            seed, origin = baseline_seed, baseline_seed[0].policy if baseline_seed else None
+            if seed is not None:
+                model.seed_from(seed[0])
     build = time.perf_counter() - t0
 
     def run(warm: bool):
@@ -159,11 +179,11 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, **over
             violation = str(err)
         return SolveResult(schedule=schedule, status=status, objective=objective, bound=bound, mip_gap=gap,
                            build_seconds=build, solve_seconds=solve_s, solver=info, simulated=sim,
-                           seed_policy=seed[0].policy if seed else None, violation=violation)
+                           seed_policy=origin, violation=violation)
     if seed is not None:
-        warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {seed[0].policy}", stacklevel=2)
+        warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {origin}", stacklevel=2)
         return SolveResult(schedule=seed[0], status="fallback", objective=None, bound=bound, mip_gap=None,
                            build_seconds=build, solve_seconds=solve_s, solver=info, simulated=seed[1],
-                           seed_policy=seed[0].policy)
+                           seed_policy=origin)
     raise InfeasibleBudget("gpu", 0.0, f"the MILP found no schedule ({tc.name}) and no baseline fits",
                            "run lightning_lazytrain.planner.diagnose() for the shortfall")
