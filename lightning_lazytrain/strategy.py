@@ -38,7 +38,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lazytrain.autoplan import POLICIES, AutoPlan, load_schedule, measure_hardware, plan_from_workload
-from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
@@ -104,6 +103,10 @@ class LazyTrainStrategy(ParallelStrategy):
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
                  overlap_grad_sync: bool = True) -> None:
+        # imported here: checkpoint_io imports Lightning, whose import registers this module (a
+        # module-level import would be circular when checkpoint_io is imported first)
+        from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
+
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
                          checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)

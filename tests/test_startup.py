@@ -112,3 +112,15 @@ def test_import_registers_when_lightning_came_first(tmp_path):
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "REGISTERED" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["lightning_lazytrain.checkpoint_io", "lightning_lazytrain.sharded_checkpoint",
+                                   "lightning_lazytrain.distributed", "lightning_lazytrain.strategy"])
+def test_import_registers_whichever_module_comes_first(tmp_path, first):
+    """A submodule that imports Lightning itself (checkpoint_io does) triggers the registration
+    while it is half initialised: nothing the registration imports may need it at module level."""
+    code = f"import sys\nimport warnings\nwarnings.simplefilter('error')\nimport {first}\n" + REGISTERED
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "REGISTERED" in proc.stdout
