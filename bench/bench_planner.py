@@ -180,7 +180,7 @@ def partial_keep(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
             room = sorted((hw.gpu_memory_cap_bytes - b, w) for w, b in sim.window_bytes.items())[:4]
             print("  least room under the cap: " + ", ".join(f"{w} {b / 1e9:.2f} GB" for b, w in room))
     print(f"(load average before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)")
-    r = median_solve(wl, hw, busy=1, mip_gap=1e-3, time_limit=60)
+    r = median_solve(wl, hw, busy=1, mip_gap=1e-3, time_limit=60, partial_keep=True)
     runs = ", ".join(f"{x:.2f}" for x in r["all"])
     print(f"partial_keep on, 1 competing process: solve {r['solve']:.2f} s ({runs}), status {r['status']}, "
           f"worst gap {r['gap']:.1e}, iteration {r['iteration']:.2f} s")
@@ -189,7 +189,7 @@ def partial_keep(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
     for name, batch in (("qwen2.5-3b", 8), ("qwen2.5-7b", 6), ("qwen2.5-14b", 4), ("qwen3.6-27b", 2)):
         h3, model, train = load("rtx3090", name)
         w3 = Workload.analytic(model, train.replace(micro_batch_size=batch), h3)
-        on, off = solve(w3, h3, mip_gap=1e-3), solve(w3, h3, mip_gap=1e-3, partial_keep=False)
+        on, off = solve(w3, h3, mip_gap=1e-3, partial_keep=True), solve(w3, h3, mip_gap=1e-3, partial_keep=False)
         a, b = on.simulated.iteration_seconds, off.simulated.iteration_seconds
         print(f"{name} | {batch} | {a:.2f} | {b:.2f} | {a / b:.3f} | {len(on.schedule.partial_layers)} | "
               f"{on.solve_seconds:.2f} / {off.solve_seconds:.2f} | {on.mip_gap or 0.0:.1e}")

@@ -152,7 +152,7 @@ class PlanConfig:
     resident_weights: bool = True
     nvme: bool = True
     offload_internals: bool = True  # a kept layer's internals may go to host memory and back
-    partial_keep: bool = True  # a layer may keep only its matmul outputs (recompute the elementwise ops)
+    partial_keep: bool = False  # a layer may keep only its matmul outputs (recompute the elementwise ops)
     max_block: int = 8
     reload_slack: int = 2
     offload_horizon: int = 1

@@ -86,7 +86,7 @@ def test_milp_is_the_best_schedule_of_its_space(cap, seconds):
     wl = with_partial(workload([1.0, 1.0, 1.0], internal=4 * G, A=1 * G, bwd_work=0.5 * G), 1.5 * G, seconds, 2.5 * G)
     hw = hardware(cap * G, h2d=2 * G, d2h=2 * G)
     want = feasible_best(wl, hw, milp_space(3, partial=True))
-    res = solve(wl, hw, mip_gap=1e-9)
+    res = solve(wl, hw, mip_gap=1e-9, partial_keep=True)
     got = simulate(res.schedule, wl, hw).iteration_seconds
     assert want is not None and got == pytest.approx(want, rel=1e-6)
     assert res.simulated.iteration_seconds == pytest.approx(got, rel=1e-9)
@@ -98,5 +98,5 @@ def test_milp_is_the_best_schedule_of_its_space(cap, seconds):
 def test_no_variable_without_partial_bytes():
     """A measured workload without partial figures (0 bytes) is never planned with a partial keep."""
     wl = workload([1.0, 1.0, 1.0], internal=4 * G)
-    res = solve(wl, hardware(9.5 * G), mip_gap=1e-9)
+    res = solve(wl, hardware(9.5 * G), mip_gap=1e-9, partial_keep=True)
     assert not res.schedule.partial_layers
