@@ -100,3 +100,26 @@ def test_no_variable_without_partial_bytes():
     wl = workload([1.0, 1.0, 1.0], internal=4 * G)
     res = solve(wl, hardware(9.5 * G), mip_gap=1e-9, partial_keep=True)
     assert not res.schedule.partial_layers
+
+
+@pytest.mark.slow
+def test_the_solve_that_hung_highs_ends_within_its_limit():
+    """27B/H800/b72 with a 3 GB/s link, the optimizer forced pipelined and partial keep on: HiGHS
+    1.16 hung after a MIP restart, past its time limit and holding the GIL (Note: [no MIP restarts]
+    in planner/solve.py). Run in a child process so a regression fails here instead of hanging."""
+    import subprocess
+    import sys
+
+    code = (
+        "from hydra import compose, initialize_config_dir\n"
+        "from lightning_lazytrain.config import CONF_DIR, to_hardware, to_model, to_train\n"
+        "from lightning_lazytrain.planner import Workload, solve\n"
+        "with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):\n"
+        "    cfg = compose(config_name='plan', overrides=['hardware=h800', 'model=qwen3.6-27b'])\n"
+        "hw = to_hardware(cfg).replace(h2d_bytes_per_s=3e9, d2h_bytes_per_s=3e9)\n"
+        "wl = Workload.analytic(to_model(cfg), to_train(cfg, micro_batch_size=72), hw)\n"
+        "r = solve(wl, hw, optimizer_mode='pipelined', partial_keep=True, time_limit=30)\n"
+        "print('STATUS', r.status)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STATUS optimal" in proc.stdout or "STATUS time_limit" in proc.stdout, proc.stdout

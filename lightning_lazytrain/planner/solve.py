@@ -129,8 +129,11 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         solver.config.load_solution = False
         solver.config.stream_solver = False
         solver.config.warmstart = warm
-        if opt.threads:
-            solver.highs_options = {"threads": opt.threads}
+        # Note: [no MIP restarts] HiGHS 1.16 can hang after a MIP restart ("... inactive integer
+        # columns, restarting"), past its time limit and holding the GIL (no watchdog thread can
+        # stop it); seen on 27B/H800/b72 with a 3 GB/s link, the optimizer forced pipelined and
+        # partial keep on. Without restarts that solve ends (optimal) in ~9 s.
+        solver.highs_options = {"mip_allow_restart": False, **({"threads": opt.threads} if opt.threads else {})}
         t = time.perf_counter()
         result = solver.solve(model.m)
         return result, time.perf_counter() - t
