@@ -311,13 +311,18 @@ def run_plain(model: torch.nn.Module, batches, device: str, lr: float = 0.05) ->
 
 
 def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir: Path,
-                 lr: float = 0.05, compute_dtype: torch.dtype = torch.float32) -> RunResult:
+                 lr: float = 0.05, compute_dtype: torch.dtype = torch.float32,
+                 on_executor: Callable[[Any], Callable[[], None] | None] | None = None,
+                 on_stats: Callable[[Any, Any], None] | None = None) -> RunResult:
     """The same training through the executor (fp32 compute unless ``compute_dtype``: 16-bit
-    compute copies of the fp32 masters, cast on the host lane; host SGD on the masters)."""
+    compute copies of the fp32 masters, cast on the host lane; host SGD on the masters).
+    ``on_executor(ex)`` runs once the executor is built (it may return a cleanup, run before the
+    executor closes); ``on_stats(ex, stats)`` after each step's last micro-batch, before the step."""
     from lightning_lazytrain.engine.executor import Executor
 
     m = copy.deepcopy(model)
     ex = Executor(m, schedule, device=device, nvme_dir=workdir, compute_dtype=compute_dtype)
+    cleanup = on_executor(ex) if on_executor is not None else None
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     r = RunResult()
     try:
@@ -327,7 +332,11 @@ def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir
                 ex.begin_microbatch(first=k == 0, last=k == len(step) - 1)
                 loss = m.loss(tokens.to(device))
                 loss.backward()
-                r.stats = ex.end_microbatch() or r.stats
+                stats = ex.end_microbatch()
+                if stats is not None:
+                    r.stats = stats
+                    if on_stats is not None:
+                        on_stats(ex, stats)
                 r.losses[-1].append(loss.detach().cpu())
             r.grads.append(_snapshot(m, grads=True))
             opt.step()
@@ -336,6 +345,8 @@ def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir
         with ex.inference(), torch.no_grad():
             r.eval_loss = m.loss(batches[0][0].to(device)).cpu()
     finally:
+        if cleanup is not None:
+            cleanup()
         ex.close()
     return r
 

@@ -14,7 +14,6 @@ counted on the collective lane (one rank moves none). Also checks that NCCL move
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import socket
 
@@ -37,38 +36,20 @@ def _free_port() -> int:
 
 
 def run_synced(model, schedule, batches, device: str, workdir, sync) -> tuple:
-    """``kit.run_executor``'s loop with ``sync`` averaging each step's grads (as the strategy does)."""
-    from kit import RunResult, _snapshot
-    from lightning_lazytrain.engine.executor import Executor
+    """``kit.run_executor`` with ``sync`` attached and averaging each step's grads (as the strategy
+    does); also returns, per step, the groups averaged on the collective thread and the bytes moved."""
+    overlapped, moved = [], []
 
-    m = copy.deepcopy(model)
-    ex = Executor(m, schedule, device=device, nvme_dir=workdir)
-    sync.attach(ex.params)
-    sync.adhoc_probe = lambda: ex._adhoc_used
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    r, overlapped, moved = RunResult(), [], []
-    try:
-        for step in batches:
-            r.losses.append([])
-            for k, tokens in enumerate(step):
-                ex.begin_microbatch(first=k == 0, last=k == len(step) - 1)
-                loss = m.loss(tokens.to(device))
-                loss.backward()
-                stats = ex.end_microbatch()
-                if stats is not None:
-                    r.stats = stats
-                    moved.append(sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms))
-                    overlapped.append(sorted(sync.overlapped))
-                r.losses[-1].append(loss.detach().cpu())
-            r.grads.append(_snapshot(m, grads=True))
-            opt.step()
-            opt.zero_grad()
-            r.params.append(_snapshot(m, grads=False))
-        with ex.inference(), torch.no_grad():
-            r.eval_loss = m.loss(batches[0][0].to(device)).cpu()
-    finally:
-        sync.detach(ex.params)
-        ex.close()
+    def attach(ex):
+        sync.attach(ex.params)
+        sync.adhoc_probe = lambda: ex._adhoc_used
+        return lambda: sync.detach(ex.params)
+
+    def average(ex, stats):
+        moved.append(sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms))
+        overlapped.append(sorted(sync.overlapped))
+
+    r = run_executor(model, schedule, batches, device, workdir, on_executor=attach, on_stats=average)
     return r, overlapped, moved
 
 
