@@ -52,8 +52,8 @@ Note: [collective bytes]
     rank's workload (``multi.rank_workload(wl, hw, "replicate")``) exactly, with fp32 masters
     (``32-true`` and the mixed precisions). With 16-bit masters (``bf16-true``) the gradient is
     16-bit and the planner, which prices host gradients in fp32 (``HOST_GRAD_BYTES``), counts twice
-    the bytes. Not counted on the collective lane (``step_bytes["flags"]``): the one exchange of
-    "has a gradient" flags per step (one int32 per parameter tensor, MAX), control data of
+    the bytes. Not counted on the collective lane (``step_bytes["flags"]``): the exchange of
+    "has a gradient" flags before each group's all-reduce (one int32 per parameter tensor, MAX), control data of
     O(tensors), not O(parameters), which the planner does not model.
 """
 
@@ -69,16 +69,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_lazytrain.engine.param_store import REST, ParamStore
+from lightning_lazytrain.engine.param_store import REST, ParamStore, sq_sum
 from lightning_lazytrain.planner.multi import host_allreduce_bytes
 
 __all__ = ["GradSync"]
-
-
-def _sq_sum(norms: dict[torch.nn.Parameter, torch.Tensor]) -> torch.Tensor:
-    """A group's squared gradient norm from its per-parameter norms (as ``average_grads``)."""
-    parts = [n.float() for n in norms.values()]
-    return torch.stack(parts).square().sum() if parts else torch.zeros(())
 
 
 class GradSync:
@@ -170,16 +164,7 @@ class GradSync:
             return
         if layer in self._done:  # the executor hands each group over once per step
             raise RuntimeError(f"group {layer} was handed over twice in one step")
-        moved, flags = self._average_group(params, layer, wait=False)
-        self._bytes["collective"] += moved
-        self._bytes["flags"] += flags
-        if norms is not None or sq is not None:
-            fresh = params.grad_norms(layer)
-            if norms is not None:
-                norms.clear()
-                norms.update(fresh)
-            if sq is not None:
-                sq.copy_(_sq_sum(fresh))
+        self._average_group(params, layer, norms, sq, wait=False)
         self._done.append(layer)
 
     def _drain(self) -> None:
@@ -188,26 +173,35 @@ class GradSync:
             err, self._error = self._error, None
             raise RuntimeError(f"the overlapped gradient all-reduce failed: {type(err).__name__}: {err}") from err
 
-    def _average_group(self, params: ParamStore, j: int, *, wait: bool = True) -> tuple[float, float]:
-        """Average one group in place: its flags (MAX), then its flat gradient (SUM, / W).
-        Returns (gradient bytes, flag bytes) moved by this rank."""
+    def _average_group(self, params: ParamStore, j: int, norms: dict | None, sq: torch.Tensor | None, *,
+                       wait: bool = True) -> None:
+        """Average one group in place: its flags (MAX), then its flat gradient (SUM, / W); a
+        parameter that got a gradient on any rank gets one here. Then take the group's norms again,
+        into the executor's own objects (``norms``: per parameter, ``sq``: squared group norm; None:
+        not taken). Adds the bytes and all-reduce seconds to the step's (Note: [collective bytes])."""
         flat, views = params.flat_host_grads(j, wait=wait)
         has = torch.tensor([p.grad is not None for p, _ in views], dtype=torch.int32)
-        moved = flags = 0.0
         if has.numel():
             dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
-            flags = host_allreduce_bytes(has.numel() * has.element_size(), self.world_size)
+            self._bytes["flags"] += host_allreduce_bytes(has.numel() * has.element_size(), self.world_size)
         with torch.no_grad():
             if flat.numel():
                 t0 = time.perf_counter()
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
                 self._seconds += time.perf_counter() - t0
                 flat.div_(self.world_size)
-                moved = host_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
+                self._bytes["collective"] += host_allreduce_bytes(flat.numel() * flat.element_size(),
+                                                                  self.world_size)
             for k, (p, view) in enumerate(views):
                 if has[k] and p.grad is None and p.requires_grad:
                     p.grad = view
-        return moved, flags
+        if norms is not None or sq is not None:
+            fresh = params.grad_norms(j)
+            if norms is not None:
+                norms.clear()
+                norms.update(fresh)
+            if sq is not None:
+                sq.copy_(sq_sum(fresh.values()))
 
     def _layers(self, params: ParamStore) -> list[int]:
         return [REST, *range(params.num_layers)]
@@ -232,46 +226,20 @@ class GradSync:
         Returns the bytes this rank's gradient all-reduces moved (the ``collective`` lane; Note:
         [collective bytes]); ``step_bytes`` has them and the flag exchange's. With ``overlap``, the
         groups already averaged during the backward are skipped (Note: [overlapped all-reduce])."""
-        early_moved = early_flags = seconds = 0.0
         done: list[int] = []
         if self.overlap:
             self._drain()
             done = [] if self._fallback else list(self._done)
-            early_moved, early_flags, seconds = self._bytes["collective"], self._bytes["flags"], self._seconds
-            self._step_reset()
         self.overlapped = done
-        layers = [j for j in self._layers(params) if j not in done]
-        flats = {j: params.flat_host_grads(j) for j in layers}
-        has = torch.tensor([p.grad is not None for j in layers for p, _ in flats[j][1]], dtype=torch.int32)
-        moved, flags = 0.0, 0.0
-        if has.numel():
-            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
-            flags = host_allreduce_bytes(has.numel() * has.element_size(), self.world_size)
-        k = 0
-        with torch.no_grad():
-            for j in layers:
-                flat, views = flats[j]
-                if flat.numel():
-                    t0 = time.perf_counter()
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                    seconds += time.perf_counter() - t0
-                    flat.div_(self.world_size)
-                    moved += host_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
-                for p, view in views:
-                    if has[k] and p.grad is None and p.requires_grad:
-                        p.grad = view
-                    k += 1
-                if j in grad_norms or (sq_norms is not None and j in sq_norms):
-                    norms = params.grad_norms(j)
-                    if j in grad_norms:
-                        grad_norms[j] = norms
-                    if sq_norms is not None and j in sq_norms:
-                        parts = [n.float() for n in norms.values()]
-                        sq_norms[j] = torch.stack(parts).square().sum() if parts else torch.zeros(())
-        moved, flags = moved + early_moved, flags + early_flags
-        self.step_bytes = {"collective": moved, "flags": flags}
-        self.step_seconds = seconds
-        return moved
+        params.wait_host()
+        for j in self._layers(params):
+            if j not in done:
+                self._average_group(params, j, grad_norms.get(j),
+                                    sq_norms.get(j) if sq_norms is not None else None, wait=False)
+        self.step_bytes = dict(self._bytes)
+        self.step_seconds = self._seconds
+        self._step_reset()
+        return self.step_bytes["collective"]
 
     def bytes_per_s(self) -> float | None:
         """The host all-reduce bandwidth the last step saw (planner unit, per rank: bytes over the

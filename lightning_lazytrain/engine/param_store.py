@@ -591,7 +591,7 @@ class ParamStore:
             self.accumulate_host(layer, landed, touched)
             if out is not None:
                 norms = self.grad_norms(layer)
-                out.copy_(_sq_sum(norms.values()))
+                out.copy_(sq_sum(norms.values()))
                 if param_norms is not None:
                     param_norms.clear()
                     param_norms.update(norms)
@@ -688,7 +688,7 @@ class ParamStore:
                 self.engine.close()
 
 
-def _sq_sum(norms: Iterable[torch.Tensor]) -> torch.Tensor:
+def sq_sum(norms: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of 0-d norms, in fp32 (0 for none)."""
     parts = [n.float() for n in norms]
     return torch.stack(parts).square().sum() if parts else torch.zeros((), dtype=torch.float32)
