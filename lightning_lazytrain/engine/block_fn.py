@@ -60,21 +60,29 @@ class WeightTokenHooks:
         self.count = count
         self.seen: set[int] = set(skip)
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def slot_token(self, t: torch.Tensor) -> tuple | None:
+        """``("slot", offset, size, stride)`` if ``t`` views the layer's weight slot, else None."""
         buf = self.slot_buffer()
-        ptr = t.untyped_storage().data_ptr()
-        if t.device == buf.device and ptr == buf.untyped_storage().data_ptr():
+        if t.device == buf.device and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
             return ("slot", t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return None
+
+    def slot_view(self, token: tuple) -> torch.Tensor:
+        _, offset, size, stride = token
+        return torch.as_strided(self.slot_buffer(), size, stride, offset)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        token = self.slot_token(t)
+        if token is not None:
+            return token
+        ptr = t.untyped_storage().data_ptr()
         if ptr not in self.seen:
             self.seen.add(ptr)
             self.count(t.untyped_storage().nbytes())
         return t
 
     def unpack(self, obj: Any) -> torch.Tensor:
-        if isinstance(obj, tuple):
-            _, offset, size, stride = obj
-            return torch.as_strided(self.slot_buffer(), size, stride, offset)
-        return obj
+        return self.slot_view(obj) if isinstance(obj, tuple) else obj
 
 
 class CountingHooks:

@@ -32,18 +32,20 @@ from typing import Any
 
 import torch
 
+from lightning_lazytrain.engine.block_fn import WeightTokenHooks
+
 __all__ = ["OffloadedInternals"]
 
 
-class OffloadedInternals:
-    """Pack/unpack hooks of one kept forward whose saved tensors may go to host memory."""
+class OffloadedInternals(WeightTokenHooks):
+    """Pack/unpack hooks of one kept forward whose saved tensors may go to host memory (the weight
+    slot's tensors become tokens as in ``WeightTokenHooks``)."""
 
     def __init__(self, j: int, device: torch.device, slot_buffer: Callable[[], torch.Tensor],
                  count: Callable[[int], None], skip: Iterable[int] = ()) -> None:
+        super().__init__(slot_buffer, count)
         self.j = j
         self.device = device
-        self.slot_buffer = slot_buffer
-        self.count = count
         self.skip = set(skip)
         self._index: dict[int, int] = {}  # storage data_ptr -> k
         self._device: list[torch.Tensor | None] = []  # k -> the storage as flat uint8 on the device
@@ -56,11 +58,11 @@ class OffloadedInternals:
 
     # ---- hooks -----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        buf = self.slot_buffer()
+        token = self.slot_token(t)
+        if token is not None:
+            return token
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if t.device == buf.device and ptr == buf.untyped_storage().data_ptr():
-            return ("slot", t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         if t.device != self.device or ptr in self.skip or storage.nbytes() == 0:
             return t
         k = self._index.get(ptr)
@@ -81,8 +83,7 @@ class OffloadedInternals:
             if not isinstance(obj, tuple):
                 return obj
             if obj[0] == "slot":
-                _, offset, size, stride = obj
-                return torch.as_strided(self.slot_buffer(), size, stride, offset)
+                return self.slot_view(obj)
             _, k, dtype, offset, size, stride = obj
             flat = self._device[k]
             if flat is None:
