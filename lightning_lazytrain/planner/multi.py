@@ -80,6 +80,12 @@ def host_allreduce_bytes(nbytes: float, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * nbytes
 
 
+def _host_allreduce(params: int, world_size: int, bytes_per_s: float) -> tuple[float, float]:
+    """(seconds, bytes) of one group's host all-reduce: its fp32 gradient over ``world_size`` ranks."""
+    nbytes = host_allreduce_bytes(params * HOST_GRAD_BYTES, world_size)
+    return nbytes / bytes_per_s, nbytes
+
+
 def rank_hardware(hw: Hardware) -> Hardware:
     """One rank's view of a node: its share of the host link while every rank copies, of host memory
     and the NVMe drives (``1/n``), of the host optimizer and of the host lane's rate. The same ``hw`` for one GPU."""
@@ -125,12 +131,11 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
             out["gather"] = (gather / intra if gather else 0.0, gather)
             out["reduce"] = ((rs / intra if rs else 0.0) + (cross / (inter / n) if cross else 0.0), rs + cross)
         else:
-            nbytes = host_allreduce_bytes(params * HOST_GRAD_BYTES, W)  # the fp32 host gradient
             bw = hw.host_collective_bytes_per_s if M == 1 else min(hw.host_collective_bytes_per_s, inter)
             if bw <= 0:
                 raise InvalidInput("hardware.host_collective_bytes_per_s", hw.host_collective_bytes_per_s,
                                    f"mode {mode!r} with {W} ranks all-reduces host gradients: needs a bandwidth > 0")
-            out["allreduce"] = (nbytes / bw, nbytes)
+            out["allreduce"] = _host_allreduce(params, W, bw)
         return out
 
     layers = []
@@ -169,15 +174,11 @@ def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, h
     if host_collective_bytes_per_s <= 0:
         raise InvalidInput("host_collective_bytes_per_s", host_collective_bytes_per_s, "must be > 0")
 
-    def allreduce(params: int) -> tuple[float, float]:
-        nbytes = host_allreduce_bytes(params * HOST_GRAD_BYTES, world_size)
-        return nbytes / host_collective_bytes_per_s, nbytes
-
     layers = []
     for layer in wl.layers:
-        sec, nbytes = allreduce(layer.params)
+        sec, nbytes = _host_allreduce(layer.params, world_size, host_collective_bytes_per_s)
         layers.append(replace(layer, allreduce_seconds=sec, allreduce_bytes=nbytes))
-    sec, nbytes = allreduce(wl.nonblock_params)
+    sec, nbytes = _host_allreduce(wl.nonblock_params, world_size, host_collective_bytes_per_s)
     return replace(wl, layers=tuple(layers), data_parallel=mode, ranks=world_size, ranks_per_node=ranks_per_node,
                    nonblock_allreduce_seconds=sec, nonblock_allreduce_bytes=nbytes,
                    name=f"{wl.name}/{mode}x{world_size}").validate()
