@@ -219,14 +219,18 @@ class CausalLMModule(LightningModule):
         return p.ndim >= 2 and "norm" not in name.lower()
 
     def _layer_of(self) -> Dict[str, Any]:
-        """Parameter name -> block index (for params inside the block stack); others map to ``"rest"``."""
+        """Parameter name -> block index (for params inside the block stack); outside it, ``"embed"``
+        for the embeddings' and ``"head"`` for the rest (final norm, LM head): two layers, so the
+        strategy moves, updates and stages them as two parts that overlap in the step's tail (Note:
+        [non-block parts] in planner/schedule.py)."""
         from .blocks import BlockDiscoveryError, find_blocks
 
+        embeddings = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        out: Dict[str, Any] = {n: "embed" if id(p) in embeddings else "head" for n, p in self.named_parameters()}
         try:
             stack = find_blocks(self)
         except BlockDiscoveryError:
-            return {}
-        out: Dict[str, Any] = {}
+            return {n: "rest" for n in out}
         for i, block in enumerate(stack):
             prefix = stack.block_path(i)
             for n, _ in block.named_parameters():
@@ -235,7 +239,7 @@ class CausalLMModule(LightningModule):
 
     def param_groups(self) -> list:
         """AdamW: two groups (decay / no decay) of named params. HybridAdamW: those split per block
-        (``layer`` = block index, ``"rest"`` for embeddings, final norm and head)."""
+        (``layer`` = block index; ``"embed"`` for the embeddings, ``"head"`` for the final norm and head)."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         if self.optimizer_name == "adamw":
             groups = [{"params": [p for n, p in named if self._decays(n, p)], "weight_decay": self.weight_decay},
@@ -245,7 +249,9 @@ class CausalLMModule(LightningModule):
         by_key: Dict[tuple, list] = {}
         for n, p in named:
             by_key.setdefault((layer_of.get(n, "rest"), self._decays(n, p)), []).append((n, p))
-        order = sorted(by_key, key=lambda k: (k[0] != "rest", k[0] if k[0] != "rest" else 0, not k[1]))
+        rank = {"embed": 0, "head": 1, "rest": 2}  # the non-block layers first, then the blocks in order
+        order = sorted(by_key, key=lambda k: (isinstance(k[0], int), k[0] if isinstance(k[0], int) else rank[k[0]],
+                                              not k[1]))
         return [{"params": by_key[k], "layer": k[0], "weight_decay": self.weight_decay if k[1] else 0.0}
                 for k in order]
 

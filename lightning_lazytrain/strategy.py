@@ -327,6 +327,7 @@ class LazyTrainStrategy(ParallelStrategy):
         self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
+            self._set_rest_parts()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -380,10 +381,36 @@ class LazyTrainStrategy(ParallelStrategy):
             block_layer = {j: next(iter(groups[j])) for j in range(len(ex.stack))}
             first = [layer for layer in inner.layers if layer in groups[REST_GROUP]]
             rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
+            # the optimizer layers holding each part of the non-block weights (one part: all of them)
+            parts = len(ex.params.rest_parts)
+            part_layers = [first] if parts == 1 else [
+                [layer for layer in first
+                 if layer in {layer_of.get(id(p)) for p in ex.params.rest_part_parameters(k)}]
+                for k in range(parts)]
             self._pipelined[id(inner)] = (first + [block_layer[j] for j in range(len(ex.stack))] + rest,
-                                          block_layer, first)
+                                          block_layer, part_layers)
         if self._pipelined:
             ex.wait_updated = self._wait_updated
+
+    def _set_rest_parts(self) -> None:
+        """One process: T moves, updates and stages the non-block weights in the parts of the
+        first ``HybridAdamW``'s layers (e.g. ``embed``, ``head``; Note: [non-block parts] in
+        planner/schedule.py), in that optimizer's layer order, when they are runs of the packed
+        buffer; otherwise in one part. Several processes average the group whole: one part."""
+        from lightning_lazytrain.optim import HybridAdamW
+
+        ex = self.executor
+        if ex is None or ex.params is None or self.is_distributed:
+            return
+        rest = {id(p) for p in ex.params.group_parameters(REST_GROUP)}
+        for opt in self.optimizers:
+            inner = getattr(opt, "optimizer", opt)
+            if isinstance(inner, HybridAdamW):
+                by_layer: dict[Any, list] = {}
+                for g in inner.param_groups:
+                    by_layer.setdefault(g["layer"], []).extend(p for p in g["params"] if id(p) in rest)
+                ex.set_rest_parts([ps for ps in by_layer.values() if ps])
+                return
 
     def pipelined_order(self, optimizer: Any) -> list | None:
         """The layer order of ``optimizer``'s pipelined step, or None (serial step)."""
@@ -391,13 +418,14 @@ class LazyTrainStrategy(ParallelStrategy):
         return None if entry is None else entry[0]
 
     def start_pipelined_step(self, optimizer: Any) -> None:
-        order, block_layer, first = self._pipelined[id(optimizer)]
-        self._pending_steps.append((optimizer.step_pipelined(order), block_layer, first))
+        order, block_layer, part_layers = self._pipelined[id(optimizer)]
+        self._pending_steps.append((optimizer.step_pipelined(order), block_layer, part_layers))
 
     def _wait_updated(self, j: int) -> None:
-        """The executor is about to stage block j (or, for REST_GROUP, the non-block weights)."""
-        for pipe, block_layer, first in self._pending_steps:
-            for layer in (first if j == REST_GROUP else [block_layer[j]]):
+        """The executor is about to stage block j (or, for j = -1 - p, part p of the non-block
+        weights; one part: REST_GROUP)."""
+        for pipe, block_layer, part_layers in self._pending_steps:
+            for layer in (part_layers[-1 - j] if j < 0 else [block_layer[j]]):
                 pipe.wait_updated(layer)
 
     def _finish_optimizer_steps(self) -> None:

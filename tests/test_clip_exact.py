@@ -78,11 +78,11 @@ def data(n=STEPS * ACCUM, seed=1):
     return [torch.randn(3, 5, 6, generator=g) for _ in range(n)]
 
 
-def fit(strategy, module, *, clip, batches=None, **kw):
+def fit(strategy, module, *, clip, batches=None, extra_callbacks=(), **kw):
     rec = Record()
     torch.manual_seed(11)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, callbacks=[rec], enable_progress_bar=False,
+                        enable_checkpointing=False, callbacks=[rec, *extra_callbacks], enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         accumulate_grad_batches=ACCUM, gradient_clip_val=clip, **kw)
     loader = torch.utils.data.DataLoader(batches if batches is not None else data(), batch_size=None)

@@ -155,6 +155,7 @@ class Executor:
         self.measure_memory = False  # True: measure real device bytes per window (always while profiling)
         self._mem: DeviceBytes | None = None
         self._mem_open: tuple[str, int, int] | None = None
+        self.rest_parts: list[list[nn.Parameter]] = []  # see set_rest_parts
         self.set_schedule(schedule)
         self._install()
 
@@ -180,6 +181,8 @@ class Executor:
             self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
                                      num_slots=slots, lazy_slots=range(2, slots))
             self.params.on_final_grads = hook
+            if self.rest_parts:
+                self.params.set_rest_parts(self.rest_parts)
         uses_nvme = "nvme" in schedule.homes
         if uses_nvme and self._nvme_dir is None:
             raise ValueError("the schedule puts activations on NVMe: pass nvme_dir= (a directory on the NVMe drive)")
@@ -190,6 +193,17 @@ class Executor:
                                         nvme_required_bytes=self._nvme_required)
         self.tracker = DeviceTracker()
         self._static_bytes()
+
+    def set_rest_parts(self, parts: list[list[nn.Parameter]]) -> bool:
+        """Run T's non-block work in these parts (Note: [non-block parts] in planner/schedule.py;
+        ``ParamStore.set_rest_parts``); kept across ``set_schedule``. False: one part (the parts
+        are not runs of the packed non-block buffer)."""
+        if self._micro is not None:
+            raise RuntimeError("set_rest_parts() inside a micro-batch")
+        assert self.params is not None
+        ok = self.params.set_rest_parts(parts)
+        self.rest_parts = [list(p) for p in parts] if ok else []
+        return ok
 
     def _static_bytes(self) -> None:
         """Device bytes present all step: two block slots (weights + grads) and the rest's buffers."""
@@ -368,11 +382,16 @@ class Executor:
                 torch.cuda.reset_peak_memory_stats(self.device)
             self._start_memory()
             self._window("T")
-            # T's last ops: the updated non-block weights and layer 0's; the rest stays bound for the step
+            # T's last ops: the updated non-block weights (part by part, each as soon as its update is
+            # done: Note: [non-block parts]) and layer 0's; the rest stays bound for the step
+            parts = len(self.params.rest_parts)
+            for p in range(parts):
+                if self.wait_updated is not None:
+                    self.wait_updated(-1 - p)  # REST, or its part p
+                # first: the embedding needs it first; bind makes compute wait for it
+                self.params.stage(REST, part=p if parts > 1 else None)
             if self.wait_updated is not None:
-                self.wait_updated(REST)
                 self.wait_updated(0)
-            self.params.stage(REST)  # first: the embedding needs it first; bind makes compute wait for it
             self._stage(0)
             self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
         self._memory_window("F0")

@@ -123,6 +123,10 @@ class _Slot:
     free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
     sending: CopyHandle | None = None  # the last gradient D2H out of it
     accumulated: CopyHandle | None = None  # the host work reading ``grad_host`` after that D2H
+    # REST in parts: the H2D / host work that read the staging buffers before the parts' sequence
+    # began (a later part's cast or D2H waits only for it, not for the earlier parts: disjoint ranges)
+    prior_ready: CopyHandle | None = None
+    prior_accumulated: CopyHandle | None = None
     lazy: bool = False  # device buffers exist only from stage() to evict()
     bound: bool = False
     wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
@@ -137,6 +141,7 @@ class PendingGrads:
     slot: _Slot
     handle: CopyHandle
     touched: frozenset = frozenset()  # ids of the _Params that received a gradient
+    part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
 
 
 class ParamStore:
@@ -170,6 +175,8 @@ class ParamStore:
         # average a group's gradients as soon as they are complete (distributed.GradSync, overlap).
         self.on_final_grads: Callable[[ParamStore, int, CopyHandle, dict | None, torch.Tensor], None] | None = None
         self._groups = self._build_groups()
+        g = self._groups[REST]
+        self._rest_parts: list[tuple[int, int, tuple[_Param, ...]]] = [(0, g.numel, tuple(g.params))]
         groups = list(self._groups.values())
         for g in groups:
             g.dtype = self._master_dtype(g)
@@ -323,6 +330,45 @@ class ParamStore:
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
         return [p.param for p in self._group(layer).params]
 
+    # ---- the non-block group in parts (Note: [non-block parts] in planner/schedule.py) -----
+    def set_rest_parts(self, parts: Iterable[Iterable[nn.Parameter]]) -> bool:
+        """Move, accumulate and stage the non-block group in ``parts`` (in that order), e.g. the
+        embedding, then the final norm and LM head. Every non-block parameter must be in exactly one
+        part and each part must be a run of consecutive parameters of the packed buffer (one range:
+        one D2H, one cast, one H2D). Returns False and keeps one part otherwise (or for one part)."""
+        g = self._groups[REST]
+        index = {id(info.param): k for k, info in enumerate(g.params)}
+        runs: list[tuple[int, int]] = []
+        for part in parts:
+            ks = sorted({index.get(id(p), -1) for p in part})
+            if not ks or ks[0] < 0 or ks[-1] - ks[0] + 1 != len(ks):
+                return False
+            runs.append((ks[0], ks[-1] + 1))
+        if len(runs) < 2 or sorted(k for r in runs for k in range(*r)) != list(range(len(g.params))):
+            self._rest_parts = [(0, g.numel, tuple(g.params))]
+            return False
+        bounds = [info.offset for info in g.params] + [g.numel]
+        self._rest_parts = [(bounds[a], bounds[b], tuple(g.params[a:b])) for a, b in runs]
+        return True
+
+    @property
+    def rest_parts(self) -> tuple[int, ...]:
+        """Elements of each part of the non-block group (padding included; they sum to its numel)."""
+        return tuple(hi - lo for lo, hi, _ in self._rest_parts)
+
+    def rest_part_parameters(self, part: int) -> list[nn.Parameter]:
+        return [info.param for info in self._rest_parts[part][2]]
+
+    def _range(self, layer: int, part: int | None) -> tuple[int, int, tuple[_Param, ...] | list[_Param], int]:
+        """(lo, hi, params, op index) of a group, or of one part of REST (op index -1 - part)."""
+        g = self._group(layer)
+        if part is None:
+            return 0, g.numel, g.params, layer
+        if layer != REST or not 0 <= part < len(self._rest_parts):
+            raise ValueError(f"part {part} of group {layer}: only REST has parts (0..{len(self._rest_parts) - 1})")
+        lo, hi, infos = self._rest_parts[part]
+        return lo, hi, infos, -1 - part
+
     def site_modules(self, layer: int) -> list[nn.Module]:
         """The modules that register group ``layer``'s parameters (each once)."""
         seen: dict[int, nn.Module] = {}
@@ -402,32 +448,38 @@ class ParamStore:
         return self._slots[slot]
 
     # ---- staging ---------------------------------------------------------
-    def _repair_master(self, g: _Group) -> None:
+    def _repair_master(self, g: _Group, infos: Iterable[_Param] | None = None) -> None:
         # An optimizer that *replaced* p.data (instead of updating in place) broke the packing.
         with torch.no_grad():
-            for info in g.params:
+            for info in g.params if infos is None else infos:
                 view = self._view(g.master, info)
                 if info.param.data_ptr() != view.data_ptr() or info.param.dtype != g.master.dtype:
                     view.copy_(info.param.data)
                     info.param.data = view
 
-    def stage(self, layer: int, slot: int | None = None) -> CopyHandle:
-        """Start copying group ``layer``'s masters into ``slot`` (REST: its own buffer)."""
+    def stage(self, layer: int, slot: int | None = None, *, part: int | None = None) -> CopyHandle:
+        """Start copying group ``layer``'s masters into ``slot`` (REST: its own buffer).
+
+        ``part`` (REST only, ``set_rest_parts``): only that part's range; stage parts 0, 1, ... in
+        order, and all of them before ``bind`` (which waits for the last H2D: the lane is FIFO)."""
         g, s = self._group(layer), self._slot(layer, slot)
         if s.bound:
             raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
-        self._repair_master(g)
+        lo, hi, infos, index = self._range(layer, part)
+        self._repair_master(g, infos)
         if s.weights is None:
             self._allocate(s)
-        src = g.master
+        if not part:  # the whole group, or the first part: what the previous staging's H2D read
+            s.prior_ready = s.ready
+        src = g.master[lo:hi]
         after = [s.free] if s.free is not None else []
         if s.cast is not None and g.master.dtype != s.cast.dtype:
             # Cast on the host so only compute-dtype bytes cross the link, on the host lane (Note:
             # [host lane]); the cast buffer may still feed this slot's previous H2D.
-            src, master = s.cast[: g.numel], g.master
-            after.append(self.engine.host(lambda: src.copy_(master), after=[s.ready] if s.ready else [],
-                                          tag=f"cast:{layer}", nbytes=master.nbytes + src.nbytes))
-        s.ready = self.engine.h2d(s.weights[: g.numel], src, after=after, tag=f"param:{layer}")
+            src, master = s.cast[lo:hi], g.master[lo:hi]
+            after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
+                                          tag=f"cast:{index}", nbytes=master.nbytes + src.nbytes))
+        s.ready = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}")
         s.gid = layer
         return s.ready
 
@@ -514,21 +566,34 @@ class ParamStore:
         host grad) for global-norm clipping, or None with ``norm=False``;
         ``param_norms`` as in ``finish_grads``.
         """
+        if layer == REST and len(self._rest_parts) > 1:  # Note: [non-block parts]: part p's
+            # accumulation overlaps part p+1's D2H; the norms come with the last part (every part in)
+            last = len(self._rest_parts) - 1
+            pending = [self.send_grads(layer, slot, part=p) for p in range(last + 1)]
+            for p in range(last):
+                self.finish_grads(pending[p], norm=False, wait=False)
+            return self.finish_grads(pending[last], norm=norm, final=norm, param_norms=param_norms)
         return self.finish_grads(self.send_grads(layer, slot), norm=norm, param_norms=param_norms)
 
-    def send_grads(self, layer: int, slot: int | None = None) -> PendingGrads:
-        """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``."""
+    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
+        """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``.
+        ``part`` (REST only): that part's range (send parts 0, 1, ... in order)."""
         g, s = self._group(layer), self._slot(layer, slot)
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
-        n = g.numel
-        grads = self._collect_grads(s)
+        lo, hi, infos, index = self._range(layer, part)
+        if not part:
+            grads = self._collect_grads(s)
+            s.prior_accumulated = s.accumulated
+        else:
+            grads = self._ensure_grad_buffers(s)
         # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
         # of this slot's previous D2H.
-        h = self.engine.d2h(s.grad_host[:n], grads[:n], after=[s.accumulated] if s.accumulated else [],
-                            tag=f"grad:{layer}")
+        h = self.engine.d2h(s.grad_host[lo:hi], grads[lo:hi],
+                            after=[s.prior_accumulated] if s.prior_accumulated else [], tag=f"grad:{index}")
         s.sending = h
-        return PendingGrads(layer, s, h, frozenset(s.touched))
+        touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
+        return PendingGrads(layer, s, h, touched, part)
 
     def _collect_grads(self, s: _Slot) -> torch.Tensor:
         """The slot's flat grad buffer with every wrapper's gradient in it."""
@@ -581,6 +646,9 @@ class ParamStore:
         a leaf before accumulating into its ``.grad``."""
         g, s = self._group(pending.layer), pending.slot
         n, layer = g.numel, pending.layer
+        lo, hi, _, index = self._range(layer, pending.part)
+        if pending.part is not None and extra is not None:
+            raise ValueError("extra gradients join a whole group's D2H, not a part's")
         touched = pending.touched | (extra[1] if extra is not None else frozenset())
         out = torch.zeros((), dtype=torch.float32) if norm else None
 
@@ -588,7 +656,7 @@ class ParamStore:
             landed = s.grad_host[:n]
             if extra is not None:
                 landed.add_(extra[0])
-            self.accumulate_host(layer, landed, touched)
+            self.accumulate_host(layer, landed, touched)  # a part's touched holds only its parameters
             if out is not None:
                 norms = self.grad_norms(layer)
                 out.copy_(sq_sum(norms.values()))
@@ -596,8 +664,8 @@ class ParamStore:
                     param_norms.clear()
                     param_norms.update(norms)
 
-        s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{layer}",
-                                         nbytes=2 * s.grad_host[:n].nbytes + 3 * g.grad.nbytes)
+        s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
+                                         nbytes=2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes)
         if out is not None and (norm if final is None else final) and self.on_final_grads is not None:
             self.on_final_grads(self, layer, s.accumulated, param_norms, out)
         pending.handle.sync_current_stream()

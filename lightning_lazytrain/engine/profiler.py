@@ -74,6 +74,7 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     e = torch.empty((), dtype=executor.compute_dtype).element_size()
     numel = [executor.params.group_numel(j) for j in range(L)]
     rest = executor.params.group_numel(REST)
+    parts = executor.params.rest_parts
     boundary = [float(stats.boundary_bytes[i]) for i in range(L + 1)]
     internal = [float(stats.internal_bytes.get(j, boundary[j])) for j in range(L)]
     # Transient working sets, measured per window (real device bytes beyond what the executor
@@ -94,7 +95,9 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
         nonblock_opt_seconds=rest / opt_params_per_s,
         cast_seconds=[mean("cast", j) for j in range(L)], accum_seconds=[mean("accumulate", j) for j in range(L)],
-        nonblock_cast_seconds=mean("cast", REST), nonblock_accum_seconds=mean("accumulate", REST),
+        # the non-block group in parts (Note: [non-block parts]): op indices -1, -2, ...
+        nonblock_cast_seconds=sum(mean("cast", -1 - p) for p in range(len(parts))),
+        nonblock_accum_seconds=sum(mean("accumulate", -1 - p) for p in range(len(parts))), nonblock_parts=parts,
         host_static_bytes=float(host_static),
         # Note: [partial keep] (engine/partial_keep.py): measured in the local recompute of every layer the
         # profiled schedule re-runs (a layer it does not re-run gets 0 bytes: the MILP offers it no partial

@@ -34,6 +34,8 @@ of the timing rule, which a test checks to 1%.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from .errors import InvalidInput
@@ -441,42 +443,19 @@ class ScheduleModel:
 
     def _t_window(self) -> list:
         """T's only decision is the optimizer mode: layer 0's and the non-block grads arrive and are
-        accumulated (host, FIFO), the non-block update (then layer 0's; serial: every layer's) runs,
-        each updated group is cast and fetched (layer 0's fetch behind the non-block fetch on the H2D
-        lane). The two fetch chains are the same in both modes (they wait for the non-block and layer
-        0's updates, which come first either way); serial adds the CPU lane's every update, a row
-        gated by ``1 - pipe`` (exact for a binary: 0 when pipelined).
-
-        Several ranks: T holds no decision but the mode, so its length in each mode is a constant,
-        taken from the simulator's own timing of ``Schedule._t_ops_data_parallel`` (exact)."""
-        wl, lay, hw = self.wl, self.lay, self.hw
-        if self.dp != "none":
-            return self._t_window_data_parallel()
-        h2d, d2h = hw.h2d_bytes_per_s, hw.d2h_bytes_per_s
-        grads_t = (lay[0].grad_bytes + wl.nonblock_grad_bytes) / d2h
-        accumulated = max(lay[0].grad_bytes / d2h + lay[0].accum_seconds, grads_t) + wl.nonblock_accum_seconds
-        after_nb = accumulated + wl.nonblock_opt_seconds
-        tail = [after_nb + wl.nonblock_cast_seconds + wl.nonblock_param_bytes / h2d + lay[0].param_bytes / h2d,
-                after_nb + max(wl.nonblock_cast_seconds, lay[0].opt_seconds) + lay[0].cast_seconds
-                + lay[0].param_bytes / h2d]
-        serial = after_nb + sum(l.opt_seconds for l in lay)
-        if len(self.modes) > 1:
-            tail.append((1 - self.m.pipe) * serial)
-        elif self.modes == ("serial",):
-            tail.append(serial)
-        return tail
-
-    def _t_window_data_parallel(self) -> list:
+        accumulated (host, FIFO; the non-block group in ``Workload.nonblock_part_count`` parts), the
+        non-block update (then layer 0's; serial: every layer's) runs, each updated group is cast and
+        fetched. T holds no other decision, so its length in each mode is a constant, taken from the
+        simulator's own timing of ``Schedule.windows()``'s T (exact, for one rank or several); with
+        both modes open the rows are gated by ``pipe`` (exact for a binary)."""
         from .policies import recompute_all
         from .simulator import _run_window
 
         ends = {}
         for mode in self.modes:
-            s = recompute_all(self.L)
-            s = Schedule(num_layers=self.L, homes=s.homes, keep_internals=s.keep_internals,
-                         resident_weights=s.resident_weights, offload_window=s.offload_window,
-                         reload_window=s.reload_window, optimizer=mode, data_parallel=self.dp)
-            ends[mode], _ = _run_window(s.windows()[-1], 0.0, self.wl, self.hw, [], {})
+            s = dataclasses.replace(recompute_all(self.L), optimizer=mode, data_parallel=self.dp)
+            t = s.windows(nonblock_parts=self.wl.nonblock_part_count)[-1]
+            ends[mode], _ = _run_window(t, 0.0, self.wl, self.hw, [], {})
         if len(self.modes) > 1:
             return [ends["pipelined"] * self.m.pipe, ends["serial"] * (1 - self.m.pipe)]
         return [ends[self.modes[0]]]

@@ -59,7 +59,7 @@ class PlanResult:
                                             "cap_bytes": v["cap_bytes"], "window": v.get("window")}
                             for v in self.violations},
             "solver": self.solver,
-            "schedule": self.schedule.to_json(),
+            "schedule": self.schedule.to_json(nonblock_parts=self.workload.nonblock_part_count),
             "predicted": self.sim.predicted(),
             "baselines": base,
             "hardware": self.hardware.name,

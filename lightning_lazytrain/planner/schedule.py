@@ -301,7 +301,8 @@ class Schedule:
         L = self.num_layers
         return [f"F{j}" for j in range(L)] + ["H"] + [f"B{t}" for t in range(L - 1, -1, -1)] + ["T"]
 
-    def windows(self, *, first_microbatch: bool = True, last_microbatch: bool = True) -> list[Window]:
+    def windows(self, *, first_microbatch: bool = True, last_microbatch: bool = True,
+                nonblock_parts: int = 1) -> list[Window]:
         """Every window's ops in issue order; the executor follows this list, the simulator times it.
 
         ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
@@ -319,6 +320,10 @@ class Schedule:
         Offloaded internals: ``offload_internals j`` on the D2H lane of ``F{w}`` after the window's
         boundary offloads, ``reload_internals j`` on the H2D lane of ``B{t}`` / ``H`` after its
         boundary reloads (ascending layer order, no ``after``: the lanes' FIFO order only).
+
+        ``nonblock_parts`` (one rank; ``Workload.nonblock_part_count``): T moves, accumulates, updates
+        and fetches the non-block group in that many parts, op indices ``-1, -2, ...`` (Note:
+        [non-block parts]).
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
@@ -388,17 +393,24 @@ class Schedule:
         if last_microbatch and self.data_parallel != "none":
             out.append(Window("T", tuple(self._t_ops_data_parallel())))
         elif last_microbatch:
-            # grads of layer 0 and of the non-block parameters -> host and accumulated there (ops
-            # 0-3), then the optimizer; each group's fresh weights are cast and go back to the device
-            # as soon as its update is done.
+            # Note: [non-block parts] grads of layer 0, then of each part of the non-block group ->
+            # host, each accumulated there once it landed (so part p's accumulate overlaps part p+1's
+            # D2H); every update waits for the last accumulate (a clip needs every norm); the parts
+            # are updated first, in order, then layer 0 (serial: every layer); each part's and layer
+            # 0's fresh weights are cast and go back to the device as soon as its update is done (so
+            # part p's cast and fetch overlap part p+1's update). One part: the single-group T.
             ops = []
+            parts = [-1 - p for p in range(nonblock_parts)]
             _accumulate(ops, [_grads(ops, 0)])
-            _accumulate(ops, [_grads(ops, -1)])
-            order = [-1, 0] if pipelined else [-1] + list(range(L))
-            for j in order:
-                ops.append(Op("cpu", "optimizer", j, after=3))  # op 3: the last accumulate
-            _fetch(ops, "weights", -1, after=4)  # op 4: the non-block update
-            _fetch(ops, "weights", 0, after=5)  # op 5: layer 0's update, in both orders
+            for idx in parts:
+                _accumulate(ops, [_grads(ops, idx)])
+            ready = len(ops) - 1
+            pos = {}
+            for j in parts + ([0] if pipelined else list(range(L))):
+                ops.append(Op("cpu", "optimizer", j, after=ready))
+                pos[j] = len(ops) - 1
+            for j in parts + [0]:
+                _fetch(ops, "weights", j, after=pos[j])
             out.append(Window("T", tuple(ops)))
         return out
 
@@ -441,7 +453,8 @@ class Schedule:
         return ops
 
     # ---- serialisation ------------------------------------------------------------------------
-    def to_json(self) -> dict:
+    def to_json(self, *, nonblock_parts: int = 1) -> dict:
+        """The decisions and every window's ops (T in ``nonblock_parts`` parts: the workload's)."""
         return {
             "version": self.version,
             "policy": self.policy,
@@ -460,7 +473,7 @@ class Schedule:
             "recompute_blocks": [list(b) for b in self.recompute_blocks],
             "home_counts": self.count_homes(),
             "windows": [{"name": w.name, "ops": [[o.lane, o.kind, o.index, o.after] for o in w.ops]}
-                        for w in self.windows()],
+                        for w in self.windows(nonblock_parts=nonblock_parts)],
             "meta": self.meta,
         }
 

@@ -78,12 +78,13 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
         if op.kind == "partial_recompute":  # a partial keep's elementwise recompute
             return layer.partial_seconds, 0.0
         return (layer.bwd_seconds if op.kind == "backward" else layer.fwd_seconds), 0.0
+    nb = wl.nonblock_part  # the non-block group's figures, for op index < 0 (a part of it)
     if op.lane == "cpu":
-        return (wl.nonblock_opt_seconds if op.index < 0 else layers[op.index].opt_seconds), 0.0
+        return (nb(wl.nonblock_opt_seconds, op.index) if op.index < 0 else layers[op.index].opt_seconds), 0.0
     if op.lane == "host":  # cast before a weight fetch, or accumulate after a gradient D2H
         if op.kind == "cast":
-            return (wl.nonblock_cast_seconds if op.index < 0 else layers[op.index].cast_seconds), 0.0
-        return (wl.nonblock_accum_seconds if op.index < 0 else layers[op.index].accum_seconds), 0.0
+            return (nb(wl.nonblock_cast_seconds, op.index) if op.index < 0 else layers[op.index].cast_seconds), 0.0
+        return (nb(wl.nonblock_accum_seconds, op.index) if op.index < 0 else layers[op.index].accum_seconds), 0.0
     if op.lane == "collective":  # gather / reduce on the devices, allreduce on the host (see schedule)
         if op.index < 0:
             return {"gather": (wl.nonblock_gather_seconds, wl.nonblock_gather_bytes),
@@ -94,10 +95,10 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
                 "reduce": (layer.reduce_seconds, layer.reduce_bytes),
                 "allreduce": (layer.allreduce_seconds, layer.allreduce_bytes)}[op.kind]
     if op.kind in ("weights", "recompute_weights"):  # this rank's part of them (link_fraction; 1 on one GPU)
-        nbytes = (wl.nonblock_param_bytes * wl.nonblock_link_fraction if op.index < 0
+        nbytes = (nb(wl.nonblock_param_bytes * wl.nonblock_link_fraction, op.index) if op.index < 0
                   else layers[op.index].param_bytes * layers[op.index].link_fraction)
     elif op.kind == "grads":
-        nbytes = (wl.nonblock_grad_bytes * wl.nonblock_link_fraction if op.index < 0
+        nbytes = (nb(wl.nonblock_grad_bytes * wl.nonblock_link_fraction, op.index) if op.index < 0
                   else layers[op.index].grad_bytes * layers[op.index].link_fraction)
     elif op.kind in ("offload_internals", "reload_internals"):  # a layer's saved tensors but its input
         nbytes = layers[op.index].internal_bytes - A[op.index]
@@ -232,7 +233,8 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
     now = compute = exposed = 0.0
     g = wl.grad_accum
     for k in range(g):
-        for w, window in enumerate(s.windows(first_microbatch=k == 0, last_microbatch=k == g - 1)):
+        for w, window in enumerate(s.windows(first_microbatch=k == 0, last_microbatch=k == g - 1,
+                                             nonblock_parts=wl.nonblock_part_count)):
             end, busy = _run_window(window, now, wl, hw, timeline, lane_bytes)
             if k == 0 or window.name == "T":
                 window_seconds[window.name] = end - now

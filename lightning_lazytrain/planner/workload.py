@@ -142,11 +142,28 @@ class Workload:
     nonblock_reduce_bytes: float = 0.0
     nonblock_allreduce_seconds: float = 0.0
     nonblock_allreduce_bytes: float = 0.0
+    # the non-block group in parts (elements per part, in the order T moves and updates them; empty:
+    # one part). One rank only (``data_parallel == "none"``): T pipelines the parts (Note: [non-block
+    # parts] in schedule.py); the costs of part ``p`` (op index ``-1 - p``) are its share of the
+    # ``nonblock_*`` figures.
+    nonblock_parts: tuple[int, ...] = ()
 
     # ---- derived ------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def nonblock_part_count(self) -> int:
+        """How many parts T moves the non-block group in (1 with several ranks)."""
+        return len(self.nonblock_parts) if self.nonblock_parts and self.data_parallel == "none" else 1
+
+    def nonblock_part(self, value: float, index: int) -> float:
+        """The share of a non-block figure (seconds or bytes) that op index ``index`` (< 0: part
+        ``-1 - index``) carries, by elements (``value * n_p / n``: exact bytes for integral ones)."""
+        if self.nonblock_part_count == 1:
+            return value
+        return value * self.nonblock_parts[-1 - index] / self.nonblock_params
 
     @property
     def max_param_bytes(self) -> float:
@@ -191,6 +208,10 @@ class Workload:
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
+        if self.nonblock_parts and (any(int(n) != n or n <= 0 for n in self.nonblock_parts)
+                                    or sum(self.nonblock_parts) != self.nonblock_params):
+            raise InvalidInput("workload.nonblock_parts", self.nonblock_parts,
+                               f"need positive element counts summing to nonblock_params = {self.nonblock_params}")
         from .schedule import DATA_PARALLEL
         if self.data_parallel not in DATA_PARALLEL:
             raise InvalidInput("workload.data_parallel", self.data_parallel, f"must be one of {DATA_PARALLEL}")
@@ -207,6 +228,7 @@ class Workload:
         data = dict(data)
         data["layers"] = tuple(LayerWork(**layer) for layer in data["layers"])
         data["boundary_bytes"] = tuple(data["boundary_bytes"])
+        data["nonblock_parts"] = tuple(data.get("nonblock_parts", ()))
         return cls(**data).validate()
 
     def dumps(self) -> str:
@@ -225,7 +247,8 @@ class Workload:
                       accum_seconds: list[float] | None = None, nonblock_cast_seconds: float = 0.0,
                       nonblock_accum_seconds: float = 0.0, partial_bytes: list[float] | None = None,
                       partial_seconds: list[float] | None = None,
-                      partial_recompute_bytes: list[float] | None = None) -> Workload:
+                      partial_recompute_bytes: list[float] | None = None,
+                      nonblock_parts: tuple[int, ...] = ()) -> Workload:
         """Build from measured per-layer lists (the profiler's output). The host-lane costs
         (``cast_seconds``, ``accum_seconds``: per layer, per fetch / per gradient D2H) default to 0."""
         n = len(fwd_seconds)
@@ -258,6 +281,7 @@ class Workload:
                    nonblock_opt_seconds=nonblock_opt_seconds, nonblock_cast_seconds=float(nonblock_cast_seconds),
                    nonblock_accum_seconds=float(nonblock_accum_seconds), host_static_bytes=host_static_bytes,
                    tokens=tokens, grad_accum=grad_accum, total_params=sum(params) + nonblock_params,
+                   nonblock_parts=tuple(int(n) for n in nonblock_parts) if len(nonblock_parts) > 1 else (),
                    name=name).validate()
 
     @classmethod
@@ -316,5 +340,7 @@ class Workload:
             tokens=n_tok,
             grad_accum=train.grad_accum,
             total_params=model.total_params,
+            # the embedding, then the final norm and the LM head (one part when tied)
+            nonblock_parts=(model.embedding_params, model.head_params) if not model.tied_embeddings else (),
             name=f"{model.name}/b{train.micro_batch_size}x{train.seq_len}",
         ).validate()
