@@ -10,11 +10,16 @@ executor's overhead over plain PyTorch.
 3. No emulation, a budget that fits everything (keep_all): executor step vs plain PyTorch step.
 4. Offloaded internals (``MilpOptions.offload_internals``, the ablation switch): the MILP plan at a
    tight budget with and without the decision, measured on the emulated link (and predicted).
+5. Non-block parts (Note: [non-block parts]; ``LazyTrainStrategy(nonblock_parts=)`` is the switch): a
+   large-vocabulary model whose step tail (the embedding's and head's grads to the host, their
+   update, their weights back) is a visible share of the step, with the pipelined HybridAdamW, on the
+   emulated link: the step time with the non-block group in two parts vs one, measured and predicted.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import statistics
 import time
@@ -25,6 +30,8 @@ from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.models import LlamaLM
+from lightning_lazytrain.optim import HybridAdamW
+from lightning_lazytrain.optim.pipeline import group_by_layer
 from lightning_lazytrain.planner import Hardware, ModelSpec, keep_all, megatrain, recompute_all, simulate, solve
 from lightning_lazytrain.planner.milp import MilpOptions
 
@@ -89,13 +96,15 @@ def main() -> None:
         print(f"  {name}: homes {plan.count_homes()}, kept {sum(plan.keep_internals)}, "
               f"resident {sum(plan.resident_weights)}, blocks {plan.recompute_blocks}")
 
-    sections = sys.argv[2] if len(sys.argv) > 2 else "1234"
+    sections = sys.argv[2] if len(sys.argv) > 2 else "12345"
     if "1" in sections or "2" in sections:
         emulated_vs_predicted(base, tokens, wl, hw, plans, links)
     if "3" in sections:
         overhead(base, tokens)
     if "4" in sections:
         offloaded_internals(base, tokens, wl, lo, hi)
+    if "5" in sections:
+        nonblock_parts()
 
 
 def emulated_vs_predicted(base, tokens, wl, hw, plans, links) -> None:
@@ -157,6 +166,84 @@ def offloaded_internals(base, tokens, wl, lo, hi) -> None:
             print(f"  cap {cap / 1e6:.0f} MB: the same plan either way (the decision does not pay here)")
         else:
             print(f"  cap {cap / 1e6:.0f} MB: measured speed-up of the decision {row[False] / row[True]:.3f}x")
+
+
+VOCAB_SPEC = ModelSpec(name="bench-vocab", num_layers=4, hidden=512, intermediate=1408, heads=8, kv_heads=4,
+                       head_dim=64, vocab=32768)
+
+
+def nonblock_parts(steps: int = 6) -> None:
+    spec = VOCAB_SPEC
+    L = spec.num_layers
+    torch.manual_seed(0)
+    base = LlamaLM(spec)
+    tokens = torch.randint(0, spec.vocab, (2, 129))
+    schedule = dataclasses.replace(keep_all(L), optimizer="pipelined")
+    layer_of = lambda n: "embed" if n.startswith("embed_tokens") else int(n.split(".")[1]) if n.startswith("layers.") else "head"  # noqa: E731
+    order = ["embed", "head", *range(L)]
+
+    # the host optimizer's speed, for the prediction: one serial step of the model's parameters
+    probe = copy.deepcopy(base)
+    for p in probe.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = HybridAdamW(group_by_layer(probe.named_parameters(), layer_of, lr=1e-4))
+    opt.step()
+    t0 = time.perf_counter()
+    opt.step()
+    adam_per_s = sum(p.numel() for p in probe.parameters()) / (time.perf_counter() - t0)
+    del probe, opt
+
+    results = {}
+    for parts in (False, True):
+        m = copy.deepcopy(base)
+        ex = Executor(m, schedule)
+        if parts:
+            ex.set_rest_parts([list(m.embed_tokens.parameters()), [m.norm.weight, m.lm_head.weight]])
+        wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel(), warmup=1,
+                              opt_params_per_s=adam_per_s)
+        ex.close()
+        if parts:
+            bandwidth = wl.nonblock_param_bytes / (2 * statistics.median(layer.fwd_seconds for layer in wl.layers))
+            links = {lane: LinkSpec(bandwidth, 0.0) for lane in ("h2d", "d2h")}
+        results[parts] = (m, wl)
+    print(f"\n## 5. non-block parts: {L} layers, vocab {spec.vocab} (non-block "
+          f"{results[True][1].nonblock_param_bytes / 1e6:.0f} MB, parts {results[True][1].nonblock_parts}), "
+          f"emulated link {bandwidth / 1e6:.0f} MB/s, host AdamW {adam_per_s / 1e6:.0f} M params/s")
+    hw = hardware_for(bandwidth).replace(cpu_adam_params_per_s=adam_per_s, cpu_adam8_params_per_s=adam_per_s)
+    row = {}
+    for parts in (False, True):
+        wl = results[parts][1]
+        predicted = simulate(schedule, wl, hw)
+        m = copy.deepcopy(base)
+        ex = Executor(m, schedule, links=links)
+        if parts:
+            ex.set_rest_parts([list(m.embed_tokens.parameters()), [m.norm.weight, m.lm_head.weight]])
+        opt = HybridAdamW(group_by_layer(m.named_parameters(), layer_of, lr=1e-4))
+        pipe = None
+        part_layers = [["embed"], ["head"]] if parts else [["embed", "head"]]
+
+        def wait(j: int) -> None:
+            for layer in (part_layers[-1 - j] if j < 0 else [j]):
+                if pipe is not None:
+                    pipe.wait_updated(layer)
+        ex.wait_updated = wait
+        marks = []
+        for _ in range(steps):
+            marks.append(time.perf_counter())
+            ex.begin_microbatch()
+            m.loss(tokens).backward()
+            ex.end_microbatch()
+            pipe = opt.step_pipelined(order)
+            opt.zero_grad()
+        pipe.wait_all()
+        ex.close()
+        times = [b - a for a, b in zip(marks[1:], marks[2:])]  # step k: from its begin to the next begin
+        row[parts] = statistics.median(times)
+        print(f"  parts={'2' if parts else '1'}: measured {row[parts]:.3f} s/step "
+              f"({', '.join(f'{t:.3f}' for t in times)}), predicted {predicted.iteration_seconds:.3f} s "
+              f"(T {predicted.window_seconds['T']:.3f} s), measured/predicted "
+              f"{row[parts] / predicted.iteration_seconds:.3f}")
+    print(f"  measured speed-up of two parts: {row[False] / row[True]:.3f}x")
 
 
 if __name__ == "__main__":

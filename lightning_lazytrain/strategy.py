@@ -89,6 +89,10 @@ class LazyTrainStrategy(ParallelStrategy):
             the backward (``distributed.py``: Note: [overlapped all-reduce]; bit-identical; the plan
             is made for the planner's ``replicate_overlap`` mode, else ``replicate``). Only with
             automatic optimization.
+        nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
+            (``CausalLMModule``: ``embed``, ``head``): the step's tail moves, updates and stages them
+            part by part, each part's transfers under the next part's host work (Note: [non-block
+            parts] in planner/schedule.py; bit-identical). False: one part (the ablation).
         replan: re-profile and re-plan when the measured step time drifts from the prediction
             (``True``, ``False`` or a dict of ``replan.ReplanOptions``: threshold, patience,
             min_gain, max_replans); only for ``policy="milp"``.
@@ -102,7 +106,7 @@ class LazyTrainStrategy(ParallelStrategy):
                  device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
-                 overlap_grad_sync: bool = True) -> None:
+                 overlap_grad_sync: bool = True, nonblock_parts: bool = True) -> None:
         # imported here: checkpoint_io imports Lightning, whose import registers this module (a
         # module-level import would be circular when checkpoint_io is imported first)
         from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
@@ -126,6 +130,7 @@ class LazyTrainStrategy(ParallelStrategy):
         self._timeout = timeout
         self.grad_sync: Any = None  # distributed.GradSync with several processes
         self.overlap_grad_sync = bool(overlap_grad_sync)
+        self.nonblock_parts = bool(nonblock_parts)
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)
@@ -400,7 +405,7 @@ class LazyTrainStrategy(ParallelStrategy):
         from lightning_lazytrain.optim import HybridAdamW
 
         ex = self.executor
-        if ex is None or ex.params is None or self.is_distributed:
+        if ex is None or ex.params is None or self.is_distributed or not self.nonblock_parts:
             return
         rest = {id(p) for p in ex.params.group_parameters(REST_GROUP)}
         for opt in self.optimizers:
