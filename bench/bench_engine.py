@@ -11,9 +11,10 @@ executor's overhead over plain PyTorch.
 4. Offloaded internals (``MilpOptions.offload_internals``, the ablation switch): the MILP plan at a
    tight budget with and without the decision, measured on the emulated link (and predicted).
 5. Non-block parts (Note: [non-block parts]; ``LazyTrainStrategy(nonblock_parts=)`` is the switch): a
-   large-vocabulary model whose step tail (the embedding's and head's grads to the host, their
-   update, their weights back) is a visible share of the step, with the pipelined HybridAdamW, on the
-   emulated link: the step time with the non-block group in two parts vs one, measured and predicted.
+   large-vocabulary model (the embedding's and head's grads to the host, their update, their weights
+   back make up the step's tail), the pipelined HybridAdamW, the emulated link: the tail (T, from the
+   end of the backward to the next step's fetches done) with the non-block group in two parts vs one,
+   measured and predicted.
 """
 
 from __future__ import annotations
@@ -168,56 +169,56 @@ def offloaded_internals(base, tokens, wl, lo, hi) -> None:
             print(f"  cap {cap / 1e6:.0f} MB: measured speed-up of the decision {row[False] / row[True]:.3f}x")
 
 
-VOCAB_SPEC = ModelSpec(name="bench-vocab", num_layers=4, hidden=512, intermediate=1408, heads=8, kv_heads=4,
+VOCAB_SPEC = ModelSpec(name="bench-vocab", num_layers=2, hidden=512, intermediate=1408, heads=8, kv_heads=4,
                        head_dim=64, vocab=32768)
 
 
-def nonblock_parts(steps: int = 6) -> None:
+def nonblock_parts(steps: int = 14) -> None:
     spec = VOCAB_SPEC
     L = spec.num_layers
     torch.manual_seed(0)
     base = LlamaLM(spec)
-    tokens = torch.randint(0, spec.vocab, (2, 129))
+    tokens = torch.randint(0, spec.vocab, (1, 129))
     schedule = dataclasses.replace(keep_all(L), optimizer="pipelined")
     layer_of = lambda n: "embed" if n.startswith("embed_tokens") else int(n.split(".")[1]) if n.startswith("layers.") else "head"  # noqa: E731
     order = ["embed", "head", *range(L)]
 
-    # the host optimizer's speed, for the prediction: one serial step of the model's parameters
+    def parts_of(m):
+        return [list(m.embed_tokens.parameters()), [m.norm.weight, m.lm_head.weight]]
+
+    # the host optimizer's speed, for the prediction: the median of three serial steps
     probe = copy.deepcopy(base)
     for p in probe.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.randn_like(p)
     opt = HybridAdamW(group_by_layer(probe.named_parameters(), layer_of, lr=1e-4))
-    opt.step()
-    t0 = time.perf_counter()
-    opt.step()
-    adam_per_s = sum(p.numel() for p in probe.parameters()) / (time.perf_counter() - t0)
+    ts = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    adam_per_s = sum(p.numel() for p in probe.parameters()) / statistics.median(ts[1:])
     del probe, opt
 
-    results = {}
-    for parts in (False, True):
-        m = copy.deepcopy(base)
-        ex = Executor(m, schedule)
-        if parts:
-            ex.set_rest_parts([list(m.embed_tokens.parameters()), [m.norm.weight, m.lm_head.weight]])
-        wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel(), warmup=1,
-                              opt_params_per_s=adam_per_s)
-        ex.close()
-        if parts:
-            bandwidth = wl.nonblock_param_bytes / (2 * statistics.median(layer.fwd_seconds for layer in wl.layers))
-            links = {lane: LinkSpec(bandwidth, 0.0) for lane in ("h2d", "d2h")}
-        results[parts] = (m, wl)
-    print(f"\n## 5. non-block parts: {L} layers, vocab {spec.vocab} (non-block "
-          f"{results[True][1].nonblock_param_bytes / 1e6:.0f} MB, parts {results[True][1].nonblock_parts}), "
-          f"emulated link {bandwidth / 1e6:.0f} MB/s, host AdamW {adam_per_s / 1e6:.0f} M params/s")
+    m = copy.deepcopy(base)
+    ex = Executor(m, schedule)
+    ex.set_rest_parts(parts_of(m))
+    wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel(), warmup=2,
+                          opt_params_per_s=adam_per_s)
+    ex.close()
+    # a link on which the non-block weights take about as long as the host update of them
+    bandwidth = wl.nonblock_param_bytes * adam_per_s / wl.nonblock_params
+    links = {lane: LinkSpec(bandwidth, 0.0) for lane in ("h2d", "d2h")}
     hw = hardware_for(bandwidth).replace(cpu_adam_params_per_s=adam_per_s, cpu_adam8_params_per_s=adam_per_s)
+    print(f"\n## 5. non-block parts: {L} layers, vocab {spec.vocab} (non-block "
+          f"{wl.nonblock_param_bytes / 1e6:.0f} MB in parts of {wl.nonblock_parts} elements), emulated link "
+          f"{bandwidth / 1e6:.0f} MB/s, host AdamW {adam_per_s / 1e6:.0f} M params/s")
     row = {}
     for parts in (False, True):
-        wl = results[parts][1]
-        predicted = simulate(schedule, wl, hw)
+        predicted = simulate(schedule, wl if parts else dataclasses.replace(wl, nonblock_parts=()), hw)
         m = copy.deepcopy(base)
         ex = Executor(m, schedule, links=links)
         if parts:
-            ex.set_rest_parts([list(m.embed_tokens.parameters()), [m.norm.weight, m.lm_head.weight]])
+            ex.set_rest_parts(parts_of(m))
         opt = HybridAdamW(group_by_layer(m.named_parameters(), layer_of, lr=1e-4))
         pipe = None
         part_layers = [["embed"], ["head"]] if parts else [["embed", "head"]]
@@ -227,23 +228,27 @@ def nonblock_parts(steps: int = 6) -> None:
                 if pipe is not None:
                     pipe.wait_updated(layer)
         ex.wait_updated = wait
-        marks = []
-        for _ in range(steps):
-            marks.append(time.perf_counter())
+        tails, t_end = [], 0.0
+        for k in range(steps):
             ex.begin_microbatch()
+            if k:  # T: from the end of the backward to every fetch of the next step done (F0 may start)
+                ex.engine.synchronize()
+                tails.append(time.perf_counter() - t_end)
             m.loss(tokens).backward()
+            t_end = time.perf_counter()
             ex.end_microbatch()
             pipe = opt.step_pipelined(order)
             opt.zero_grad()
         pipe.wait_all()
         ex.close()
-        times = [b - a for a, b in zip(marks[1:], marks[2:])]  # step k: from its begin to the next begin
-        row[parts] = statistics.median(times)
-        print(f"  parts={'2' if parts else '1'}: measured {row[parts]:.3f} s/step "
-              f"({', '.join(f'{t:.3f}' for t in times)}), predicted {predicted.iteration_seconds:.3f} s "
-              f"(T {predicted.window_seconds['T']:.3f} s), measured/predicted "
-              f"{row[parts] / predicted.iteration_seconds:.3f}")
-    print(f"  measured speed-up of two parts: {row[False] / row[True]:.3f}x")
+        tails = tails[1:]  # the first tail warms up the optimizer states
+        row[parts] = statistics.median(tails)
+        predicted_t = predicted.window_seconds["T"]
+        print(f"  parts={'2' if parts else '1'}: step tail (T) measured {row[parts] * 1e3:.1f} ms (median of "
+              f"{len(tails)}; min {min(tails) * 1e3:.1f}, max {max(tails) * 1e3:.1f}), predicted "
+              f"{predicted_t * 1e3:.1f} ms, measured/predicted {row[parts] / predicted_t:.3f}")
+    print(f"  T with one part / T with two parts: measured {row[False] / row[True]:.3f}x, predicted "
+          f"{simulate(schedule, dataclasses.replace(wl, nonblock_parts=()), hw).window_seconds['T'] / simulate(schedule, wl, hw).window_seconds['T']:.3f}x")
 
 
 if __name__ == "__main__":
