@@ -187,7 +187,7 @@ def test_planner_error_is_a_value_error():
 
 # ---- a plan over its cap (plan.window_memory=false) -------------------------------------------------------
 def test_plan_over_the_cap_is_marked_in_table_and_plan_json(tmp_path, capsys):
-    cfg = compose_cfg("hardware=h800", "model=qwen2.5-7b", "train.micro_batch_size=144", "plan.window_memory=false",
+    cfg = compose_cfg("hardware=h800", "model=qwen3.6-27b", "train.micro_batch_size=72", "plan.window_memory=false",
                       "plan.plot=false")
     row = plan_job(cfg, tmp_path)
     printed = capsys.readouterr().out
