@@ -392,7 +392,11 @@ class LazyTrainStrategy(ParallelStrategy):
                 [layer for layer in first
                  if layer in {layer_of.get(id(p)) for p in ex.params.rest_part_parameters(k)}]
                 for k in range(parts)]
-            self._pipelined[id(inner)] = (first + [block_layer[j] for j in range(len(ex.stack))] + rest,
+            # T updates the non-block layers, layer 0, then the schedule's serial layers (the per-layer
+            # mode: the executor waits for them before F0); the forward pipelines the others in order
+            serial = [j for j in ex.schedule.serial_layers if j < len(ex.stack)]
+            blocks_order = [0, *serial] + [j for j in range(1, len(ex.stack)) if j not in serial]
+            self._pipelined[id(inner)] = (first + [block_layer[j] for j in blocks_order] + rest,
                                           block_layer, part_layers)
         if self._pipelined:
             ex.wait_updated = self._wait_updated

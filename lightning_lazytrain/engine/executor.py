@@ -393,6 +393,9 @@ class Executor:
             if self.wait_updated is not None:
                 self.wait_updated(0)
             self._stage(0)
+            if self.wait_updated is not None and self.schedule.optimizer == "pipelined":
+                for j in self.schedule.serial_layers:  # the per-layer mode: T ends when their updates do
+                    self.wait_updated(j)
             self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
         self._memory_window("F0")
 

@@ -8,6 +8,8 @@ Symbols -> variables (``L`` layers, boundaries ``0..L``, window names as in ``sc
     r[j]      layer j's weights stay resident from F{j} to B{j}
     pipe      the optimizer is pipelined (1) or serial (0): one global binary, only when
               ``MilpOptions.optimizer_mode`` is ``auto`` (a forced mode is a constant)
+    y[j]      pipelined: layer j >= 1 is updated in T instead of in F{j-1} (``Schedule.serial_layers``;
+              y_j <= pipe; one rank, ``MilpOptions.serial_layers``)
     o[i,w,h]  boundary i (tier h in {c, n}) is offloaded by the D2H lane of F{w}
     q[i,t,h]  boundary i comes back by the H2D lane of B{t} (t = L: H)
     f[j], oi[j,w], qi[j,t]   layer j's kept internals go to the host by F{w}'s D2H and come back by
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import InvalidInput
 from .hardware import Hardware
@@ -55,6 +58,7 @@ class MilpOptions:
     time_objective: bool = True  # iteration time; False: LazyTrain's recompute + exposure objective
     pipelined_optimizer: bool = True  # False: serial optimizer only (the ablation); True: the mode is optimizer_mode's
     optimizer_mode: str = "auto"  # auto: the MILP chooses serial or pipelined; serial | pipelined: forced
+    serial_layers: bool = True  # pipelined: the MILP may update chosen layers in T (the per-layer mode)
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True
@@ -138,6 +142,12 @@ class ScheduleModel:
             self.pipe = m.pipe  # pipelined: 1
         else:
             self.pipe = 1 if self.modes == ("pipelined",) else 0
+        self.y: dict[int, Any] = {}  # per-layer mode (Schedule.serial_layers): layer -> y_j
+        if "pipelined" in self.modes and opt.serial_layers and wl.data_parallel == "none" and L > 1:
+            m.y = pyo.Var(range(1, L), domain=pyo.Binary)
+            self.y = {j: m.y[j] for j in range(1, L)}
+            if len(self.modes) > 1:
+                m.y_pipe = pyo.Constraint(range(1, L), rule=lambda _, j: m.y[j] <= m.pipe)
         m.tF1 = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tF = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tH = pyo.Var(domain=pyo.NonNegativeReals)
@@ -324,7 +334,7 @@ class ScheduleModel:
             fetch = self.p_s[j + 1] if j + 1 < L else 0.0
             d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h + self.internals.d2h_seconds(j, d2h)
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
-            optimizer = lay[j + 1].opt_seconds * pipe if j + 1 < L else 0.0
+            optimizer = lay[j + 1].opt_seconds * (pipe - self.y.get(j + 1, 0)) if j + 1 < L else 0.0
             # chain: optimizer (pipelined only) -> cast -> fetch of layer j + 1
             chain = optimizer + cast[j + 1] + fetch
             if gth[j + 1]:  # shard: the all-gather follows the fetch
@@ -451,14 +461,19 @@ class ScheduleModel:
         from .policies import recompute_all
         from .simulator import _run_window
 
-        ends = {}
+        ends, cpu_end = {}, {}
         for mode in self.modes:
             s = dataclasses.replace(recompute_all(self.L), optimizer=mode, data_parallel=self.dp)
             t = s.windows(nonblock_parts=self.wl.nonblock_part_count)[-1]
-            ends[mode], _ = _run_window(t, 0.0, self.wl, self.hw, [], {})
-        if len(self.modes) > 1:
-            return [ends["pipelined"] * self.m.pipe, ends["serial"] * (1 - self.m.pipe)]
-        return [ends[self.modes[0]]]
+            segments: list = []
+            ends[mode], _ = _run_window(t, 0.0, self.wl, self.hw, segments, {})
+            cpu_end[mode] = max((g.end for g in segments if g.lane == "cpu"), default=0.0)
+        pipe = self.pipe
+        rows = ([ends["pipelined"] * self.m.pipe, ends["serial"] * (1 - self.m.pipe)] if len(self.modes) > 1
+                else [ends[self.modes[0]]])
+        if self.y:  # the serial layers' updates follow layer 0's on the CPU lane; nothing waits for them
+            rows.append(cpu_end["pipelined"] * pipe + sum(self.lay[j].opt_seconds * y for j, y in self.y.items()))
+        return rows
 
     def iteration_time(self):
         m, L, g = self.m, self.L, self.wl.grad_accum
@@ -469,7 +484,8 @@ class ScheduleModel:
 
     def _create_objective(self) -> None:
         pyo, m, L = self.pyo, self.m, self.L
-        moves = self.EPS * (sum(m.c[i] + 2 * m.n[i] for i in self.inner) + self.internals.moves())
+        moves = self.EPS * (sum(m.c[i] + 2 * m.n[i] for i in self.inner) + self.internals.moves()
+                            + sum(self.y.values()))  # a layer goes to T only when that gains time
         if self.opt.time_objective:
             m.obj = pyo.Objective(expr=self.iteration_time() + moves, sense=pyo.minimize)
             return
@@ -513,7 +529,9 @@ class ScheduleModel:
         self.partial.seed_from(s)
         if len(self.modes) > 1:
             m.pipe.set_value(int(s.optimizer == "pipelined"))
-        elif s.optimizer not in self.modes:
+        for j, y in self.y.items():
+            y.set_value(int(j in s.serial_layers))
+        if s.optimizer not in self.modes:
             raise InvalidInput("schedule.optimizer", s.optimizer, f"the model's optimizer mode is {self.modes[0]!r}")
         for var, exprs in self.lane_loads.values():
             if not var.fixed:
@@ -542,6 +560,8 @@ class ScheduleModel:
                         reload_window=tuple(rel), internals_offload_window=internals_off,
                         internals_reload_window=internals_rel, partial_keep=self.partial.extract(),
                         backward_prefetch=True, optimizer=self.optimizer(),
+                        serial_layers=tuple(j for j, y in self.y.items() if on(y))
+                        if self.optimizer() == "pipelined" else (),
                         data_parallel=self.dp, policy=policy)
 
     def optimizer(self) -> str:

@@ -49,6 +49,10 @@ Decisions:
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
   first micro-batch's ``F{j}`` updates layer ``j+1`` just before fetching it).
+- ``serial_layers`` (``pipelined`` only; issue 12, item 2, the per-layer mode): layers ``j >= 1``
+  updated in T after layer 0 (the CPU lane, in ascending order; T ends when they are done) instead
+  of in ``F{j-1}``: where a window's update -> cast -> fetch chain is longer than its forward, the
+  update may cost less in T, under T's fetch tail. Empty: every layer but 0 rides its F window.
 - ``data_parallel`` (several ranks, ``multi.py``; one rank's windows): ``none`` (one GPU, the ops
   above and nothing else); ``shard`` (hybrid sharding: every weight fetch moves this rank's shard
   and is followed by a device all-gather, ``collective gather``, which the block's compute waits
@@ -158,6 +162,7 @@ class Schedule:
     partial_keep: tuple[bool, ...] = ()  # () = no layer partially keeps (all False)
     backward_prefetch: bool = True
     optimizer: str = "pipelined"
+    serial_layers: tuple[int, ...] = ()  # pipelined: layers updated in T instead of their F window
     data_parallel: str = "none"
     policy: str = ""
     version: int = SCHEDULE_VERSION
@@ -169,6 +174,7 @@ class Schedule:
             object.__setattr__(self, key, value if value else (None,) * max(self.num_layers, 0))
         partial = tuple(bool(p) for p in self.partial_keep)
         object.__setattr__(self, "partial_keep", partial if partial else (False,) * max(self.num_layers, 0))
+        object.__setattr__(self, "serial_layers", tuple(int(j) for j in self.serial_layers))
         self._check()
 
     # ---- validation ---------------------------------------------------------------------------
@@ -189,6 +195,14 @@ class Schedule:
             raise InvalidInput("schedule.optimizer", self.optimizer, "must be 'serial' or 'pipelined'")
         if self.data_parallel not in DATA_PARALLEL:
             raise InvalidInput("schedule.data_parallel", self.data_parallel, f"must be one of {DATA_PARALLEL}")
+        if self.serial_layers:
+            if self.optimizer != "pipelined" or self.data_parallel != "none":
+                raise InvalidInput("schedule.serial_layers", self.serial_layers,
+                                   "only a pipelined optimizer on one rank updates some layers in T")
+            if list(self.serial_layers) != sorted(set(self.serial_layers)) or not all(
+                    1 <= j < L for j in self.serial_layers):
+                raise InvalidInput("schedule.serial_layers", self.serial_layers,
+                                   f"must be ascending distinct layers in 1..{L - 1} (T always updates layer 0)")
         if self.version != SCHEDULE_VERSION:
             raise InvalidInput("schedule.version", self.version, f"this code reads version {SCHEDULE_VERSION}")
         nxt = self.next_materialised()
@@ -246,7 +260,8 @@ class Schedule:
         collectives to the windows): a policy's schedule for a rank's workload."""
         if data_parallel == self.data_parallel:
             return self
-        return dataclasses.replace(self, data_parallel=data_parallel)
+        return dataclasses.replace(self, data_parallel=data_parallel,
+                                   serial_layers=self.serial_layers if data_parallel == "none" else ())
 
     # ---- derived structure --------------------------------------------------------------------
     def next_materialised(self) -> list[int]:
@@ -344,7 +359,7 @@ class Schedule:
                 if self.internals_offload_window[k] == j:
                     ops.append(Op("d2h", "offload_internals", k))
             if j + 1 < L:
-                if pipelined and first_microbatch:
+                if pipelined and first_microbatch and j + 1 not in self.serial_layers:
                     ops.append(Op("cpu", "optimizer", j + 1))
                     _fetch(ops, "weights", j + 1, after=len(ops) - 1, gather=sh)
                 else:
@@ -406,7 +421,7 @@ class Schedule:
                 _accumulate(ops, [_grads(ops, idx)])
             ready = len(ops) - 1
             pos = {}
-            for j in parts + ([0] if pipelined else list(range(L))):
+            for j in parts + ([0, *self.serial_layers] if pipelined else list(range(L))):
                 ops.append(Op("cpu", "optimizer", j, after=ready))
                 pos[j] = len(ops) - 1
             for j in parts + [0]:
@@ -469,6 +484,7 @@ class Schedule:
             **({"partial_keep": list(self.partial_keep)} if self.partial_layers else {}),
             "backward_prefetch": self.backward_prefetch,
             "optimizer": self.optimizer,
+            **({"serial_layers": list(self.serial_layers)} if self.serial_layers else {}),
             **({"data_parallel": self.data_parallel} if self.data_parallel != "none" else {}),
             "recompute_blocks": [list(b) for b in self.recompute_blocks],
             "home_counts": self.count_homes(),
@@ -493,6 +509,7 @@ class Schedule:
                    internals_reload_window=tuple(data.get("internals_reload_window", ())),
                    partial_keep=tuple(bool(p) for p in data.get("partial_keep", ())),
                    backward_prefetch=bool(data["backward_prefetch"]), optimizer=data["optimizer"],
+                   serial_layers=tuple(data.get("serial_layers", ())),
                    data_parallel=data.get("data_parallel", "none"), policy=data.get("policy", ""), meta=data.get("meta", {}))
 
     @classmethod

@@ -61,6 +61,8 @@ def in_space(s: Schedule, opt: MilpOptions, optimizer: str | None = None, data_p
                     reload_window=s.reload_window, internals_offload_window=s.internals_offload_window,
                     internals_reload_window=s.internals_reload_window,
                     partial_keep=s.partial_keep if opt.partial_keep else (), backward_prefetch=True, optimizer=mode,
+                    serial_layers=s.serial_layers if mode == "pipelined" and opt.serial_layers
+                    and (data_parallel or s.data_parallel) == "none" else (),
                     data_parallel=data_parallel or s.data_parallel, policy=s.policy)
 
 
