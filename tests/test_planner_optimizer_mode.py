@@ -38,9 +38,10 @@ def small_instance(rng: random.Random, L: int, *, slow: bool = True):
 
 
 def _three(wl, hw):
-    auto = solve(wl, hw, mip_gap=TIGHT, time_limit=30)
-    serial = solve(wl, hw, mip_gap=TIGHT, time_limit=30, optimizer_mode="serial")
-    pipelined = solve(wl, hw, mip_gap=TIGHT, time_limit=30, optimizer_mode="pipelined")
+    # the two pure modes (the per-layer mode, ``serial_layers``, is tested in test_serial_layers.py)
+    auto = solve(wl, hw, mip_gap=TIGHT, time_limit=30, serial_layers=False)
+    serial = solve(wl, hw, mip_gap=TIGHT, time_limit=30, optimizer_mode="serial", serial_layers=False)
+    pipelined = solve(wl, hw, mip_gap=TIGHT, time_limit=30, optimizer_mode="pipelined", serial_layers=False)
     for r in (auto, serial, pipelined):
         assert r.status == "optimal"
         # the MILP's objective is the simulator's iteration time for the schedule it returns
@@ -110,7 +111,7 @@ def test_auto_finds_the_best_enumerated_schedule_of_both_modes(seed):
             continue
         best[s.optimizer] = min(best.get(s.optimizer, float("inf")), t)
     assert set(best) == {"serial", "pipelined"}
-    res = solve(wl, hw, mip_gap=TIGHT, time_limit=30)
+    res = solve(wl, hw, mip_gap=TIGHT, time_limit=30, serial_layers=False)  # the enumerated space: pure modes
     assert res.status == "optimal"
     assert res.simulated.iteration_seconds == pytest.approx(min(best.values()), rel=1e-6)
     assert best[res.schedule.optimizer] == pytest.approx(min(best.values()), rel=1e-6)
@@ -161,8 +162,8 @@ def test_27b_h800_with_a_3_gb_per_s_link_picks_serial():
         cfg = compose(config_name="plan", overrides=["hardware=h800", "model=qwen3.6-27b"])
     hw = to_hardware(cfg).replace(h2d_bytes_per_s=3e9, d2h_bytes_per_s=3e9)
     wl = Workload.analytic(to_model(cfg), to_train(cfg, micro_batch_size=72), hw)
-    auto = solve(wl, hw)
-    pipelined = solve(wl, hw, optimizer_mode="pipelined")
+    auto = solve(wl, hw, serial_layers=False)  # with the per-layer mode: test_serial_layers.py
+    pipelined = solve(wl, hw, optimizer_mode="pipelined", serial_layers=False)
     assert auto.status == "optimal" and auto.mip_gap <= 1e-3
     assert auto.schedule.optimizer == "serial"
     assert auto.objective == pytest.approx(auto.simulated.iteration_seconds, rel=1e-2)

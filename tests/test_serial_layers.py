@@ -116,3 +116,25 @@ def test_the_strategy_updates_the_serial_layers_in_t_exactly(tmp_path):
     assert r_got.losses == r_want.losses and r_got.norms == r_want.norms
     for (k, a), b in zip(m_got.state_dict().items(), m_want.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_milp_window_times_equal_the_simulator_with_serial_layers(seed):
+    """Seeded with every pipelined schedule of a 3-layer space and every set of serial layers, the
+    model's iteration time (window variables at their tight lower bounds) is the simulator's."""
+    import pyomo.environ as pyo
+
+    from lightning_lazytrain.planner.milp import MilpOptions, ScheduleModel
+    from planner_helpers import milp_space
+
+    wl, hw = small_instance(random.Random(1400 + seed), 3)
+    model = ScheduleModel(wl, hw, MilpOptions())
+    n = 0
+    for s in milp_space(3, nvme=False, pipelined=True):
+        for S in ((), (1,), (2,), (1, 2)):
+            t = dataclasses.replace(s, serial_layers=S)
+            model.seed_from(t)
+            assert pyo.value(model.iteration_time()) == pytest.approx(
+                simulate(t, wl, hw, check=False).iteration_seconds, rel=1e-9), t
+            n += 1
+    assert n > 40
