@@ -64,8 +64,7 @@ class MilpOptions:
     nvme: bool = True
     offload_internals: bool = True  # a kept layer's internals may go to host memory and back (milp_internals)
     partial_keep: bool = False  # a layer may keep only its matmul outputs (milp_partial; engine/partial_keep.py);
-    # off by default: with it HiGHS 1.16 ran past its time limit (> 5 min at time_limit=15) on 27B / H800 /
-    # b72 with a 3 GB/s link and the optimizer forced pipelined (bench/RESULTS.md, "Partial keep")
+    # off by default: small gains at the shipped profiles for a 2-3x longer solve (bench/RESULTS.md, "Partial keep")
     max_block: int = 8  # longest recompute block (edge length cap)
     reload_slack: int = 2  # reload at most this many windows before the earliest legal one... and later
     offload_horizon: int = 1  # offload within this many forward windows of the boundary's production
