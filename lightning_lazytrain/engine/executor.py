@@ -131,7 +131,8 @@ class Executor:
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
-                 wait_updated: Callable[[int], None] | None = None, nvme_required_bytes: int = 0) -> None:
+                 wait_updated: Callable[[int], None] | None = None, nvme_required_bytes: int = 0,
+                 shard_group: Any = None) -> None:
         self.module = module
         self.stack = blocks if isinstance(blocks, BlockStack) else find_blocks(module, blocks)
         self.device = torch.device(device)
@@ -156,6 +157,9 @@ class Executor:
         self._mem: DeviceBytes | None = None
         self._mem_open: tuple[str, int, int] | None = None
         self.rest_parts: list[list[nn.Parameter]] = []  # see set_rest_parts
+        # sharded data parallel (engine/shard_store.py): the process group whose ranks share every
+        # block's host state ("world": the default group); None: this process holds all of it
+        self.shard_group = shard_group
         self.set_schedule(schedule)
         self._install()
 
@@ -178,8 +182,16 @@ class Executor:
                 self.params.close()
             # The recompute slot and the resident slots hold device memory only while the plan counts
             # them (lazy slots: allocated by stage, given back by evict).
-            self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
-                                     num_slots=slots, lazy_slots=range(2, slots))
+            if self.shard_group is None:
+                self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
+                                         num_slots=slots, lazy_slots=range(2, slots))
+            else:
+                from lightning_lazytrain.engine.shard_store import ShardedParamStore
+
+                group = None if self.shard_group == "world" else self.shard_group
+                self.params = ShardedParamStore(self.module, self.stack, self.device, self.compute_dtype,
+                                                self.engine, num_slots=slots, lazy_slots=range(2, slots),
+                                                group=group)
             self.params.on_final_grads = hook
             if self.rest_parts:
                 self.params.set_rest_parts(self.rest_parts)

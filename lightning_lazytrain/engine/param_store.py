@@ -175,29 +175,35 @@ class ParamStore:
         # average a group's gradients as soon as they are complete (distributed.GradSync, overlap).
         self.on_final_grads: Callable[[ParamStore, int, CopyHandle, dict | None, torch.Tensor], None] | None = None
         self._groups = self._build_groups()
+        self._index = {id(info): k for grp in self._groups.values() for k, info in enumerate(grp.params)}
+        self._owner = {id(info): gid for gid, grp in self._groups.items() for info in grp.params}
+        self._layouts = self._make_layouts()  # sharded groups (engine/shard_store.py); none here
         g = self._groups[REST]
         self._rest_parts: list[tuple[int, int, tuple[_Param, ...]]] = [(0, g.numel, tuple(g.params))]
         groups = list(self._groups.values())
         for g in groups:
             g.dtype = self._master_dtype(g)
         esize = {dt: torch.empty((), dtype=dt).element_size() for dt in {g.dtype for g in groups} | {compute_dtype}}
-        self._masters_arena = HostArena.for_sizes([g.numel * esize[g.dtype] for g in groups], pin=pin,
+        self._masters_arena = HostArena.for_sizes([self._host_numel(g) * esize[g.dtype] for g in groups], pin=pin,
                                                   name="masters")
         for g in groups:
             self._pack(g, self._masters_arena)
         self._move_buffers()
         max_block = max(self._groups[i].numel for i in range(len(self.blocks)))
         sizes = [max_block] * num_slots + [self._groups[REST].numel]  # REST has its own slot, last
+        host_block = max(self._host_numel(self._groups[i]) for i in range(len(self.blocks)))
+        host_sizes = [host_block] * num_slots + [self._host_numel(self._groups[REST])]
         # Cast staging only where a master's dtype differs from a 16-bit compute dtype (fp32 compute
         # copies are filled straight from the masters).
         cast = compute_dtype != torch.float32 and any(g.dtype != compute_dtype for g in groups)
         e = esize[compute_dtype]
-        self._staging_arena = HostArena.for_sizes([n * e for n in sizes] * (2 if cast else 1), pin=pin,
+        self._staging_arena = HostArena.for_sizes([n * e for n in host_sizes] * (2 if cast else 1), pin=pin,
                                                   name="staging")
         lazy = set(lazy_slots)
         if not lazy <= set(range(num_slots)):
             raise ValueError(f"lazy_slots must be in 0..{num_slots - 1}, got {sorted(lazy)}")
-        self._slots = [self._new_slot(n, cast, lazy=k in lazy) for k, n in enumerate(sizes)]
+        self._slots = [self._new_slot(n, cast, lazy=k in lazy, host_numel=h)
+                       for k, (n, h) in enumerate(zip(sizes, host_sizes))]
 
     # ---- construction ----------------------------------------------------
     def _build_groups(self) -> dict[int, _Group]:
@@ -245,17 +251,39 @@ class ParamStore:
         dtypes = {info.param.dtype for info in g.params}
         return dtypes.pop() if dtypes in ({torch.bfloat16}, {torch.float16}) else torch.float32
 
+    # ---- host layout hooks (a sharded store, engine/shard_store.py, overrides these) ---------
+    def _make_layouts(self) -> dict[int, Any]:
+        """Group id -> the ``ShardLayout`` of a group whose host masters are this rank's shard."""
+        return {}
+
+    def _host_numel(self, g: _Group) -> int:
+        """Elements of the group's host master, host grad and host staging (its shard, if sharded)."""
+        return self._layouts[g.gid].shard_numel if g.gid in self._layouts else g.numel
+
+    def _host_view(self, flat: torch.Tensor, info: _Param) -> torch.Tensor:
+        """A parameter's view in a host flat buffer of its group (master, grad, landed grads)."""
+        layout = self._layouts.get(self._gid_of(info))
+        return self._view(flat, info) if layout is None else layout.local_view(flat, self._index[id(info)])
+
+    def _gid_of(self, info: _Param) -> int:
+        return self._owner[id(info)]
+
+    def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: _Param) -> None:
+        """Copy a full-shaped tensor of the parameter into its host view (a shard keeps its rows)."""
+        view.copy_(full)
+
     def _pack(self, g: _Group, arena: HostArena) -> None:
-        g.master = arena.take(g.numel, g.dtype)
-        g.grad = torch.zeros(g.numel, dtype=g.dtype)
+        n = self._host_numel(g)
+        g.master = arena.take(n, g.dtype)
+        g.grad = torch.zeros(n, dtype=g.dtype)
         with torch.no_grad():
             for info in g.params:
-                view = self._view(g.master, info)
-                view.copy_(info.param.data)
+                view = self._host_view(g.master, info)
+                self._fill_host(view, info.param.data, info)
                 info.param.data = view  # the module's parameter now lives in the packed buffer
                 if info.param.requires_grad and info.param.grad is not None:
-                    self._view(g.grad, info).copy_(info.param.grad)
-                    info.param.grad = self._view(g.grad, info)
+                    self._fill_host(self._host_view(g.grad, info), info.param.grad, info)
+                    info.param.grad = self._host_view(g.grad, info)
 
     def _move_buffers(self) -> None:
         # Buffers (rotary tables, masks) are small: resident on the device; ``close`` moves them back.
@@ -266,13 +294,14 @@ class ParamStore:
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, cast: bool, *, lazy: bool = False) -> _Slot:
+    def _new_slot(self, numel: int, cast: bool, *, lazy: bool = False, host_numel: int | None = None) -> _Slot:
         # Device gradient buffers are allocated at the first bind with grads: a slot used only for
         # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
         # staging comes from the staging arena, so no pinned allocation happens mid-step.
         dt, arena = self.compute_dtype, self._staging_arena
-        grad_host = arena.take(numel, dt)
-        s = _Slot(numel=numel, weights=None, grads=None, cast=arena.take(numel, dt) if cast else None,
+        host_numel = numel if host_numel is None else host_numel
+        grad_host = arena.take(host_numel, dt)
+        s = _Slot(numel=numel, weights=None, grads=None, cast=arena.take(host_numel, dt) if cast else None,
                   grad_host=grad_host, lazy=lazy)
         if not lazy:
             self._allocate(s)
@@ -452,7 +481,7 @@ class ParamStore:
         # An optimizer that *replaced* p.data (instead of updating in place) broke the packing.
         with torch.no_grad():
             for info in g.params if infos is None else infos:
-                view = self._view(g.master, info)
+                view = self._host_view(g.master, info)
                 if info.param.data_ptr() != view.data_ptr() or info.param.dtype != g.master.dtype:
                     view.copy_(info.param.data)
                     info.param.data = view
@@ -549,7 +578,7 @@ class ParamStore:
         # without a host grad gets one (a zeroed view) only when a gradient reached it; the flat
         # buffer stays zero where no parameter has a grad, so norms of the flat buffer are right.
         for info in g.params:
-            view, cur = self._view(g.grad, info), info.param.grad
+            view, cur = self._host_view(g.grad, info), info.param.grad
             if cur is None:
                 view.zero_()
                 if id(info) in touched and info.param.requires_grad:
@@ -621,7 +650,7 @@ class ParamStore:
         assert s.grads is not None
         with torch.no_grad():
             s.grads[: g.numel].zero_()
-            return s.grad_host[: g.numel].clone(), pending.touched
+            return s.grad_host[: self._host_numel(g)].clone(), pending.touched
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
                      extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True,
@@ -645,8 +674,10 @@ class ParamStore:
         backward, summed with these *before* they join the host grad, as autograd sums every use of
         a leaf before accumulating into its ``.grad``."""
         g, s = self._group(pending.layer), pending.slot
-        n, layer = g.numel, pending.layer
+        n, layer = self._host_numel(g), pending.layer
         lo, hi, _, index = self._range(layer, pending.part)
+        if pending.part is None:
+            lo, hi = 0, n  # host coordinates (a sharded group's host buffers hold its shard)
         if pending.part is not None and extra is not None:
             raise ValueError("extra gradients join a whole group's D2H, not a part's")
         touched = pending.touched | (extra[1] if extra is not None else frozenset())
@@ -695,7 +726,7 @@ class ParamStore:
             self.wait_host()
         with torch.no_grad():
             self._ensure_host_grads(g, {id(i) for i in g.params if i.param.grad is not None})
-        return g.grad, [(i.param, self._view(g.grad, i)) for i in g.params]
+        return g.grad, [(i.param, self._host_view(g.grad, i)) for i in g.params]
 
     def wait_host(self) -> None:
         """Wait for the host lane's work on every slot (casts, gradient accumulation)."""
@@ -713,7 +744,7 @@ class ParamStore:
                 self._add(g.grad, grads)
             else:  # only parameters a gradient reached (and that still want one) accumulate
                 for info in receiving:
-                    self._add(self._view(g.grad, info), self._view(grads, info))
+                    self._add(self._host_view(g.grad, info), self._host_view(grads, info))
 
     def _add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst += src``. A 16-bit ``src`` into an fp32 ``dst`` is widened chunk by chunk into a

@@ -1,0 +1,152 @@
+"""``ShardedParamStore``: a ``ParamStore`` whose block masters are this rank's shard (issue 11, the
+sharded data-parallel mode; layout in ``shard_layout.py``, design in docs/ARCHITECTURE.md).
+
+Every block parameter's host master, host gradient and optimizer-facing ``param.data`` become this
+rank's dim-0 shard (``param.data`` is re-pointed to it, so the Parameter objects stay the same and an
+optimizer built afterwards holds 1/N of every block's state); the non-block group stays whole
+(replicated: its gradients are averaged as in the replicate mode). The device side is unchanged: a
+slot holds a block's full compute copy, param-major, and ``bind`` views it.
+
+``stage`` (a block): cast the shard on the host lane, one H2D of 1/N of the block, an all-gather of
+the ranks' shards on the devices into a rank-major buffer, and a copy-out into the slot.
+``send_grads`` (a block): the slot's gradients copied into rank-major order, a reduce-scatter (sum),
+divided by the world size (DDP's average), one D2H of this rank's shard; ``finish_grads`` then
+accumulates it into the shard's host ``.grad`` on the host lane as for any group. Which parameters a
+gradient reached is the union over the ranks (one small all-reduce of flags), as under DDP.
+
+This first version runs the collectives on the calling thread in program order (every rank stages and
+sends the same groups in the same order, so they match) and waits for the shard's H2D before the
+all-gather: exact, not yet overlapped. Clip norms from ``grad_norms`` are per shard; a global norm
+needs their squares summed across ranks (not done here: the strategy's side, open).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_lazytrain.engine.copy_engine import CopyHandle
+from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads, _Param
+from lightning_lazytrain.engine.shard_layout import ShardLayout
+
+__all__ = ["ShardedParamStore"]
+
+
+class ShardedParamStore(ParamStore):
+    """``ParamStore`` with every block's host state sharded over ``group`` (default: the world)."""
+
+    def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedParamStore needs an initialised torch.distributed process group")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.collective_bytes = {"gather": 0, "reduce": 0}  # what this rank sent per collective kind
+        super().__init__(*args, **kwargs)
+
+    # ---- the host layout ------------------------------------------------------------------------
+    def _make_layouts(self) -> dict[int, ShardLayout]:
+        return {gid: ShardLayout([i.shape for i in g.params], [i.offset for i in g.params], self.world)
+                for gid, g in self._groups.items() if gid != REST}
+
+    def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: _Param) -> None:
+        layout = self._layouts.get(self._gid_of(info))
+        if layout is None:
+            view.copy_(full)
+            return
+        spec = layout.specs[self._index[id(info)]]
+        start, stop = spec.owned_rows(self.rank)
+        rows = view.reshape(spec.rows_per_rank, spec.row_numel)
+        rows.zero_()
+        if stop > start:
+            rows[: stop - start].copy_(full.reshape(spec.rows, spec.row_numel)[start:stop])
+
+    # ---- weights ----------------------------------------------------------------------------
+    def stage(self, layer: int, slot: int | None = None, *, part: int | None = None) -> CopyHandle:
+        if layer not in self._layouts:
+            return super().stage(layer, slot, part=part)
+        if part is not None:
+            raise ValueError("a sharded block is staged whole")
+        g, s = self._group(layer), self._slot(layer, slot)
+        if s.bound:
+            raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
+        layout = self._layouts[layer]
+        self._repair_master(g)
+        if s.weights is None:
+            self._allocate(s)
+        n = layout.shard_numel
+        src = g.master[:n]
+        after = [s.free] if s.free is not None else []
+        if s.cast is not None and g.master.dtype != s.cast.dtype:
+            src, master = s.cast[:n], g.master[:n]
+            after.append(self.engine.host(lambda: src.copy_(master), after=[s.ready] if s.ready else [],
+                                          tag=f"cast:{layer}", nbytes=master.nbytes + src.nbytes))
+        shard = torch.empty(n, dtype=self.compute_dtype, device=self.device)
+        h = self.engine.h2d(shard, src, after=after, tag=f"param:{layer}")
+        h.wait()  # first version: the all-gather follows on this thread (see the module doc)
+        gathered = torch.empty(layout.gathered_numel, dtype=self.compute_dtype, device=self.device)
+        dist.all_gather_into_tensor(gathered, shard, group=self.group)
+        self.collective_bytes["gather"] += (self.world - 1) * shard.nbytes
+        with torch.no_grad():
+            layout.gather_into(gathered, s.weights)
+        s.ready, s.gid = h, layer
+        return h
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
+        if layer not in self._layouts:
+            return super().send_grads(layer, slot, part=part)
+        if part is not None:
+            raise ValueError("a sharded block's gradients move whole")
+        g, s = self._group(layer), self._slot(layer, slot)
+        if s.gid != layer:
+            raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
+        layout = self._layouts[layer]
+        grads = self._collect_grads(s)
+        with torch.no_grad():
+            rank_major = torch.empty(layout.gathered_numel, dtype=grads.dtype, device=grads.device)
+            layout.scatter_into(grads[: g.numel], rank_major)
+            mine = torch.empty(layout.shard_numel, dtype=grads.dtype, device=grads.device)
+            dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
+            mine.div_(self.world)
+        self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
+        touched = self._touched_anywhere(g, s.touched)
+        h = self.engine.d2h(s.grad_host[: layout.shard_numel], mine,
+                            after=[s.accumulated] if s.accumulated else [], tag=f"grad:{layer}")
+        s.sending = h
+        return PendingGrads(layer, s, h, touched)
+
+    def _touched_anywhere(self, g: Any, touched: set) -> frozenset:
+        """The parameters of ``g`` a gradient reached on any rank (DDP averages every rank's)."""
+        flags = torch.tensor([id(info) in touched for info in g.params], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flags, group=self.group)
+        return frozenset(id(info) for info, f in zip(g.params, flags.tolist()) if f)
+
+    # ---- end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish copies and give every block parameter its full value (and gradient) back: an
+        all-gather per block, collective (every rank closes), so the module is whole again, as the
+        one-process store leaves it, and a store built next (``Executor.set_schedule``) shards it afresh."""
+        if self._slots:
+            self.engine.synchronize()
+            with torch.no_grad():
+                for gid, layout in self._layouts.items():
+                    g = self._group(gid)
+                    had_grad = [info.param.grad is not None for info in g.params]
+                    full = self._gather_full(g.master, layout, g.numel)
+                    grads = self._gather_full(g.grad, layout, g.numel) if any(had_grad) else None
+                    for info, has in zip(g.params, had_grad):
+                        info.param.data = self._view(full, info)
+                        info.param.grad = self._view(grads, info) if has and grads is not None else None
+        super().close()
+
+    def _gather_full(self, shard_flat: torch.Tensor, layout: ShardLayout, numel: int) -> torch.Tensor:
+        """The param-major host buffer of a group from every rank's shard buffer (collective)."""
+        shard = shard_flat[: layout.shard_numel].to(self.device)
+        gathered = torch.empty(layout.gathered_numel, dtype=shard.dtype, device=self.device)
+        dist.all_gather_into_tensor(gathered, shard, group=self.group)
+        full = torch.zeros(numel, dtype=shard.dtype, device=self.device)
+        layout.gather_into(gathered, full)
+        return full.cpu() if full.device.type != "cpu" else full

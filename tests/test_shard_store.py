@@ -1,0 +1,128 @@
+"""The sharded data-parallel mode in the engine (issue 11; engine/shard_store.py): two gloo processes,
+each holding half of every block's host masters, train as one process with twice the batch."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.param_store import REST
+from lightning_lazytrain.models import LlamaLM
+from lightning_lazytrain.planner import ModelSpec, keep_all, megatrain, recompute_all
+
+SPEC = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, head_dim=16, vocab=256)
+STEPS = 2
+SCHEDULES = {"recompute_all": recompute_all(4), "keep_all": keep_all(4), "megatrain": megatrain(4, 2)}
+
+
+def data() -> torch.Tensor:
+    return torch.randint(0, SPEC.vocab, (4, 33), generator=torch.Generator().manual_seed(3))
+
+
+def model() -> LlamaLM:
+    torch.manual_seed(0)
+    return LlamaLM(SPEC)
+
+
+def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 1) -> tuple[list[float], dict, dict]:
+    """``STEPS`` SGD steps through the executor; with ``shard``, the non-block grads are averaged as
+    the replicate mode's GradSync does. Returns losses, the final (full) weights and host bytes moved."""
+    import torch.distributed as dist
+
+    ex = Executor(m, schedule, shard_group="world" if shard else None)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)  # after the store: block params are shards
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    losses = []
+    try:
+        for _ in range(STEPS):
+            ex.begin_microbatch()
+            loss = m.loss(tokens)
+            loss.backward()
+            stats = ex.end_microbatch()
+            if shard:
+                for p in ex.params.group_parameters(REST):
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        lane = dict(stats.lane_bytes)
+        lane["collective"] = sum(getattr(ex.params, "collective_bytes", {}).values())
+    finally:
+        ex.close()  # a sharded store gives every parameter its full value back
+    return losses, {"state": {k: v.clone() for k, v in m.state_dict().items()}, "shapes": shapes}, lane
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for name, schedule in SCHEDULES.items():
+            tokens = data()[2 * rank: 2 * rank + 2]
+            results[name] = train(model(), tokens, schedule, shard=True, world=2)
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("shard")
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_two_sharded_ranks_train_as_one_process_with_twice_the_batch(two_ranks, name):
+    ref = model()
+    tokens = data()
+    want_losses = []
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(STEPS):
+        loss = ref.loss(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+    want = ref.state_dict()
+    for r in range(2):
+        losses, weights, _ = two_ranks[r][name]
+        # the ranks' shard shapes were halves of the block parameters while training
+        assert any(shape[0] < want[n].shape[0] for n, shape in weights["shapes"].items() if "layers." in n)
+        for k, v in weights["state"].items():
+            assert v.shape == want[k].shape, k
+            torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-6, msg=k)
+    for step in range(STEPS):  # the two halves' mean losses average to the whole batch's
+        mean = (two_ranks[0][name][0][step] + two_ranks[1][name][0][step]) / 2
+        assert mean == pytest.approx(want_losses[step], rel=1e-6)
+
+
+def test_each_rank_moves_half_of_the_block_weights_over_its_link(two_ranks):
+    """The H2D of a sharded rank is the non-block weights plus half of every block fetch (its
+    shard), against one process moving whole blocks; the other half arrives by the all-gather."""
+    for name, schedule in SCHEDULES.items():
+        m = model()
+        _, _, lane_full = train(m, data()[:2], schedule, shard=False)
+        for r in range(2):
+            lane = two_ranks[r][name][2]
+            assert lane["h2d"] < 0.75 * lane_full["h2d"], (name, lane, lane_full)
+            assert lane["d2h"] < 0.75 * lane_full["d2h"], (name, lane, lane_full)
+            assert lane["collective"] > 0
