@@ -131,6 +131,8 @@ class GradSync:
 
     def _submit(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
         assert self._queue is not None
+        if params.sharded(layer):  # averaged by its reduce-scatter (engine/shard_store.py)
+            return
         with self._lock:
             self._jobs += 1
             self._idle.clear()
@@ -204,7 +206,45 @@ class GradSync:
                 sq.copy_(sq_sum(fresh.values()))
 
     def _layers(self, params: ParamStore) -> list[int]:
-        return [REST, *range(params.num_layers)]
+        """The groups whose host state every rank holds whole (a sharded block's is averaged by its
+        reduce-scatter and was broadcast before it was sharded: ``broadcast_module``)."""
+        return [j for j in (REST, *range(params.num_layers)) if not params.sharded(j)]
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters to every rank, before a sharded store keeps each rank's shard of them."""
+        with torch.no_grad():
+            for p in module.parameters():
+                host = p.detach().cpu() if p.device.type != "cpu" else p.data
+                dist.broadcast(host, src=0, group=self.group)
+                if host is not p.data:
+                    p.data.copy_(host)
+
+    def combine_shard_norms(self, params: ParamStore, grad_norms: dict[int, dict[torch.nn.Parameter, torch.Tensor]],
+                            sq_norms: dict[int, torch.Tensor] | None = None) -> None:
+        """Sharded groups: each parameter's gradient norm over the whole parameter, from every rank's
+        norm of its shard (the square root of the sum of their squares: one all-reduce per step), into
+        the executor's objects, as clipping needs them. Groups no rank has norms for are left alone."""
+        groups = [j for j in range(params.num_layers) if params.sharded(j) and j in grad_norms]
+        if not groups:
+            return
+        plist = [(j, p) for j in groups for p in params.group_parameters(j)]
+        sq = torch.tensor([float(grad_norms[j][p]) ** 2 if p in grad_norms[j] else 0.0 for j, p in plist],
+                          dtype=torch.float64)
+        has = torch.tensor([p.grad is not None for _, p in plist], dtype=torch.int32)
+        dist.all_reduce(sq, group=self.group)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
+        for j in groups:
+            grad_norms[j].clear()
+        for (j, p), v, h in zip(plist, sq.tolist(), has.tolist()):
+            if h:
+                grad_norms[j][p] = torch.tensor(v ** 0.5, dtype=torch.float32)
+        if sq_norms is not None:
+            for j in groups:
+                fresh = sq_sum(grad_norms[j].values())
+                if j in sq_norms:
+                    sq_norms[j].copy_(fresh)  # the executor's own object, as _average_group refreshes it
+                else:
+                    sq_norms[j] = fresh
 
     def broadcast_state(self, params: ParamStore, module: torch.nn.Module) -> None:
         """Every rank starts from rank 0's weights and buffers (DDP broadcasts them at wrap time)."""

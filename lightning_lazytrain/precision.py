@@ -34,8 +34,15 @@ class LazyTrainPrecision:
         from lightning_lazytrain.optim import HybridAdamW
 
         inner = getattr(optimizer, "optimizer", optimizer)
-        if isinstance(inner, HybridAdamW) and GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.NORM:
+        norm = GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.NORM
+        if isinstance(inner, HybridAdamW) and norm:
             inner.max_grad_norm = float(clip_val) if clip_val and clip_val > 0 else None
+            return
+        sharded = getattr(self, "_sharded_clip", None)  # the strategy, with data_parallel="shard"
+        if norm and clip_val and clip_val > 0 and sharded is not None:
+            # a norm over this rank's tensors would be over its shards: the clip with the norm of the
+            # whole gradients, as DDP's (strategy.py, LazyTrainStrategy.clip_sharded)
+            sharded.clip_sharded(optimizer, float(clip_val))
             return
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 

@@ -106,7 +106,8 @@ class LazyTrainStrategy(ParallelStrategy):
                  device: str | torch.device | None = None, accelerator: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
-                 overlap_grad_sync: bool = True, nonblock_parts: bool = True) -> None:
+                 overlap_grad_sync: bool = True, nonblock_parts: bool = True,
+                 data_parallel: str = "replicate") -> None:
         # imported here: checkpoint_io imports Lightning, whose import registers this module (a
         # module-level import would be circular when checkpoint_io is imported first)
         from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
@@ -131,6 +132,10 @@ class LazyTrainStrategy(ParallelStrategy):
         self.grad_sync: Any = None  # distributed.GradSync with several processes
         self.overlap_grad_sync = bool(overlap_grad_sync)
         self.nonblock_parts = bool(nonblock_parts)
+        if data_parallel not in ("replicate", "shard"):
+            raise ValueError(f"data_parallel={data_parallel!r}: use 'replicate' (every process holds all host "
+                             "state) or 'shard' (each holds 1/N of every block's; experimental, no checkpoints)")
+        self.data_parallel = data_parallel
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)
@@ -308,9 +313,13 @@ class LazyTrainStrategy(ParallelStrategy):
             raise ValueError(f"plan file {self.policy} is for {self._fixed_schedule.num_layers} layers, but the "
                              f"block stack {stack.path!r} has {L_provisional}: plan for this model")
         provisional = min_memory(L_provisional) if device.type == "cuda" else recompute_all(L_provisional)
+        shard = self.grad_sync is not None and self.data_parallel == "shard"
+        if shard:  # rank 0's start (as DDP), before each rank keeps its shard of it
+            self.grad_sync.broadcast_module(module)
+            self.precision_plugin._sharded_clip = self  # non-HybridAdamW norm clipping (precision.py)
         self.executor = Executor(module, provisional, blocks=stack, device=device,
                                  compute_dtype=_COMPUTE_DTYPE.get(precision, torch.float32), nvme_dir=self.nvme_dir,
-                                 links=links)
+                                 links=links, shard_group="world" if shard else None)
         if hasattr(module, "_device"):  # LightningModule.device: where its computation runs
             module._device = device
         if self.grad_sync is not None:
@@ -331,6 +340,12 @@ class LazyTrainStrategy(ParallelStrategy):
         self.model_to_device()
         self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.is_distributed and self.data_parallel == "shard":  # before the first optimizer step
+                if trainer.checkpoint_callbacks:
+                    raise ValueError(self._SHARD_NO_CHECKPOINTS)
+                if not self.lightning_module.automatic_optimization:
+                    raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
+                                     "only so far: use data_parallel='replicate' with manual optimization")
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
             self._set_rest_parts()
         self.setup_precision_plugin()
@@ -360,6 +375,31 @@ class LazyTrainStrategy(ParallelStrategy):
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = precision_plugin
+
+    def clip_sharded(self, optimizer: Any, max_norm: float) -> None:
+        """``clip_grad_norm_`` over ``optimizer``'s parameters when blocks are sharded: the squared
+        norms of this rank's shards are summed over the ranks (one all-reduce), the whole non-block
+        parameters' counted once; then every gradient (shard or whole) is scaled as torch does."""
+        assert self.executor is not None and self.executor.params is not None and self.grad_sync is not None
+        store = self.executor.params
+        sharded = {id(p) for j in range(store.num_layers) if store.sharded(j) for p in store.group_parameters(j)}
+        grads = [(id(p) in sharded, p.grad) for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        with torch.no_grad():
+            sq = torch.zeros(2, dtype=torch.float64)
+            for is_shard, g in grads:
+                sq[0 if is_shard else 1] += g.detach().double().square().sum()
+            part = sq[:1].clone()
+            torch.distributed.all_reduce(part, group=self.grad_sync.group)
+            total = float((part[0] + sq[1]).sqrt())
+            coef = min(max_norm / (total + 1e-6), 1.0)
+            for _, g in grads:
+                g.mul_(coef)
+
+    _SHARD_NO_CHECKPOINTS = (
+        "LazyTrainStrategy(data_parallel='shard') does not write checkpoints yet (each process holds a shard "
+        "of every block's weights and optimizer state, which the checkpoint formats do not describe): train "
+        "with Trainer(enable_checkpointing=False), or use data_parallel='replicate'")
 
     def _plan_pipelined_steps(self) -> None:
         """With a HybridAdamW whose layers follow the blocks, the plan's ``pipelined`` optimizer runs
@@ -467,6 +507,8 @@ class LazyTrainStrategy(ParallelStrategy):
         directory through DCP, atomically (``sharded_checkpoint.py``). Otherwise rank 0 writes the
         whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
         self._finish_optimizer_steps()
+        if self.is_distributed and self.data_parallel == "shard":
+            raise NotImplementedError(self._SHARD_NO_CHECKPOINTS)
         if self._sharded_checkpoint(filepath, storage_options):
             from lightning_lazytrain.sharded_checkpoint import save_sharded
 
@@ -566,6 +608,9 @@ class LazyTrainStrategy(ParallelStrategy):
             # the collective lane's bytes, in the planner's unit (distributed.py, Note: [collective bytes])
             stats.lane_bytes["collective"] = self.grad_sync.average_grads(ex.params, stats.grad_norms,
                                                                            stats.layer_sq_norms)
+            # sharded blocks (their average came with the reduce-scatter): per-parameter norms of the
+            # whole gradients from every rank's shard norms
+            self.grad_sync.combine_shard_norms(ex.params, stats.grad_norms, stats.layer_sq_norms)
         profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1
         if profiled:
             # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
@@ -627,7 +672,8 @@ class LazyTrainStrategy(ParallelStrategy):
 
     def _watch_drift(self) -> None:
         """After a planned step: has the run drifted from the plan? (decided on rank 0 for all)"""
-        if self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason:
+        if (self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason
+                or self.data_parallel == "shard"):  # its plan does not price the sharded collectives yet
             return
         reason = None
         if self.is_global_zero:
@@ -735,7 +781,14 @@ class LazyTrainStrategy(ParallelStrategy):
         # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
         # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
         mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
-        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
+        rank = measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
+        if self.data_parallel == "shard":  # only the non-block group is all-reduced on the host; the
+            # blocks' all-gather / reduce-scatter are not priced yet (the engine runs them in line)
+            from dataclasses import replace
+
+            rank = replace(rank, layers=tuple(replace(layer, allreduce_seconds=0.0, allreduce_bytes=0.0)
+                                              for layer in rank.layers))
+        return rank
 
     def _hardware(self) -> Hardware:
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan

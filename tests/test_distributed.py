@@ -225,3 +225,41 @@ def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpoint, match="__1_0.distcp.*CRC"):
         load_sharded(ckpt)
+
+
+@pytest.mark.parametrize("policy, accum, clip, optimizer", [
+    ("milp", 1, None, "sgd"),
+    ("megatrain", 2, 0.5, "sgd"),
+    ("recompute_all", 2, 0.5, "hybrid"),
+])
+def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer):
+    """``data_parallel="shard"`` (engine/shard_store.py): each rank holds half of every block's host
+    masters, gradients and optimizer state; the run equals one rank with twice the batch to 1e-6 (the
+    reduce-scatter averages each micro-batch, DDP each step: the same sums in another order)."""
+    b, steps = 2, 3
+    common = dict(batch=b, steps=steps, accum=accum, clip=clip, optimizer=optimizer, same_init=False)
+    (tmp_path / "shard").mkdir()
+    run = launch(tmp_path / "shard", policy=policy, data_parallel="shard", **common)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    losses, weights = outputs(tmp_path / "shard")
+    ddp_weights = None
+    if optimizer != "sgd":  # Adam divides rounding-level differences of tiny gradients by their own
+        (tmp_path / "ddp").mkdir()  # size: DDP's own distance from one rank is the bound there
+        ddp = launch(tmp_path / "ddp", strategy="auto", **common)
+        assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-5000:]
+        ddp_weights = outputs(tmp_path / "ddp")[1]
+    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "accum": accum, "clip": clip,
+                           "strategy": "auto", "optimizer": optimizer, "same_init": False, "union_of": 2})
+    torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():
+        assert weights[name].shape == value.shape, name  # whole again after the run
+        slack = (ddp_weights[name] - value).norm() if ddp_weights is not None else 0.0
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
+
+
+def test_sharded_ranks_refuse_checkpoints_before_the_first_step(tmp_path):
+    run = launch(tmp_path, batch=2, steps=2, data_parallel="shard", save=str(tmp_path / "last.ckpt"))
+    assert run.returncode != 0
+    assert "data_parallel='shard') does not write checkpoints yet" in run.stderr + run.stdout
+    assert not (tmp_path / "losses_rank0.json").exists()

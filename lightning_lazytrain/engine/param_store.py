@@ -256,6 +256,10 @@ class ParamStore:
         """Group id -> the ``ShardLayout`` of a group whose host masters are this rank's shard."""
         return {}
 
+    def sharded(self, layer: int) -> bool:
+        """Does this process hold only its shard of group ``layer``'s host state?"""
+        return layer in self._layouts
+
     def _host_numel(self, g: _Group) -> int:
         """Elements of the group's host master, host grad and host staging (its shard, if sharded)."""
         return self._layouts[g.gid].shard_numel if g.gid in self._layouts else g.numel
