@@ -1,8 +1,10 @@
 """Several devices for ``LazyTrainStrategy``: one process per device, data parallel.
 
 Note: [replicate mode]
-    Today every rank streams whole blocks from its own host copy of the masters and optimizer
-    states (the issue's ``replicate`` mode; sharding them across a node's ranks is the next step).
+    By default every rank streams whole blocks from its own host copy of the masters and optimizer
+    states (the issue's ``replicate`` mode; ``LazyTrainStrategy(data_parallel="shard")`` shards the
+    blocks' host state instead, engine/shard_store.py, and this class then averages only the groups
+    every rank holds whole, and combines the sharded blocks' clip norms).
     What makes it train as DDP does:
 
     - the same start: rank 0's masters and buffers are broadcast when the executor is built;

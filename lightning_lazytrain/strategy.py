@@ -89,6 +89,10 @@ class LazyTrainStrategy(ParallelStrategy):
             the backward (``distributed.py``: Note: [overlapped all-reduce]; bit-identical; the plan
             is made for the planner's ``replicate_overlap`` mode, else ``replicate``). Only with
             automatic optimization.
+        data_parallel: with several processes, ``"replicate"`` (each holds all host state; every
+            group's host gradients all-reduced) or ``"shard"`` (experimental: each holds 1/N of every
+            block's host masters, gradients and optimizer state; engine/shard_store.py; no
+            checkpoints or manual optimization yet, refused before the first step).
         nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
             (``CausalLMModule``: ``embed``, ``head``): the step's tail moves, updates and stages them
             part by part, each part's transfers under the next part's host work (Note: [non-block
