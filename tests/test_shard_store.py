@@ -59,6 +59,18 @@ def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 
     return losses, {"state": {k: v.clone() for k, v in m.state_dict().items()}, "shapes": shapes}, lane
 
 
+def bf16_grads(m: LlamaLM, tokens: torch.Tensor, shard: bool) -> dict[str, torch.Tensor]:
+    """One micro-batch with bf16 compute copies: the host (fp32) gradient of every parameter."""
+    ex = Executor(m, recompute_all(4), compute_dtype=torch.bfloat16, shard_group="world" if shard else None)
+    try:
+        ex.begin_microbatch()
+        m.loss(tokens).backward()
+        ex.end_microbatch()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    finally:
+        ex.close()  # gathers weights and grads whole again; the copies above are this rank's shards
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -70,6 +82,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for name, schedule in SCHEDULES.items():
             tokens = data()[2 * rank: 2 * rank + 2]
             results[name] = train(model(), tokens, schedule, shard=True, world=2)
+        results["bf16_grads"] = bf16_grads(model(), data()[2 * rank: 2 * rank + 2], shard=True)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -126,3 +139,24 @@ def test_each_rank_moves_half_of_the_block_weights_over_its_link(two_ranks):
             assert lane["h2d"] < 0.75 * lane_full["h2d"], (name, lane, lane_full)
             assert lane["d2h"] < 0.75 * lane_full["d2h"], (name, lane, lane_full)
             assert lane["collective"] > 0
+
+
+def test_sharded_16_bit_gradients_are_averaged_in_fp32(two_ranks):
+    """With bf16 compute copies each rank's device gradients are bf16; the sharded mode widens them
+    before the reduce-scatter, so a block's host shard gradient is exactly the fp32 average of the two
+    ranks' widened gradients, as the replicate mode (and DDP, in fp32) computes it."""
+    from lightning_lazytrain.engine.shard_layout import ShardLayout
+
+    per_rank = [bf16_grads(model(), data()[2 * r: 2 * r + 2], shard=False) for r in range(2)]
+    for r in range(2):
+        got = two_ranks[r]["bf16_grads"]
+        for name, g in got.items():
+            if "layers." not in name:
+                continue
+            full = (per_rank[0][name] + per_rank[1][name]) / 2
+            layout = ShardLayout([full.shape], [0], 2)
+            spec = layout.specs[0]
+            start, stop = spec.owned_rows(r)
+            want = full.reshape(spec.rows, -1)[start:stop]
+            assert g.dtype == torch.float32
+            assert torch.equal(g.reshape(spec.rows_per_rank, -1)[: stop - start], want), name

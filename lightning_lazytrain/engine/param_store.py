@@ -197,12 +197,17 @@ class ParamStore:
         # copies are filled straight from the masters).
         cast = compute_dtype != torch.float32 and any(g.dtype != compute_dtype for g in groups)
         e = esize[compute_dtype]
-        self._staging_arena = HostArena.for_sizes([n * e for n in host_sizes] * (2 if cast else 1), pin=pin,
+        # the gradient landing buffers: compute dtype, except a sharded store's block slots (its
+        # reduce-scatter averages in the masters' dtype: _landing_dtype)
+        land = [self._landing_dtype(k < num_slots) for k in range(len(host_sizes))]
+        le = [torch.empty((), dtype=dt).element_size() for dt in land]
+        self._staging_arena = HostArena.for_sizes([n * x for n, x in zip(host_sizes, le)]
+                                                  + ([n * e for n in host_sizes] if cast else []), pin=pin,
                                                   name="staging")
         lazy = set(lazy_slots)
         if not lazy <= set(range(num_slots)):
             raise ValueError(f"lazy_slots must be in 0..{num_slots - 1}, got {sorted(lazy)}")
-        self._slots = [self._new_slot(n, cast, lazy=k in lazy, host_numel=h)
+        self._slots = [self._new_slot(n, cast, lazy=k in lazy, host_numel=h, landing=land[k])
                        for k, (n, h) in enumerate(zip(sizes, host_sizes))]
 
     # ---- construction ----------------------------------------------------
@@ -256,6 +261,10 @@ class ParamStore:
         """Group id -> the ``ShardLayout`` of a group whose host masters are this rank's shard."""
         return {}
 
+    def _landing_dtype(self, block_slot: bool) -> torch.dtype:
+        """The dtype of a slot's gradient landing buffer (the D2H's destination)."""
+        return self.compute_dtype
+
     def sharded(self, layer: int) -> bool:
         """Does this process hold only its shard of group ``layer``'s host state?"""
         return layer in self._layouts
@@ -298,13 +307,14 @@ class ParamStore:
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, cast: bool, *, lazy: bool = False, host_numel: int | None = None) -> _Slot:
+    def _new_slot(self, numel: int, cast: bool, *, lazy: bool = False, host_numel: int | None = None,
+                  landing: torch.dtype | None = None) -> _Slot:
         # Device gradient buffers are allocated at the first bind with grads: a slot used only for
         # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
         # staging comes from the staging arena, so no pinned allocation happens mid-step.
         dt, arena = self.compute_dtype, self._staging_arena
         host_numel = numel if host_numel is None else host_numel
-        grad_host = arena.take(host_numel, dt)
+        grad_host = arena.take(host_numel, landing or dt)
         s = _Slot(numel=numel, weights=None, grads=None, cast=arena.take(host_numel, dt) if cast else None,
                   grad_host=grad_host, lazy=lazy)
         if not lazy:

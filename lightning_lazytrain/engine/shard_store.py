@@ -51,6 +51,15 @@ class ShardedParamStore(ParamStore):
         return {gid: ShardLayout([i.shape for i in g.params], [i.offset for i in g.params], self.world)
                 for gid, g in self._groups.items() if gid != REST}
 
+    def _landing_dtype(self, block_slot: bool) -> torch.dtype:
+        # Gradients are averaged in the masters' dtype (fp32 unless the module is 16-bit), as the
+        # replicate mode and DDP average them: the 16-bit device gradients are widened (exactly)
+        # before the reduce-scatter, and the shard lands in that dtype.
+        if block_slot:
+            dtypes = {self._groups[j].dtype for j in self._layouts}
+            return dtypes.pop() if len(dtypes) == 1 else torch.float32
+        return self.compute_dtype
+
     def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: _Param) -> None:
         layout = self._layouts.get(self._gid_of(info))
         if layout is None:
@@ -106,9 +115,11 @@ class ShardedParamStore(ParamStore):
         layout = self._layouts[layer]
         grads = self._collect_grads(s)
         with torch.no_grad():
-            rank_major = torch.empty(layout.gathered_numel, dtype=grads.dtype, device=grads.device)
+            # in the landing dtype (the masters'): 16-bit gradients are widened, exactly, first
+            dt = s.grad_host.dtype
+            rank_major = torch.empty(layout.gathered_numel, dtype=dt, device=grads.device)
             layout.scatter_into(grads[: g.numel], rank_major)
-            mine = torch.empty(layout.shard_numel, dtype=grads.dtype, device=grads.device)
+            mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
             dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
             mine.div_(self.world)
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
