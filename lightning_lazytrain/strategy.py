@@ -344,13 +344,13 @@ class LazyTrainStrategy(ParallelStrategy):
         self.model_to_device()
         self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.is_distributed and self.data_parallel == "shard":  # before the first optimizer step
-                if trainer.checkpoint_callbacks:
-                    raise ValueError(self._SHARD_NO_CHECKPOINTS)
-                if not self.lightning_module.automatic_optimization:
-                    raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
-                                     "only so far: use data_parallel='replicate' with manual optimization")
+            shard = self.is_distributed and self.data_parallel == "shard"
+            if shard and not self.lightning_module.automatic_optimization:  # before the first step
+                raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
+                                 "only so far: use data_parallel='replicate' with manual optimization")
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
+            if shard and trainer.checkpoint_callbacks and self._eight_bit_states():
+                raise ValueError(self._SHARD_NO_CHECKPOINTS)
             self._set_rest_parts()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -401,9 +401,15 @@ class LazyTrainStrategy(ParallelStrategy):
                 g.mul_(coef)
 
     _SHARD_NO_CHECKPOINTS = (
-        "LazyTrainStrategy(data_parallel='shard') does not write checkpoints yet (each process holds a shard "
-        "of every block's weights and optimizer state, which the checkpoint formats do not describe): train "
-        "with Trainer(enable_checkpointing=False), or use data_parallel='replicate'")
+        "LazyTrainStrategy(data_parallel='shard') does not write checkpoints of 8-bit optimizer states yet "
+        "(they are blockwise over each process's shard, with no whole form): use 32-bit states "
+        "(HybridAdamW(eight_bit='none')), Trainer(enable_checkpointing=False), or data_parallel='replicate'")
+
+    def _eight_bit_states(self) -> bool:
+        from lightning_lazytrain.optim import HybridAdamW
+
+        return any(isinstance(inner := getattr(o, "optimizer", o), HybridAdamW) and 8 in inner.assignment.values()
+                   for o in self.optimizers)
 
     def _plan_pipelined_steps(self) -> None:
         """With a HybridAdamW whose layers follow the blocks, the plan's ``pipelined`` optimizer runs
@@ -490,12 +496,39 @@ class LazyTrainStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._finish_optimizer_steps()  # the host masters may still be being updated
-        return super().lightning_module_state_dict()
+        state = super().lightning_module_state_dict()
+        store = self._shard_store()
+        if store is not None:  # every rank: the sharded parameters gathered whole (collective)
+            state = store.whole_module_state(state, self.lightning_module)
+        return state
+
+    def _shard_store(self) -> Any:
+        """The executor's ShardedParamStore (data_parallel="shard" with several processes), or None."""
+        params = self.executor.params if self.executor is not None else None
+        return params if params is not None and hasattr(params, "whole_module_state") else None
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        store = self._shard_store()
+        if store is not None:  # whole per-element states (collective); the checkpoint is world-size free
+            state = store.whole_optimizer_state(getattr(optimizer, "optimizer", optimizer), state)
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        store = self._shard_store()
+        if store is not None:  # this rank's rows of every sharded parameter
+            checkpoint = {**checkpoint, "state_dict": store.shard_module_state(checkpoint["state_dict"],
+                                                                               self.lightning_module)}
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _sharded_checkpoint(self, filepath: Any, storage_options: Any) -> bool:
         """Save ``filepath`` as a sharded directory (several processes, ``checkpoint_format="sharded"``)."""
         if self.checkpoint_format != "sharded" or not self.is_distributed or self.grad_sync is None:
+            return False
+        if self.data_parallel == "shard":  # the states are gathered whole: rank 0 writes one file
             return False
         if storage_options is not None or "://" in str(filepath):
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -511,8 +544,6 @@ class LazyTrainStrategy(ParallelStrategy):
         directory through DCP, atomically (``sharded_checkpoint.py``). Otherwise rank 0 writes the
         whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
         self._finish_optimizer_steps()
-        if self.is_distributed and self.data_parallel == "shard":
-            raise NotImplementedError(self._SHARD_NO_CHECKPOINTS)
         if self._sharded_checkpoint(filepath, storage_options):
             from lightning_lazytrain.sharded_checkpoint import save_sharded
 
@@ -537,7 +568,10 @@ class LazyTrainStrategy(ParallelStrategy):
         """As Lightning's, but the states stay where the optimizer's parameters are -- on the host --
         instead of moving to the root device (``load_state_dict`` places them, HybridAdamW keeps
         8-bit dtypes; optim/checkpoint.py)."""
+        store = self._shard_store()
         for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if store is not None:  # this rank's rows of every sharded parameter's states
+                opt_state = store.shard_optimizer_state(getattr(optimizer, "optimizer", optimizer), opt_state)
             optimizer.load_state_dict(opt_state)
 
     # ---- training -----------------------------------------------------------------------------

@@ -258,8 +258,41 @@ def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, 
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
-def test_sharded_ranks_refuse_checkpoints_before_the_first_step(tmp_path):
-    run = launch(tmp_path, batch=2, steps=2, data_parallel="shard", save=str(tmp_path / "last.ckpt"))
+def test_sharded_ranks_refuse_8_bit_checkpoints_before_the_first_step(tmp_path):
+    run = launch(tmp_path, batch=2, steps=2, data_parallel="shard", optimizer="hybrid8",
+                 save=str(tmp_path / "last.ckpt"))
     assert run.returncode != 0
-    assert "data_parallel='shard') does not write checkpoints yet" in run.stderr + run.stdout
+    assert "data_parallel='shard') does not write checkpoints of 8-bit optimizer states" in run.stderr + run.stdout
     assert not (tmp_path / "losses_rank0.json").exists()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "hybrid"])
+def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, optimizer):
+    """``data_parallel="shard"``: the checkpoint holds every tensor whole (gathered, one file from
+    rank 0), so 2 sharded ranks resume bit-identically and one process (replicate: whole host state)
+    resumes it as the same training (to 1e-6)."""
+    b = 2
+    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False, optimizer=optimizer, data_parallel="shard")
+    for d in ("full", "first", "second"):
+        (tmp_path / d).mkdir()
+    ckpt = tmp_path / "epoch0.ckpt"
+    for run in (launch(tmp_path / "full", steps=4, **common),
+                launch(tmp_path / "first", steps=2, save=str(ckpt), **common),
+                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert ckpt.is_file()
+    saved = torch.load(ckpt, weights_only=False)
+    ref_shapes = {k: v.shape for k, v in _script().Net({}).state_dict().items()}
+    assert {k: v.shape for k, v in saved["state_dict"].items()} == ref_shapes  # whole tensors
+    full_losses, full = outputs(tmp_path / "full")
+    first_losses, _ = outputs(tmp_path / "first")
+    second_losses, resumed = outputs(tmp_path / "second")
+    for r in range(2):
+        assert first_losses[r] + second_losses[r] == full_losses[r]
+    for name, value in full.items():
+        assert torch.equal(resumed[name], value), name
+    one = _script().train({"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain",
+                           "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt),
+                           "optimizer": optimizer})
+    ours = [(x + y) / 2 for x, y in zip(*second_losses)]
+    torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(ours), rtol=1e-6, atol=0.0)

@@ -161,3 +161,95 @@ class ShardedParamStore(ParamStore):
         full = torch.zeros(numel, dtype=shard.dtype, device=self.device)
         layout.gather_into(gathered, full)
         return full.cpu() if full.device.type != "cpu" else full
+
+    # ---- checkpoints: whole tensors out, this rank's rows in ------------------------------------
+    def _sharded_infos(self) -> dict[int, _Param]:
+        """id(parameter) -> its record, for every parameter of a sharded group."""
+        return {id(info.param): info for gid in self._layouts for info in self._group(gid).params}
+
+    def _whole(self, shard: torch.Tensor, info: _Param) -> torch.Tensor:
+        """A full-shaped tensor from every rank's shard-shaped ``shard`` of parameter ``info``
+        (collective: every rank calls it for the same parameters in the same order)."""
+        layout = ShardLayout([info.shape], [0], self.world)
+        flat = torch.zeros(layout.shard_numel, dtype=shard.dtype)
+        flat[: shard.numel()] = shard.detach().reshape(-1).cpu()
+        return self._gather_full(flat, layout, info.numel).view(info.shape).clone()
+
+    def _rows(self, full: torch.Tensor, info: _Param) -> torch.Tensor:
+        """This rank's shard (``(k, *rest)``, padding rows zero) of a full-shaped tensor."""
+        layout = self._layouts[self._gid_of(info)]
+        spec = layout.specs[self._index[id(info)]]
+        out = torch.zeros((spec.rows_per_rank, *spec.shape[1:]) if len(spec.shape) else (spec.rows_per_rank,),
+                          dtype=full.dtype)
+        self._fill_host(out, full.to(out.device), info)
+        return out
+
+    def whole_module_state(self, state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+        """``module``'s state dict with every sharded parameter's entry whole (collective)."""
+        infos = self._sharded_infos()
+        out = dict(state)
+        for name, p in module.named_parameters():
+            info = infos.get(id(p))
+            if info is not None and name in out:
+                out[name] = self._whole(p.data, info)
+        return out
+
+    def shard_module_state(self, state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+        """A whole state dict with every sharded parameter's entry cut to this rank's rows."""
+        infos = self._sharded_infos()
+        out = dict(state)
+        for name, p in module.named_parameters():
+            info = infos.get(id(p))
+            if info is not None and name in out and tuple(out[name].shape) == tuple(info.shape):
+                out[name] = self._rows(out[name], info)
+        return out
+
+    def _optimizer_params(self, optimizer: Any, state: dict[str, Any]) -> dict[Any, torch.nn.Parameter]:
+        """The optimizer state dict's parameter ids -> the optimizer's parameters (torch's order)."""
+        ids: dict[Any, torch.nn.Parameter] = {}
+        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+            ids.update(zip(saved["params"], group["params"]))
+        return ids
+
+    def whole_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with every sharded parameter's per-element state whole
+        (collective). 8-bit states (blockwise over the shard) have no whole form: refused."""
+        infos = self._sharded_infos()
+        params = self._optimizer_params(optimizer, state)
+        new_state = {}
+        for pid in sorted(state["state"]):  # the same order on every rank (the gathers are collective)
+            st = state["state"][pid]
+            p = params.get(pid)
+            info = infos.get(id(p)) if p is not None else None
+            if info is None:
+                new_state[pid] = st
+                continue
+            whole = {}
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.ndim and tuple(value.shape) == tuple(p.shape):
+                    whole[key] = self._whole(value, info)
+                elif isinstance(value, torch.Tensor) and value.numel() > 1:
+                    raise NotImplementedError(
+                        f"optimizer state {key!r} of {info.name} ({tuple(value.shape)}, {value.dtype}) is not "
+                        "per element of the shard (8-bit states are blockwise over it): a checkpoint of "
+                        "data_parallel='shard' holds 32-bit states only")
+                else:
+                    whole[key] = value
+            new_state[pid] = whole
+        return {**state, "state": new_state}
+
+    def shard_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """A whole optimizer state dict with every sharded parameter's per-element state cut to this
+        rank's rows (a checkpoint from any number of processes, one included)."""
+        infos = self._sharded_infos()
+        params = self._optimizer_params(optimizer, state)
+        new_state = {}
+        for pid, st in state["state"].items():
+            p = params.get(pid)
+            info = infos.get(id(p)) if p is not None else None
+            if info is None:
+                new_state[pid] = st
+                continue
+            new_state[pid] = {key: self._rows(v, info) if isinstance(v, torch.Tensor) and v.ndim
+                              and tuple(v.shape) == tuple(info.shape) else v for key, v in st.items()}
+        return {**state, "state": new_state}
