@@ -313,15 +313,16 @@ def run_plain(model: torch.nn.Module, batches, device: str, lr: float = 0.05) ->
 def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir: Path,
                  lr: float = 0.05, compute_dtype: torch.dtype = torch.float32,
                  on_executor: Callable[[Any], Callable[[], None] | None] | None = None,
-                 on_stats: Callable[[Any, Any], None] | None = None) -> RunResult:
+                 on_stats: Callable[[Any, Any], None] | None = None, **executor_kwargs: Any) -> RunResult:
     """The same training through the executor (fp32 compute unless ``compute_dtype``: 16-bit
     compute copies of the fp32 masters, cast on the host lane; host SGD on the masters).
     ``on_executor(ex)`` runs once the executor is built (it may return a cleanup, run before the
-    executor closes); ``on_stats(ex, stats)`` after each step's last micro-batch, before the step."""
+    executor closes); ``on_stats(ex, stats)`` after each step's last micro-batch, before the step.
+    ``executor_kwargs`` go to the ``Executor`` (e.g. ``shard_group``)."""
     from lightning_lazytrain.engine.executor import Executor
 
     m = copy.deepcopy(model)
-    ex = Executor(m, schedule, device=device, nvme_dir=workdir, compute_dtype=compute_dtype)
+    ex = Executor(m, schedule, device=device, nvme_dir=workdir, compute_dtype=compute_dtype, **executor_kwargs)
     cleanup = on_executor(ex) if on_executor is not None else None
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     r = RunResult()

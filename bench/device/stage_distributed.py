@@ -7,7 +7,9 @@ with ``GradSync`` attached (every group handed to the collective thread as its s
 accumulation lands, averaged over the one rank, its norms taken again), and the same without it.
 With one rank the average is the identity, so every loss, gradient and parameter must be bitwise
 equal; every group must have been averaged on the thread (``GradSync.overlapped``), and no byte
-counted on the collective lane (one rank moves none). Also checks that NCCL moves a CUDA tensor
+counted on the collective lane (one rank moves none). The sharded mode's store
+(``Executor(shard_group="world")``: all-gather per fetch, reduce-scatter per gradient copy, on the
+default group) must train bitwise as the plain one, with fp32 and bf16 compute copies. Also checks that NCCL moves a CUDA tensor
 (a broadcast and an all-reduce on the default group). What it cannot show: several GPUs.
 """
 
@@ -84,6 +86,18 @@ def body(st: Stage, args: argparse.Namespace) -> None:
                      f"{name}: groups averaged on the collective thread per step {overlapped}")
             st.check(all(b == 0 for b in moved), f"{name}: one rank counted collective bytes {moved}")
             st.figures[name] = {"max_rel_err": worst, "overlapped_per_step": len(overlapped[0]) if overlapped else 0}
+            # the sharded mode's store (engine/shard_store.py) on one rank: every block's fetch an
+            # all-gather, its gradients a reduce-scatter in the masters' dtype (fp32 landing buffers):
+            # with one rank the identity, so bitwise equal, in fp32 and with bf16 compute copies
+            for dtype in (torch.float32, torch.bfloat16):
+                plain = want if dtype == torch.float32 else run_executor(model, schedules[name], batches, dev,
+                                                                         args.workdir, compute_dtype=dtype)
+                sharded = run_executor(model, schedules[name], batches, dev, args.workdir, compute_dtype=dtype,
+                                       shard_group="world")
+                worst, problems = compare(sharded, plain, exact=True, tol=0.0)
+                for p in problems:
+                    st.fail(f"{name} sharded ({dtype}): {p}")
+                st.figures[f"{name}_sharded_{str(dtype).split('.')[-1]}"] = {"max_rel_err": worst}
         sync.close()
     finally:
         dist.destroy_process_group()
