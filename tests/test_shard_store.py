@@ -3,7 +3,7 @@ each holding half of every block's host masters, train as one process with twice
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 import socket
 
@@ -18,6 +18,8 @@ from lightning_lazytrain.planner import ModelSpec, keep_all, megatrain, recomput
 SPEC = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, head_dim=16, vocab=256)
 STEPS = 2
 SCHEDULES = {"recompute_all": recompute_all(4), "keep_all": keep_all(4), "megatrain": megatrain(4, 2)}
+# keep_all, then a schedule with two resident layers (more slots: the executor rebuilds its store)
+RESIDENT = dataclasses.replace(keep_all(4), resident_weights=(True, False, False, True))
 
 
 def data() -> torch.Tensor:
@@ -29,9 +31,12 @@ def model() -> LlamaLM:
     return LlamaLM(SPEC)
 
 
-def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 1) -> tuple[list[float], dict, dict]:
+def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 1,
+          switch_to=None) -> tuple[list[float], dict, dict]:
     """``STEPS`` SGD steps through the executor; with ``shard``, the non-block grads are averaged as
-    the replicate mode's GradSync does. Returns losses, the final (full) weights and host bytes moved."""
+    the replicate mode's GradSync does; ``switch_to``: the schedule after the first step (a new
+    ParamStore when its slots differ: the sharded one gathers the module whole and re-shards it).
+    Returns losses, the final (full) weights and host bytes moved."""
     import torch.distributed as dist
 
     ex = Executor(m, schedule, shard_group="world" if shard else None)
@@ -52,6 +57,10 @@ def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+            if switch_to is not None and len(losses) == 1:
+                before = ex.params
+                ex.set_schedule(switch_to)
+                assert ex.params is not before  # rebuilt
         lane = dict(stats.lane_bytes)
         lane["collective"] = sum(getattr(ex.params, "collective_bytes", {}).values())
     finally:
@@ -83,6 +92,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             tokens = data()[2 * rank: 2 * rank + 2]
             results[name] = train(model(), tokens, schedule, shard=True, world=2)
         results["bf16_grads"] = bf16_grads(model(), data()[2 * rank: 2 * rank + 2], shard=True)
+        results["rebuild"] = train(model(), data()[2 * rank: 2 * rank + 2], keep_all(4), shard=True, world=2,
+                                   switch_to=RESIDENT)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -103,7 +114,7 @@ def two_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [*SCHEDULES, "rebuild"])
 def test_two_sharded_ranks_train_as_one_process_with_twice_the_batch(two_ranks, name):
     ref = model()
     tokens = data()
