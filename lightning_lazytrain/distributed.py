@@ -226,7 +226,7 @@ class GradSync:
         """Sharded groups: each parameter's gradient norm over the whole parameter, from every rank's
         norm of its shard (the square root of the sum of their squares: one all-reduce per step), into
         the executor's objects, as clipping needs them. Groups no rank has norms for are left alone."""
-        groups = [j for j in range(params.num_layers) if params.sharded(j) and j in grad_norms]
+        groups = [j for j in (REST, *range(params.num_layers)) if params.sharded(j) and j in grad_norms]
         if not groups:
             return
         plist = [(j, p) for j in groups for p in params.group_parameters(j)]

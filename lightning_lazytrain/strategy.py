@@ -387,7 +387,8 @@ class LazyTrainStrategy(ParallelStrategy):
         parameters' counted once; then every gradient (shard or whole) is scaled as torch does."""
         assert self.executor is not None and self.executor.params is not None and self.grad_sync is not None
         store = self.executor.params
-        sharded = {id(p) for j in range(store.num_layers) if store.sharded(j) for p in store.group_parameters(j)}
+        sharded = {id(p) for j in (REST_GROUP, *range(store.num_layers)) if store.sharded(j)
+                   for p in store.group_parameters(j)}
         grads = [(id(p) in sharded, p.grad) for g in optimizer.param_groups for p in g["params"]
                  if p.grad is not None]
         with torch.no_grad():

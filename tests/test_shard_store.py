@@ -33,11 +33,10 @@ def model() -> LlamaLM:
 
 def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 1,
           switch_to=None) -> tuple[list[float], dict, dict]:
-    """``STEPS`` SGD steps through the executor; with ``shard``, the non-block grads are averaged as
-    the replicate mode's GradSync does; ``switch_to``: the schedule after the first step (a new
+    """``STEPS`` SGD steps through the executor (with ``shard``, every group sharded over the
+    ``world`` ranks, the non-block one included); ``switch_to``: the schedule after the first step (a new
     ParamStore when its slots differ: the sharded one gathers the module whole and re-shards it).
     Returns losses, the final (full) weights and host bytes moved."""
-    import torch.distributed as dist
 
     ex = Executor(m, schedule, shard_group="world" if shard else None)
     opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)  # after the store: block params are shards
@@ -49,11 +48,6 @@ def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 
             loss = m.loss(tokens)
             loss.backward()
             stats = ex.end_microbatch()
-            if shard:
-                for p in ex.params.group_parameters(REST):
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad.div_(world)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())

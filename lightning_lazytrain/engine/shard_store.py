@@ -1,15 +1,15 @@
 """``ShardedParamStore``: a ``ParamStore`` whose block masters are this rank's shard (issue 11, the
 sharded data-parallel mode; layout in ``shard_layout.py``, design in docs/ARCHITECTURE.md).
 
-Every block parameter's host master, host gradient and optimizer-facing ``param.data`` become this
-rank's dim-0 shard (``param.data`` is re-pointed to it, so the Parameter objects stay the same and an
-optimizer built afterwards holds 1/N of every block's state); the non-block group stays whole
-(replicated: its gradients are averaged as in the replicate mode). The device side is unchanged: a
-slot holds a block's full compute copy, param-major, and ``bind`` views it.
+Every parameter's host master, host gradient and optimizer-facing ``param.data`` become this rank's
+dim-0 shard (``param.data`` is re-pointed to it, so the Parameter objects stay the same and an
+optimizer built afterwards holds 1/N of every group's state), the non-block group's (embedding,
+final norm, head) as every block's. The device side is unchanged: a slot holds a group's full
+compute copy, param-major, and ``bind`` views it.
 
-``stage`` (a block): cast the shard on the host lane, one H2D of 1/N of the block, an all-gather of
+``stage`` (any group): cast the shard on the host lane, one H2D of 1/N of the block, an all-gather of
 the ranks' shards on the devices into a rank-major buffer, and a copy-out into the slot.
-``send_grads`` (a block): the slot's gradients copied into rank-major order, a reduce-scatter (sum),
+``send_grads`` (any group): the slot's gradients copied into rank-major order, a reduce-scatter (sum),
 divided by the world size (DDP's average), one D2H of this rank's shard; ``finish_grads`` then
 accumulates it into the shard's host ``.grad`` on the host lane as for any group. Which parameters a
 gradient reached is the union over the ranks (one small all-reduce of flags), as under DDP.
@@ -48,17 +48,20 @@ class ShardedParamStore(ParamStore):
 
     # ---- the host layout ------------------------------------------------------------------------
     def _make_layouts(self) -> dict[int, ShardLayout]:
+        # every group, the non-block one (embedding, final norm, head) included: its host state is
+        # the largest of all at large vocabularies
         return {gid: ShardLayout([i.shape for i in g.params], [i.offset for i in g.params], self.world)
-                for gid, g in self._groups.items() if gid != REST}
+                for gid, g in self._groups.items() if g.params}
 
     def _landing_dtype(self, block_slot: bool) -> torch.dtype:
         # Gradients are averaged in the masters' dtype (fp32 unless the module is 16-bit), as the
         # replicate mode and DDP average them: the 16-bit device gradients are widened (exactly)
         # before the reduce-scatter, and the shard lands in that dtype.
-        if block_slot:
-            dtypes = {self._groups[j].dtype for j in self._layouts}
-            return dtypes.pop() if len(dtypes) == 1 else torch.float32
-        return self.compute_dtype
+        groups = [j for j in self._layouts if (j != REST) == block_slot]
+        if not groups:
+            return self.compute_dtype
+        dtypes = {self._groups[j].dtype for j in groups}
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
     def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: _Param) -> None:
         layout = self._layouts.get(self._gid_of(info))
@@ -77,7 +80,7 @@ class ShardedParamStore(ParamStore):
         if layer not in self._layouts:
             return super().stage(layer, slot, part=part)
         if part is not None:
-            raise ValueError("a sharded block is staged whole")
+            raise ValueError("a sharded group is staged whole (no non-block parts)")
         g, s = self._group(layer), self._slot(layer, slot)
         if s.bound:
             raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
@@ -108,7 +111,7 @@ class ShardedParamStore(ParamStore):
         if layer not in self._layouts:
             return super().send_grads(layer, slot, part=part)
         if part is not None:
-            raise ValueError("a sharded block's gradients move whole")
+            raise ValueError("a sharded group's gradients move whole (no non-block parts)")
         g, s = self._group(layer), self._slot(layer, slot)
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
