@@ -2,9 +2,10 @@
 
 Note: [replicate mode]
     By default every rank streams whole blocks from its own host copy of the masters and optimizer
-    states (the issue's ``replicate`` mode; ``LazyTrainStrategy(data_parallel="shard")`` shards the
-    blocks' host state instead, engine/shard_store.py, and this class then averages only the groups
-    every rank holds whole, and combines the sharded blocks' clip norms).
+    states (the issue's ``replicate`` mode; ``LazyTrainStrategy(data_parallel="shard")`` shards every
+    group's host state instead, engine/shard_store.py, whose reduce-scatters average the gradients;
+    this class then averages only groups a rank holds whole (none), and combines the shards' clip
+    norms).
     What makes it train as DDP does:
 
     - the same start: rank 0's masters and buffers are broadcast when the executor is built;

@@ -91,7 +91,7 @@ class LazyTrainStrategy(ParallelStrategy):
             automatic optimization.
         data_parallel: with several processes, ``"replicate"`` (each holds all host state; every
             group's host gradients all-reduced) or ``"shard"`` (experimental: each holds 1/N of every
-            block's host masters, gradients and optimizer state; engine/shard_store.py; checkpoints
+            group's host masters, gradients and optimizer state; engine/shard_store.py; checkpoints
             hold every tensor whole, one file from rank 0; 8-bit states in checkpoints and manual
             optimization are refused before the first step).
         nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
