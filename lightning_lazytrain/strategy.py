@@ -648,9 +648,16 @@ class LazyTrainStrategy(ParallelStrategy):
             # the collective lane's bytes, in the planner's unit (distributed.py, Note: [collective bytes])
             stats.lane_bytes["collective"] = self.grad_sync.average_grads(ex.params, stats.grad_norms,
                                                                            stats.layer_sq_norms)
-            # sharded blocks (their average came with the reduce-scatter): per-parameter norms of the
-            # whole gradients from every rank's shard norms
+            # sharded groups (their average came with the reduce-scatter): per-parameter norms of the
+            # whole gradients from every rank's shard norms; their all-gathers and reduce-scatters
+            # are the step's collective lane
             self.grad_sync.combine_shard_norms(ex.params, stats.grad_norms, stats.layer_sq_norms)
+            store = self._shard_store()
+            if store is not None:
+                nbytes, seconds = store.take_collective()
+                stats.lane_bytes["collective"] = stats.lane_bytes.get("collective", 0.0) + nbytes
+                if nbytes and seconds > 0:
+                    self._shard_bytes_per_s = nbytes / seconds
         profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1
         if profiled:
             # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
@@ -813,7 +820,19 @@ class LazyTrainStrategy(ParallelStrategy):
         sync = self.grad_sync
         if not self.is_distributed or sync is None:
             return wl
-        from lightning_lazytrain.planner.multi import measured_rank_workload
+        from lightning_lazytrain.planner.multi import measured_rank_workload, measured_shard_workload
+
+        store = self._shard_store()
+        if store is not None:  # every group sharded: fetches of shards, all-gathers, reduce-scatters
+            bandwidth = getattr(self, "_shard_bytes_per_s", None)
+            if bandwidth is None:
+                return wl
+            e = torch.empty((), dtype=store.compute_dtype).element_size()
+            land = store.slot(0).grad_host.element_size()
+            return measured_shard_workload(
+                wl, self.world_size, max(1, self.world_size // self.num_nodes),
+                [store.shard_numel(j) for j in range(store.num_layers)], store.shard_numel(REST_GROUP),
+                bandwidth, gather_element_bytes=e, reduce_element_bytes=land)
 
         bandwidth = sync.bytes_per_s()
         if bandwidth is None:  # no gradient crossed (a frozen model): nothing to price
@@ -821,14 +840,7 @@ class LazyTrainStrategy(ParallelStrategy):
         # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
         # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
         mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
-        rank = measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
-        if self.data_parallel == "shard":  # only the non-block group is all-reduced on the host; the
-            # blocks' all-gather / reduce-scatter are not priced yet (the engine runs them in line)
-            from dataclasses import replace
-
-            rank = replace(rank, layers=tuple(replace(layer, allreduce_seconds=0.0, allreduce_bytes=0.0)
-                                              for layer in rank.layers))
-        return rank
+        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
 
     def _hardware(self) -> Hardware:
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan

@@ -90,13 +90,18 @@ class RecordBytes(L.Callback):
 
 def predicted_lane_bytes(strategy, schedule, world: int) -> dict[str, float]:
     """The simulator's bytes per lane for one rank: the plan's measured workload and hardware as a
-    node of ``world`` ranks in replicate mode (``planner.multi``), ``schedule`` in that mode."""
+    node of ``world`` ranks in replicate mode (``planner.multi``), ``schedule`` in that mode (shard
+    mode: the plan's own per-rank workload, ``schedule`` in shard mode)."""
     from dataclasses import replace
 
     from lightning_lazytrain.planner import simulate
     from lightning_lazytrain.planner.multi import rank_hardware, rank_workload
 
     res = strategy.plan.result
+    if strategy.data_parallel == "shard":  # the plan's workload is already the rank's (multi.measured_shard_workload)
+        assert res.workload.data_parallel == "shard"
+        return dict(simulate(replace(schedule, data_parallel="shard"), res.workload, res.hardware,
+                             check=False).lane_bytes)
     hw = res.hardware.replace(gpus_per_node=world, intra_node_bytes_per_s=1e9, host_collective_bytes_per_s=1e9)
     wl = rank_workload(res.workload, hw, "replicate")
     sim = simulate(replace(schedule, data_parallel="replicate"), wl, rank_hardware(hw), check=False)

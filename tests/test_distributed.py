@@ -296,3 +296,20 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, opti
                            "optimizer": optimizer})
     ours = [(x + y) / 2 for x, y in zip(*second_losses)]
     torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(ours), rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("policy, accum", [("milp", 1), ("megatrain", 2)])
+def test_each_sharded_rank_moves_the_bytes_the_simulator_predicts(tmp_path, policy, accum):
+    """``data_parallel="shard"``: per step, each rank's host-link bytes (its shards: every fetch, every
+    gradient copy) and collective bytes (all-gathers and reduce-scatters) equal the simulator's for
+    the plan's per-rank workload (``multi.measured_shard_workload``) and the step's schedule."""
+    run = launch(tmp_path, batch=2, steps=3, accum=accum, policy=policy, data_parallel="shard", record_bytes=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    for r in range(2):
+        rows = json.loads((tmp_path / f"bytes_rank{r}.json").read_text())
+        assert len(rows) == 3
+        for row in rows:
+            for lane in ("h2d", "d2h", "collective"):
+                assert row["measured"].get(lane, 0.0) > 0, (r, row["step"], lane)
+                assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), \
+                    (r, row["step"], lane, row)

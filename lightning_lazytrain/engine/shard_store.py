@@ -22,6 +22,7 @@ needs their squares summed across ranks (not done here: the strategy's side, ope
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -44,7 +45,21 @@ class ShardedParamStore(ParamStore):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.collective_bytes = {"gather": 0, "reduce": 0}  # what this rank sent per collective kind
+        self.collective_seconds = 0.0  # in those collectives (they run in line: see the module doc)
+        self._since = (0, 0.0)  # take_collective's last reading
         super().__init__(*args, **kwargs)
+
+    def shard_numel(self, layer: int) -> int:
+        """Elements of this rank's shard of group ``layer`` (what one of its fetches moves)."""
+        return self._layouts[layer].shard_numel
+
+    def take_collective(self) -> tuple[int, float]:
+        """Bytes this rank sent in its all-gathers and reduce-scatters, and the seconds they took,
+        since the last call (the ``collective`` lane of a step)."""
+        total = sum(self.collective_bytes.values())
+        b0, s0 = self._since
+        self._since = (total, self.collective_seconds)
+        return total - b0, self.collective_seconds - s0
 
     # ---- the host layout ------------------------------------------------------------------------
     def _make_layouts(self) -> dict[int, ShardLayout]:
@@ -99,7 +114,9 @@ class ShardedParamStore(ParamStore):
         h = self.engine.h2d(shard, src, after=after, tag=f"param:{layer}")
         h.wait()  # first version: the all-gather follows on this thread (see the module doc)
         gathered = torch.empty(layout.gathered_numel, dtype=self.compute_dtype, device=self.device)
+        t0 = time.perf_counter()
         dist.all_gather_into_tensor(gathered, shard, group=self.group)
+        self.collective_seconds += time.perf_counter() - t0
         self.collective_bytes["gather"] += (self.world - 1) * shard.nbytes
         with torch.no_grad():
             layout.gather_into(gathered, s.weights)
@@ -123,7 +140,9 @@ class ShardedParamStore(ParamStore):
             rank_major = torch.empty(layout.gathered_numel, dtype=dt, device=grads.device)
             layout.scatter_into(grads[: g.numel], rank_major)
             mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
+            t0 = time.perf_counter()
             dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
+            self.collective_seconds += time.perf_counter() - t0
             mine.div_(self.world)
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
         touched = self._touched_anywhere(g, s.touched)

@@ -184,6 +184,38 @@ def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, h
                    name=f"{wl.name}/{mode}x{world_size}").validate()
 
 
+def measured_shard_workload(wl: Workload, world_size: int, ranks_per_node: int, shard_numel: list[int],
+                            nonblock_shard_numel: int, collective_bytes_per_s: float,
+                            gather_element_bytes: float, reduce_element_bytes: float) -> Workload:
+    """One rank's workload of a running ``shard`` job (``LazyTrainStrategy(data_parallel="shard")``,
+    engine/shard_store.py), from the workload that rank measured: each layer's fetch moves its shard
+    (``shard_numel[j]`` of the group's ``params`` elements: ``link_fraction``), followed by an
+    all-gather of ``(W-1)`` shards of ``gather_element_bytes`` each (the compute dtype), and its
+    gradient copy moves the shard after a reduce-scatter of ``(W-1)`` shards of
+    ``reduce_element_bytes`` (the masters' dtype); the non-block group likewise. The collectives are
+    priced at the bandwidth the profiled step's achieved. Bytes in the engine's unit
+    (``ShardedParamStore.collective_bytes``: what this rank sends), so they compare exactly."""
+    if world_size <= 1:
+        return wl
+    if collective_bytes_per_s <= 0:
+        raise InvalidInput("collective_bytes_per_s", collective_bytes_per_s, "must be > 0")
+    if len(shard_numel) != wl.num_layers:
+        raise InvalidInput("shard_numel", len(shard_numel), f"need {wl.num_layers} entries (one per layer)")
+    W, bw = world_size, collective_bytes_per_s
+
+    def costs(params: int, shard: int) -> dict:
+        gather, reduce = (W - 1) * shard * gather_element_bytes, (W - 1) * shard * reduce_element_bytes
+        return dict(link_fraction=shard / params if params else 1.0, gather_seconds=gather / bw, gather_bytes=gather,
+                    reduce_seconds=reduce / bw, reduce_bytes=reduce)
+
+    layers = tuple(replace(layer, **costs(layer.params, n)) for layer, n in zip(wl.layers, shard_numel))
+    nb = costs(wl.nonblock_params, nonblock_shard_numel)
+    return replace(wl, layers=layers, data_parallel="shard", ranks=W, ranks_per_node=ranks_per_node,
+                   nonblock_link_fraction=nb["link_fraction"], nonblock_gather_seconds=nb["gather_seconds"],
+                   nonblock_gather_bytes=nb["gather_bytes"], nonblock_reduce_seconds=nb["reduce_seconds"],
+                   nonblock_reduce_bytes=nb["reduce_bytes"], name=f"{wl.name}/shard-measuredx{W}").validate()
+
+
 def fsdp_schedules(wl: Workload) -> list[Schedule]:
     """FSDP2-like fixed policies for ``wl``: keep every activation, or recompute every layer (activation
     checkpointing); serial optimizer, backward prefetch, nothing offloaded, nothing resident."""
