@@ -82,7 +82,7 @@ def main() -> None:
             assert simulate(mixed(r.schedule, ends), wl, hw).iteration_seconds == r.simulated.iteration_seconds
         t_mix, S = min((best_mix(r.schedule, wl, hw) for r in pure.values()), key=lambda x: x[0])
         t1 = time.time()
-        milp = solve(wl, hw, mip_gap=gap, time_limit=60)
+        milp = solve(wl, hw, mip_gap=gap, time_limit=60, serial_layers=True)
         solve_s = time.time() - t1
         t_milp = milp.simulated.iteration_seconds
         worst = min(worst, t_milp / best_pure)

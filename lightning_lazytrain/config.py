@@ -148,7 +148,7 @@ class PlanConfig:
     time_objective: bool = True
     pipelined_optimizer: bool = True  # false: serial optimizer only
     optimizer_mode: str = "auto"  # auto (the MILP chooses) | serial | pipelined
-    serial_layers: bool = True  # pipelined: the MILP may update chosen layers in T (the per-layer mode)
+    serial_layers: bool = False  # pipelined: the MILP may update chosen layers in T (per-layer mode; slower solves)
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True

@@ -43,9 +43,10 @@ def test_the_milp_finds_the_per_layer_mode_where_it_beats_both_pure_modes():
     pipelined with layer 2 updated in T 35.94 s; the MILP returns that, its objective is the simulator's,
     and no set of serial layers is better with its other decisions."""
     wl, hw = small_instance(random.Random(1207), 4, slow=False)
-    res = solve(wl, hw, mip_gap=1e-9, time_limit=30)
+    res = solve(wl, hw, mip_gap=1e-9, time_limit=30, serial_layers=True)
     assert res.status == "optimal"
     assert res.schedule.optimizer == "pipelined" and res.schedule.serial_layers == (2,)
+    assert solve(wl, hw, mip_gap=1e-9, time_limit=30).schedule.serial_layers == ()  # off by default
     assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-6)  # + the tie-breaks
     pure = [solve(wl, hw, mip_gap=1e-9, time_limit=30, optimizer_mode=m, serial_layers=False)
             for m in ("serial", "pipelined")]
@@ -67,12 +68,12 @@ def test_at_27b_with_a_3_gb_per_s_link_some_layers_go_to_t():
     hw = load_hardware("h800")
     wl = Workload.analytic(load_model("qwen3.6-27b"), TrainSpec(micro_batch_size=72, seq_len=1024), hw)
     slow = hw.replace(h2d_bytes_per_s=3e9, d2h_bytes_per_s=3e9)
-    res = solve(wl, slow)
+    res = solve(wl, slow, serial_layers=True)
     serial = solve(wl, slow, optimizer_mode="serial")
     assert res.schedule.optimizer == "pipelined" and len(res.schedule.serial_layers) > 0
     assert res.simulated.iteration_seconds < serial.simulated.iteration_seconds * (1 - 0.003)
     assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-6)
-    assert solve(wl, hw).schedule.serial_layers == ()
+    assert solve(wl, hw, serial_layers=True).schedule.serial_layers == ()
 
 
 def test_the_strategy_updates_the_serial_layers_in_t_exactly(tmp_path):
@@ -128,10 +129,13 @@ def test_milp_window_times_equal_the_simulator_with_serial_layers(seed):
     from planner_helpers import milp_space
 
     wl, hw = small_instance(random.Random(1400 + seed), 3)
-    model = ScheduleModel(wl, hw, MilpOptions())
+    model = ScheduleModel(wl, hw, MilpOptions(serial_layers=True))
     n = 0
+    offered = sorted(model.y)  # the layers whose update can pay off in T (the model prunes the others)
+    assert offered, "the instance offers no layer the per-layer mode"
+    sets = [tuple(c) for k in range(len(offered) + 1) for c in itertools.combinations(offered, k)]
     for s in milp_space(3, nvme=False, pipelined=True):
-        for S in ((), (1,), (2,), (1, 2)):
+        for S in sets:
             t = dataclasses.replace(s, serial_layers=S)
             model.seed_from(t)
             assert pyo.value(model.iteration_time()) == pytest.approx(

@@ -58,7 +58,8 @@ class MilpOptions:
     time_objective: bool = True  # iteration time; False: LazyTrain's recompute + exposure objective
     pipelined_optimizer: bool = True  # False: serial optimizer only (the ablation); True: the mode is optimizer_mode's
     optimizer_mode: str = "auto"  # auto: the MILP chooses serial or pipelined; serial | pipelined: forced
-    serial_layers: bool = True  # pipelined: the MILP may update chosen layers in T (the per-layer mode)
+    serial_layers: bool = False  # pipelined: the MILP may update chosen layers in T (the per-layer mode); off by
+    # default: with it a 7B batch-8 solve on a 24 GB card ran into the 60 s limit (2 s without; bench/RESULTS.md)
     keep_internals: bool = True
     resident_weights: bool = True
     nvme: bool = True
@@ -143,10 +144,18 @@ class ScheduleModel:
             self.pipe = 1 if self.modes == ("pipelined",) else 0
         self.y: dict[int, Any] = {}  # per-layer mode (Schedule.serial_layers): layer -> y_j
         if "pipelined" in self.modes and opt.serial_layers and wl.data_parallel == "none" and L > 1:
-            m.y = pyo.Var(range(1, L), domain=pyo.Binary)
-            self.y = {j: m.y[j] for j in range(1, L)}
-            if len(self.modes) > 1:
-                m.y_pipe = pyo.Constraint(range(1, L), rule=lambda _, j: m.y[j] <= m.pipe)
+            # Only where it can pay: moving layer j's update into T shortens nothing unless F{j-1}'s
+            # chain update -> cast -> fetch is longer than that window's forward (else its window is
+            # the forward either way, and T can only grow); the other binaries would only weaken the
+            # relaxation (a batch search solved 9x slower with one per layer).
+            lw = wl.layers
+            cand = [j for j in range(1, L)
+                    if lw[j].opt_seconds + lw[j].cast_seconds + self.p_s[j] > lw[j - 1].fwd_seconds * (1 + 1e-9)]
+            if cand:
+                m.y = pyo.Var(cand, domain=pyo.Binary)
+                self.y = {j: m.y[j] for j in cand}
+                if len(self.modes) > 1:
+                    m.y_pipe = pyo.Constraint(cand, rule=lambda _, j: m.y[j] <= m.pipe)
         m.tF1 = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tF = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tH = pyo.Var(domain=pyo.NonNegativeReals)
@@ -528,8 +537,8 @@ class ScheduleModel:
         self.partial.seed_from(s)
         if len(self.modes) > 1:
             m.pipe.set_value(int(s.optimizer == "pipelined"))
-        for j, y in self.y.items():
-            y.set_value(int(j in s.serial_layers))
+        for j, y in self.y.items():  # a serial layer where the model offers none (it cannot pay
+            y.set_value(int(j in s.serial_layers))  # there) is seeded as pipelined: as good or better
         if s.optimizer not in self.modes:
             raise InvalidInput("schedule.optimizer", s.optimizer, f"the model's optimizer mode is {self.modes[0]!r}")
         for var, exprs in self.lane_loads.values():
