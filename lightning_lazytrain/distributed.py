@@ -217,10 +217,14 @@ class GradSync:
         """Rank 0's parameters to every rank, before a sharded store keeps each rank's shard of them."""
         with torch.no_grad():
             for p in module.parameters():
-                host = p.detach().cpu() if p.device.type != "cpu" else p.data
-                dist.broadcast(host, src=0, group=self.group)
-                if host is not p.data:
-                    p.data.copy_(host)
+                self._broadcast_from_zero(p)
+
+    def _broadcast_from_zero(self, t: torch.Tensor) -> None:
+        """Rank 0's value of ``t`` on every rank, through host memory (the gloo group)."""
+        host = t.detach().cpu() if t.device.type != "cpu" else t.data
+        dist.broadcast(host, src=0, group=self.group)
+        if host is not t.data:
+            t.data.copy_(host)
 
     def combine_shard_norms(self, params: ParamStore, grad_norms: dict[int, dict[torch.nn.Parameter, torch.Tensor]],
                             sq_norms: dict[int, torch.Tensor] | None = None) -> None:
@@ -257,10 +261,7 @@ class GradSync:
                 if master.numel():
                     dist.broadcast(master, src=0, group=self.group)
             for buf in module.buffers():
-                host = buf.detach().cpu() if buf.device.type != "cpu" else buf.data
-                dist.broadcast(host, src=0, group=self.group)
-                if host is not buf.data:
-                    buf.data.copy_(host)
+                self._broadcast_from_zero(buf)
 
     def average_grads(self, params: ParamStore, grad_norms: dict[int, dict[torch.nn.Parameter, torch.Tensor]],
                       sq_norms: dict[int, torch.Tensor] | None = None) -> float:

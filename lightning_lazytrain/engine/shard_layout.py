@@ -106,13 +106,20 @@ class ShardLayout:
         if out is None:
             out = torch.zeros(self.shard_numel, dtype=full.dtype, device=full.device)
         else:
-            out.zero_()
-        for spec in self.specs:
-            start, stop = spec.owned_rows(rank)
-            if stop > start:
-                out[spec.shard_offset: spec.shard_offset + (stop - start) * spec.row_numel].view(
-                    stop - start, spec.row_numel).copy_(self._full_rows(full, spec)[start:stop])
+            out.zero_()  # the alignment gaps too
+        for i, spec in enumerate(self.specs):
+            self.fill_shard(self.local_view(out, i), self._full_rows(full, spec), i, rank)
         return out
+
+    def fill_shard(self, shard: torch.Tensor, full: torch.Tensor, i: int, rank: int) -> None:
+        """Write rank ``rank``'s rows of parameter ``i``'s full-shaped ``full`` into its shard-shaped
+        ``shard`` (padding rows zero)."""
+        spec = self.specs[i]
+        start, stop = spec.owned_rows(rank)
+        rows = shard.reshape(spec.rows_per_rank, spec.row_numel)
+        rows.zero_()
+        if stop > start:
+            rows[: stop - start].copy_(full.reshape(spec.rows, spec.row_numel)[start:stop])
 
     def local_view(self, shard: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s shard in a flat shard buffer, shaped ``(k, *rest)`` (0-dim: ``(k,)``)."""

@@ -83,12 +83,7 @@ class ShardedParamStore(ParamStore):
         if layout is None:
             view.copy_(full)
             return
-        spec = layout.specs[self._index[id(info)]]
-        start, stop = spec.owned_rows(self.rank)
-        rows = view.reshape(spec.rows_per_rank, spec.row_numel)
-        rows.zero_()
-        if stop > start:
-            rows[: stop - start].copy_(full.reshape(spec.rows, spec.row_numel)[start:stop])
+        layout.fill_shard(view, full, self._index[id(info)], self.rank)
 
     # ---- weights ----------------------------------------------------------------------------
     def stage(self, layer: int, slot: int | None = None, *, part: int | None = None) -> CopyHandle:
