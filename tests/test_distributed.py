@@ -114,6 +114,27 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     assert not (tmp_path / "weights.pt").exists()
 
 
+def resume_three_ways(tmp_path: Path, **common) -> tuple[Path, list[list[float]], dict[str, torch.Tensor]]:
+    """Two epochs of two steps on 2 ranks: uninterrupted, stopped after epoch 0 with a checkpoint, and
+    resumed from it; asserts the resumed run is the uninterrupted one, bit for bit (losses and weights).
+    Returns the checkpoint, the resumed run's losses per rank and the final weights."""
+    for d in ("full", "first", "second"):
+        (tmp_path / d).mkdir()
+    ckpt = tmp_path / "epoch0.ckpt"
+    for run in (launch(tmp_path / "full", steps=4, **common),
+                launch(tmp_path / "first", steps=2, save=str(ckpt), **common),
+                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    full_losses, full = outputs(tmp_path / "full")
+    first_losses, _ = outputs(tmp_path / "first")
+    second_losses, resumed = outputs(tmp_path / "second")
+    for r in range(2):
+        assert first_losses[r] + second_losses[r] == full_losses[r]
+    for name, value in full.items():
+        assert torch.equal(resumed[name], value), name
+    return ckpt, second_losses, full
+
+
 @pytest.mark.parametrize("fmt, optimizer", [("sharded", "sgd"), ("sharded", "hybrid8"), ("full", "sgd")])
 def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tmp_path, fmt, optimizer):
     """Two epochs of two steps: 2 ranks uninterrupted; 2 ranks stopped after epoch 0 and resumed from
@@ -122,14 +143,8 @@ def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tm
     ``hybrid8`` HybridAdamW's uint8 states, fp32 block scales and qmaps go through it); ``full``: one
     file from rank 0."""
     b = 2
-    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False, checkpoint_format=fmt, optimizer=optimizer)
-    for d in ("full", "first", "second"):
-        (tmp_path / d).mkdir()
-    ckpt = tmp_path / "epoch0.ckpt"
-    for run in (launch(tmp_path / "full", steps=4, **common),
-                launch(tmp_path / "first", steps=2, save=str(ckpt), **common),
-                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    ckpt, second_losses, full = resume_three_ways(tmp_path, batch=b, epoch_steps=2, policy="milp", same_init=False,
+                                                  checkpoint_format=fmt, optimizer=optimizer)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
     if fmt == "sharded":  # both ranks wrote a share, neither all of it (DCP deduplicated the replicas)
         shares = {p.name: p.stat().st_size for p in ckpt.glob("*.distcp")}
@@ -137,13 +152,6 @@ def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tm
         assert all(0.25 < n / sum(shares.values()) < 0.75 for n in shares.values()), shares
     else:
         assert ckpt.is_file()
-    full_losses, full = outputs(tmp_path / "full")
-    first_losses, _ = outputs(tmp_path / "first")
-    second_losses, resumed = outputs(tmp_path / "second")
-    for r in range(2):
-        assert first_losses[r] + second_losses[r] == full_losses[r]
-    for name, value in full.items():
-        assert torch.equal(resumed[name], value), name
 
     one = _script().train({"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain",
                            "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt),
@@ -272,25 +280,12 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, opti
     rank 0), so 2 sharded ranks resume bit-identically and one process (replicate: whole host state)
     resumes it as the same training (to 1e-6)."""
     b = 2
-    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False, optimizer=optimizer, data_parallel="shard")
-    for d in ("full", "first", "second"):
-        (tmp_path / d).mkdir()
-    ckpt = tmp_path / "epoch0.ckpt"
-    for run in (launch(tmp_path / "full", steps=4, **common),
-                launch(tmp_path / "first", steps=2, save=str(ckpt), **common),
-                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    ckpt, second_losses, _ = resume_three_ways(tmp_path, batch=b, epoch_steps=2, policy="milp", same_init=False,
+                                               optimizer=optimizer, data_parallel="shard")
     assert ckpt.is_file()
     saved = torch.load(ckpt, weights_only=False)
     ref_shapes = {k: v.shape for k, v in _script().Net({}).state_dict().items()}
     assert {k: v.shape for k, v in saved["state_dict"].items()} == ref_shapes  # whole tensors
-    full_losses, full = outputs(tmp_path / "full")
-    first_losses, _ = outputs(tmp_path / "first")
-    second_losses, resumed = outputs(tmp_path / "second")
-    for r in range(2):
-        assert first_losses[r] + second_losses[r] == full_losses[r]
-    for name, value in full.items():
-        assert torch.equal(resumed[name], value), name
     one = _script().train({"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain",
                            "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt),
                            "optimizer": optimizer})

@@ -201,48 +201,37 @@ class ShardedParamStore(ParamStore):
         self._fill_host(out, full.to(out.device), info)
         return out
 
+    def _module_entries(self, state: dict[str, Any], module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, _Param]]:
+        """The state dict entries of sharded parameters: (key, parameter, its record)."""
+        infos = self._sharded_infos()
+        return [(name, p, infos[id(p)]) for name, p in module.named_parameters() if id(p) in infos and name in state]
+
     def whole_module_state(self, state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
         """``module``'s state dict with every sharded parameter's entry whole (collective)."""
-        infos = self._sharded_infos()
-        out = dict(state)
-        for name, p in module.named_parameters():
-            info = infos.get(id(p))
-            if info is not None and name in out:
-                out[name] = self._whole(p.data, info)
-        return out
+        return {**state, **{name: self._whole(p.data, info) for name, p, info in self._module_entries(state, module)}}
 
     def shard_module_state(self, state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
         """A whole state dict with every sharded parameter's entry cut to this rank's rows."""
-        infos = self._sharded_infos()
-        out = dict(state)
-        for name, p in module.named_parameters():
-            info = infos.get(id(p))
-            if info is not None and name in out and tuple(out[name].shape) == tuple(info.shape):
-                out[name] = self._rows(out[name], info)
-        return out
+        return {**state, **{name: self._rows(state[name], info) for name, _, info in self._module_entries(state, module)
+                            if tuple(state[name].shape) == tuple(info.shape)}}
 
-    def _optimizer_params(self, optimizer: Any, state: dict[str, Any]) -> dict[Any, torch.nn.Parameter]:
-        """The optimizer state dict's parameter ids -> the optimizer's parameters (torch's order)."""
-        ids: dict[Any, torch.nn.Parameter] = {}
+    def _optimizer_entries(self, optimizer: Any, state: dict[str, Any]) -> dict[Any, tuple[torch.nn.Parameter, _Param]]:
+        """The optimizer state dict's ids of sharded parameters -> (parameter, its record), in id order
+        (the same on every rank: the gathers of ``whole_optimizer_state`` are collective)."""
+        infos = self._sharded_infos()
+        params: dict[Any, torch.nn.Parameter] = {}
         for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-            ids.update(zip(saved["params"], group["params"]))
-        return ids
+            params.update(zip(saved["params"], group["params"]))
+        return {pid: (params[pid], infos[id(params[pid])]) for pid in sorted(state["state"])
+                if pid in params and id(params[pid]) in infos}
 
     def whole_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every sharded parameter's per-element state whole
         (collective). 8-bit states (blockwise over the shard) have no whole form: refused."""
-        infos = self._sharded_infos()
-        params = self._optimizer_params(optimizer, state)
-        new_state = {}
-        for pid in sorted(state["state"]):  # the same order on every rank (the gathers are collective)
-            st = state["state"][pid]
-            p = params.get(pid)
-            info = infos.get(id(p)) if p is not None else None
-            if info is None:
-                new_state[pid] = st
-                continue
+        new_state = dict(state["state"])
+        for pid, (p, info) in self._optimizer_entries(optimizer, state).items():
             whole = {}
-            for key, value in st.items():
+            for key, value in state["state"][pid].items():
                 if isinstance(value, torch.Tensor) and value.ndim and tuple(value.shape) == tuple(p.shape):
                     whole[key] = self._whole(value, info)
                 elif isinstance(value, torch.Tensor) and value.numel() > 1:
@@ -258,15 +247,8 @@ class ShardedParamStore(ParamStore):
     def shard_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """A whole optimizer state dict with every sharded parameter's per-element state cut to this
         rank's rows (a checkpoint from any number of processes, one included)."""
-        infos = self._sharded_infos()
-        params = self._optimizer_params(optimizer, state)
-        new_state = {}
-        for pid, st in state["state"].items():
-            p = params.get(pid)
-            info = infos.get(id(p)) if p is not None else None
-            if info is None:
-                new_state[pid] = st
-                continue
+        new_state = dict(state["state"])
+        for pid, (_, info) in self._optimizer_entries(optimizer, state).items():
             new_state[pid] = {key: self._rows(v, info) if isinstance(v, torch.Tensor) and v.ndim
-                              and tuple(v.shape) == tuple(info.shape) else v for key, v in st.items()}
+                              and tuple(v.shape) == tuple(info.shape) else v for key, v in new_state[pid].items()}
         return {**state, "state": new_state}
