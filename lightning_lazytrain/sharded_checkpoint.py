@@ -31,6 +31,17 @@ Note: [sharded checkpoint]
     Loading (``load_sharded``) works on any world size, one process included: the tensors are plain
     (replicated) ones, so each process reads all of them into tensors shaped from DCP's metadata
     and the markers are filled in; the result is the checkpoint dict Lightning expects.
+
+    Sharded host state (``data_parallel="shard"``, engine/shard_store.py): each rank holds dim-0 rows
+    of every parameter and of its per-element optimizer states, so no tensor is whole anywhere. The
+    caller passes a ``layout`` naming those entries; each rank writes only its rows, as
+    ``<key>@<start>:<stop>`` (the rows of the whole tensor, padding dropped; ``row_chunks`` gives every
+    rank's from the whole shape and the world size), and the marker carries the whole shape and the
+    world size. States with no per-element form (HybridAdamW's 8-bit states and block scales, blockwise
+    over a rank's shard) are written per rank, ``<key>#rank<r>``, and resume on the same world size
+    only (the load says so otherwise). Nothing is gathered to save; a load reads every chunk of an
+    entry and returns it whole (rank 0's replica of a chunk, when replicas hold it twice, is written
+    once: DCP deduplicates equal keys), so a checkpoint of N sharded ranks resumes on M ranks or on one.
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ from typing import Any
 import torch
 
 __all__ = ["MARKER", "META_FILE", "MANIFEST", "is_sharded_checkpoint", "load_sharded", "save_sharded",
-           "split_tensors", "join_tensors", "check_sharded_integrity"]
+           "split_tensors", "join_tensors", "check_sharded_integrity", "row_chunks"]
 
 MARKER = "__lazytrain_dcp__"
 META_FILE = "lightning.pt"
@@ -55,6 +66,28 @@ MANIFEST = "crc32.json"
 DCP_METADATA = ".metadata"
 # The parts of Lightning's checkpoint dict whose tensors are replicated on every rank and go through DCP.
 SHARDED_KEYS = ("state_dict", "optimizer_states")
+# A layout entry: ("rows", whole shape, world, rank) -- this rank's tensor holds its dim-0 rows (padded);
+# ("rank", world, rank) -- this rank's own tensor, with no whole form.
+Layout = dict[str, tuple]
+
+
+def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
+    """Rows ``[start, stop)`` of a dim-0 size ``rows`` each of ``world`` ranks holds (the shard layout's
+    ``ceil(rows / world)`` rows per rank; the last ranks may hold fewer or none)."""
+    k = -(-rows // world)
+    return [(min(r * k, rows), min(r * k + k, rows)) for r in range(world)]
+
+
+def _chunk_key(key: str, start: int, stop: int) -> str:
+    return f"{key}@{start}:{stop}"
+
+
+def _rank_key(key: str, rank: int) -> str:
+    return f"{key}#rank{rank}"
+
+
+def _is_marker(obj: Any) -> bool:
+    return isinstance(obj, dict) and MARKER in obj and set(obj) <= {MARKER, "shape", "world", "per_rank"}
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
@@ -75,18 +108,36 @@ def _copy_dict(obj: dict) -> dict:
     return out
 
 
-def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KEYS
+def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KEYS, layout: Layout | None = None
                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(skeleton, tensors): ``checkpoint`` with every tensor under ``keys`` replaced by a marker
-    naming its entry in ``tensors`` (CPU tensors, detached, not copied when already on the CPU)."""
+    naming its entry in ``tensors`` (CPU tensors, detached, not copied when already on the CPU).
+    Entries ``layout`` names are this rank's rows or its own tensor (see the module's Note)."""
     tensors: dict[str, torch.Tensor] = {}
+    layout = layout or {}
+
+    def put(key: str, value: torch.Tensor) -> None:
+        if key in tensors:
+            raise ValueError(f"checkpoint entry {key!r} is not unique (keys 1 and '1' in one dict?)")
+        tensors[key] = value
 
     def walk(obj: Any, key: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            if key in tensors:
-                raise ValueError(f"checkpoint entry {key!r} is not unique (keys 1 and '1' in one dict?)")
-            tensors[key] = obj.detach().cpu()
-            return {MARKER: key}
+            spec = layout.get(key)
+            if spec is None:
+                put(key, obj.detach().cpu())
+                return {MARKER: key}
+            if spec[0] == "rank":
+                _, world, rank = spec
+                put(_rank_key(key, rank), obj.detach().cpu())
+                return {MARKER: key, "world": world, "per_rank": True}
+            _, shape, world, rank = spec
+            rows = shape[0] if len(shape) else 1
+            start, stop = row_chunks(rows, world)[rank]
+            if stop > start:  # this rank's rows, padding dropped
+                mine = obj.detach().reshape(obj.shape[0] if obj.ndim else 1, -1)[: stop - start]
+                put(_chunk_key(key, start, stop), mine.reshape(stop - start, *shape[1:]).cpu())
+            return {MARKER: key, "shape": list(shape), "world": world}
         if isinstance(obj, dict):
             out = _copy_dict(obj)
             for k, v in obj.items():
@@ -103,15 +154,50 @@ def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KE
     return skeleton, tensors
 
 
-def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The inverse of ``split_tensors``: every marker replaced by its tensor."""
+def _wanted(marker: dict[str, Any], rank: int) -> list[str]:
+    """The entries of ``tensors`` a marker is made of (for ``rank``, when it is a per-rank one)."""
+    key = marker[MARKER]
+    if marker.get("per_rank"):
+        return [_rank_key(key, rank)]
+    if "shape" in marker:
+        shape = marker["shape"]
+        return [_chunk_key(key, a, b) for a, b in row_chunks(shape[0] if shape else 1, marker["world"]) if b > a]
+    return [key]
+
+
+def markers(skeleton: Any) -> list[dict[str, Any]]:
+    """Every marker in ``skeleton``."""
+    found: list[dict[str, Any]] = []
+
+    def walk(obj: Any) -> None:
+        if _is_marker(obj):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            for v in obj:
+                walk(v)
+
+    walk(skeleton)
+    return found
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor], *, rank: int = 0) -> Any:
+    """The inverse of ``split_tensors``: every marker replaced by its tensor (row chunks joined whole;
+    per-rank entries: ``rank``'s)."""
     def walk(obj: Any) -> Any:
         if isinstance(obj, dict):
-            if len(obj) == 1 and MARKER in obj:
-                key = obj[MARKER]
-                if key not in tensors:
-                    raise KeyError(f"sharded checkpoint has no tensor {key!r}")
-                return tensors[key]
+            if _is_marker(obj):
+                parts = _wanted(obj, rank)
+                missing = [k for k in parts if k not in tensors]
+                if missing:
+                    raise KeyError(f"sharded checkpoint has no tensor {missing[0]!r}")
+                if "shape" not in obj:
+                    return tensors[parts[0]]
+                chunks = [tensors[k] for k in parts]
+                whole = torch.cat(chunks) if chunks else torch.empty(0)
+                return whole.reshape(obj["shape"])
             out = _copy_dict(obj)
             for k, v in obj.items():
                 out[k] = walk(v)
@@ -165,9 +251,10 @@ def _data_files(directory: Path) -> list[str]:
 
 
 # ---- save ---------------------------------------------------------------------------------------------
-def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None) -> None:
+def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None, layout: Layout | None = None) -> None:
     """Save ``checkpoint`` (this rank's Lightning checkpoint dict) as the directory ``path``; every rank
-    of ``group`` calls it (see Note: [sharded checkpoint])."""
+    of ``group`` calls it (see Note: [sharded checkpoint]; ``layout``: the entries that are this rank's
+    rows or its own, keyed as ``split_tensors`` keys them)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -175,7 +262,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None) ->
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    skeleton, tensors = split_tensors(checkpoint)
+    skeleton, tensors = split_tensors(checkpoint, layout=layout)
     box: list[Any] = [f"{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
     dist.broadcast_object_list(box, src=src, group=group)
     token = box[0]
@@ -285,6 +372,7 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
                  verify: bool = True) -> dict[str, Any]:
     """The checkpoint dict saved by ``save_sharded`` at ``path``, on any number of processes: every rank
     of ``group`` calls it (``group=None``: this process alone, no process group needed)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -294,10 +382,22 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
     skeleton = torch.load(p / META_FILE, map_location="cpu", weights_only=weights_only)
     reader = dcp.FileSystemReader(p)
     metadata = reader.read_metadata()
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    wanted: list[str] = []
+    for marker in markers(skeleton):
+        if marker.get("per_rank") and marker["world"] != world:
+            raise ValueError(
+                f"sharded checkpoint {p} holds {marker[MARKER]!r} per process of {marker['world']} sharded processes "
+                f"(8-bit optimizer states are blockwise over each process's shard): it resumes on {marker['world']} "
+                f"processes only, not {world}. Fix: resume with devices x num_nodes = {marker['world']}, or train "
+                "with 32-bit states (HybridAdamW(eight_bit='none')) to change the number of processes")
+        wanted += _wanted(marker, rank)
     tensors: dict[str, torch.Tensor] = {}
-    for key, md in metadata.state_dict_metadata.items():
+    for key in wanted:
+        md = metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
-            raise ValueError(f"sharded checkpoint {p}: entry {key!r} is not a tensor (not written by lazytrain)")
+            raise ValueError(f"sharded checkpoint {p}: entry {key!r} is missing or not a tensor "
+                             "(not written by lazytrain)")
         tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
     if group is None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -305,4 +405,4 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
             dcp.load(tensors, storage_reader=reader, no_dist=True)
     else:
         dcp.load(tensors, storage_reader=reader, process_group=group)
-    return join_tensors(skeleton, tensors)
+    return join_tensors(skeleton, tensors, rank=rank)

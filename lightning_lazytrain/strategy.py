@@ -91,9 +91,11 @@ class LazyTrainStrategy(ParallelStrategy):
             automatic optimization.
         data_parallel: with several processes, ``"replicate"`` (each holds all host state; every
             group's host gradients all-reduced) or ``"shard"`` (experimental: each holds 1/N of every
-            group's host masters, gradients and optimizer state; engine/shard_store.py; checkpoints
-            hold every tensor whole, one file from rank 0; 8-bit states in checkpoints and manual
-            optimization are refused before the first step).
+            group's host masters, gradients and optimizer state; engine/shard_store.py; a sharded
+            checkpoint holds each rank's rows as written, nothing gathered, and resumes on any number
+            of processes (8-bit states: on the same number only); a ``"full"`` one gathers every
+            tensor to rank 0 and cannot hold 8-bit states; manual optimization is refused before the
+            first step).
         nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
             (``CausalLMModule``: ``embed``, ``head``): the step's tail moves, updates and stages them
             part by part, each part's transfers under the next part's host work (Note: [non-block
@@ -350,7 +352,7 @@ class LazyTrainStrategy(ParallelStrategy):
                 raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
                                  "only so far: use data_parallel='replicate' with manual optimization")
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
-            if shard and trainer.checkpoint_callbacks and self._eight_bit_states():
+            if shard and trainer.checkpoint_callbacks and self.checkpoint_format == "full" and self._eight_bit_states():
                 raise ValueError(self._SHARD_NO_CHECKPOINTS)
             self._set_rest_parts()
         self.setup_precision_plugin()
@@ -403,9 +405,10 @@ class LazyTrainStrategy(ParallelStrategy):
                 g.mul_(coef)
 
     _SHARD_NO_CHECKPOINTS = (
-        "LazyTrainStrategy(data_parallel='shard') does not write checkpoints of 8-bit optimizer states yet "
-        "(they are blockwise over each process's shard, with no whole form): use 32-bit states "
-        "(HybridAdamW(eight_bit='none')), Trainer(enable_checkpointing=False), or data_parallel='replicate'")
+        "LazyTrainStrategy(data_parallel='shard', checkpoint_format='full') cannot write 8-bit optimizer states "
+        "(they are blockwise over each process's shard, with no whole form): use checkpoint_format='sharded' "
+        "(the default: each process writes its own), 32-bit states (HybridAdamW(eight_bit='none')), "
+        "Trainer(enable_checkpointing=False), or data_parallel='replicate'")
 
     def _eight_bit_states(self) -> bool:
         from lightning_lazytrain.optim import HybridAdamW
@@ -498,24 +501,14 @@ class LazyTrainStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._finish_optimizer_steps()  # the host masters may still be being updated
-        state = super().lightning_module_state_dict()
-        store = self._shard_store()
-        if store is not None:  # every rank: the sharded parameters gathered whole (collective)
-            state = store.whole_module_state(state, self.lightning_module)
-        return state
+        # data_parallel="shard": each rank's rows of the sharded parameters, as they are (no gather);
+        # save_checkpoint writes them as rows of a sharded checkpoint, or gathers them for one file
+        return super().lightning_module_state_dict()
 
     def _shard_store(self) -> Any:
         """The executor's ShardedParamStore (data_parallel="shard" with several processes), or None."""
         params = self.executor.params if self.executor is not None else None
         return params if params is not None and hasattr(params, "whole_module_state") else None
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        state = super().optimizer_state(optimizer)
-        store = self._shard_store()
-        if store is not None:  # whole per-element states (collective); the checkpoint is world-size free
-            state = store.whole_optimizer_state(getattr(optimizer, "optimizer", optimizer), state)
-        return state
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -529,8 +522,6 @@ class LazyTrainStrategy(ParallelStrategy):
     def _sharded_checkpoint(self, filepath: Any, storage_options: Any) -> bool:
         """Save ``filepath`` as a sharded directory (several processes, ``checkpoint_format="sharded"``)."""
         if self.checkpoint_format != "sharded" or not self.is_distributed or self.grad_sync is None:
-            return False
-        if self.data_parallel == "shard":  # the states are gathered whole: rank 0 writes one file
             return False
         if storage_options is not None or "://" in str(filepath):
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -546,11 +537,21 @@ class LazyTrainStrategy(ParallelStrategy):
         directory through DCP, atomically (``sharded_checkpoint.py``). Otherwise rank 0 writes the
         whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
         self._finish_optimizer_steps()
+        store = self._shard_store()
         if self._sharded_checkpoint(filepath, storage_options):
             from lightning_lazytrain.sharded_checkpoint import save_sharded
 
-            save_sharded(checkpoint, filepath, group=self.grad_sync.group)
-        elif self.is_global_zero:
+            # data_parallel="shard": each rank writes its rows (and its own 8-bit states); none gathers
+            layout = store.checkpoint_layout(checkpoint, self.lightning_module, self.optimizers) if store else None
+            save_sharded(checkpoint, filepath, group=self.grad_sync.group, layout=layout)
+            return
+        if store is not None:  # one file: every sharded tensor gathered whole first (collective)
+            checkpoint = {**checkpoint, "state_dict": store.whole_module_state(checkpoint["state_dict"],
+                                                                               self.lightning_module)}
+            if "optimizer_states" in checkpoint:
+                checkpoint["optimizer_states"] = [store.whole_optimizer_state(getattr(o, "optimizer", o), st)
+                                                  for o, st in zip(self.optimizers, checkpoint["optimizer_states"])]
+        if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

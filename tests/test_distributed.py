@@ -266,31 +266,56 @@ def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, 
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
-def test_sharded_ranks_refuse_8_bit_checkpoints_before_the_first_step(tmp_path):
+def test_sharded_ranks_refuse_8_bit_states_in_a_full_checkpoint_before_the_first_step(tmp_path):
     run = launch(tmp_path, batch=2, steps=2, data_parallel="shard", optimizer="hybrid8",
-                 save=str(tmp_path / "last.ckpt"))
+                 save=str(tmp_path / "last.ckpt"), checkpoint_format="full")
     assert run.returncode != 0
-    assert "data_parallel='shard') does not write checkpoints of 8-bit optimizer states" in run.stderr + run.stdout
+    assert "checkpoint_format='full') cannot write 8-bit optimizer states" in run.stderr + run.stdout
     assert not (tmp_path / "losses_rank0.json").exists()
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "hybrid"])
-def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, optimizer):
-    """``data_parallel="shard"``: the checkpoint holds every tensor whole (gathered, one file from
-    rank 0), so 2 sharded ranks resume bit-identically and one process (replicate: whole host state)
-    resumes it as the same training (to 1e-6)."""
+@pytest.mark.parametrize("fmt, optimizer", [("sharded", "sgd"), ("sharded", "hybrid8"), ("full", "hybrid")])
+def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, fmt, optimizer):
+    """``data_parallel="shard"``, 2 ranks resume bit-identically. ``sharded`` (the default format): each
+    rank writes only its rows of every sharded tensor (``<key>@<start>:<stop>``; 8-bit states per
+    rank), nothing is gathered, and the directory joins them whole for one process; ``full``: rank 0
+    writes one file with every tensor gathered whole. One process (replicate: whole host state)
+    resumes either as the same training (to 1e-6), except 8-bit states, blockwise over a shard:
+    refused on another number of processes, before the first step, with the fix."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_lazytrain.sharded_checkpoint import load_sharded
+
     b = 2
     ckpt, second_losses, _ = resume_three_ways(tmp_path, batch=b, epoch_steps=2, policy="milp", same_init=False,
-                                               optimizer=optimizer, data_parallel="shard")
-    assert ckpt.is_file()
-    saved = torch.load(ckpt, weights_only=False)
+                                               optimizer=optimizer, data_parallel="shard", checkpoint_format=fmt)
     ref_shapes = {k: v.shape for k, v in _script().Net({}).state_dict().items()}
-    assert {k: v.shape for k, v in saved["state_dict"].items()} == ref_shapes  # whole tensors
-    one = _script().train({"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain",
-                           "policy": "milp", "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt),
-                           "optimizer": optimizer})
-    ours = [(x + y) / 2 for x, y in zip(*second_losses)]
-    torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(ours), rtol=1e-6, atol=0.0)
+    if fmt == "full":
+        assert ckpt.is_file()
+        saved = torch.load(ckpt, weights_only=False)
+    else:
+        keys = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+        whole_blocks = [k for k in keys if k.startswith("state_dict/model.model.layers.") and "@" not in k]
+        assert whole_blocks == [], whole_blocks[:3]  # every block weight in row chunks, none whole
+        assert any(k.startswith("state_dict/model.lm_head.weight@") for k in keys)
+        shares = [p.stat().st_size for p in ckpt.glob("*.distcp")]
+        assert len(shares) == 2 and all(0.3 < n / sum(shares) < 0.7 for n in shares), shares
+        if optimizer == "hybrid8":
+            assert any("#rank1" in k for k in keys)  # a state with no whole form, per rank
+            with pytest.raises(ValueError, match="resumes on 2 processes only, not 1"):
+                load_sharded(ckpt)
+        else:
+            saved = load_sharded(ckpt)
+    if optimizer != "hybrid8":
+        assert {k: v.shape for k, v in saved["state_dict"].items()} == ref_shapes  # whole tensors
+    opts = {"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain", "policy": "milp",
+            "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt), "optimizer": optimizer}
+    if optimizer == "hybrid8":
+        with pytest.raises(ValueError, match="8-bit optimizer states are blockwise"):
+            _script().train(opts)
+    else:
+        ours = [(x + y) / 2 for x, y in zip(*second_losses)]
+        torch.testing.assert_close(torch.tensor(_script().train(opts).losses), torch.tensor(ours), rtol=1e-6, atol=0.0)
 
 
 @pytest.mark.parametrize("policy, accum", [("milp", 1), ("megatrain", 2)])

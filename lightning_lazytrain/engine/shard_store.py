@@ -225,6 +225,26 @@ class ShardedParamStore(ParamStore):
         return {pid: (params[pid], infos[id(params[pid])]) for pid in sorted(state["state"])
                 if pid in params and id(params[pid]) in infos}
 
+    def checkpoint_layout(self, checkpoint: dict[str, Any], module: torch.nn.Module,
+                          optimizers: list[Any]) -> dict[str, tuple]:
+        """The entries of a Lightning checkpoint dict (``state_dict`` and ``optimizer_states`` as this
+        store leaves them: shard-shaped) that hold this rank's rows of a whole tensor, or a state that
+        is this rank's own, keyed as ``sharded_checkpoint.split_tensors`` keys them: its ``layout``."""
+        layout: dict[str, tuple] = {f"state_dict/{name}": ("rows", tuple(info.shape), self.world, self.rank)
+                                    for name, _, info in self._module_entries(checkpoint["state_dict"], module)}
+        for i, (optimizer, state) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            for pid, (p, info) in self._optimizer_entries(optimizer, state).items():
+                for key, value in state["state"][pid].items():
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    flat = f"optimizer_states/{i}/state/{pid}/{key}"
+                    if value.ndim and tuple(value.shape) == tuple(p.shape):  # per element of the shard
+                        layout[flat] = ("rows", tuple(info.shape), self.world, self.rank)
+                    elif value.numel() > 1:  # blockwise over the shard (8-bit states): this rank's own
+                        layout[flat] = ("rank", self.world, self.rank)
+        return layout
+
     def whole_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every sharded parameter's per-element state whole
         (collective). 8-bit states (blockwise over the shard) have no whole form: refused."""
@@ -237,8 +257,9 @@ class ShardedParamStore(ParamStore):
                 elif isinstance(value, torch.Tensor) and value.numel() > 1:
                     raise NotImplementedError(
                         f"optimizer state {key!r} of {info.name} ({tuple(value.shape)}, {value.dtype}) is not "
-                        "per element of the shard (8-bit states are blockwise over it): a checkpoint of "
-                        "data_parallel='shard' holds 32-bit states only")
+                        "per element of the shard (8-bit states are blockwise over it): a single-file "
+                        "checkpoint of data_parallel='shard' holds 32-bit states only (a sharded one, "
+                        "checkpoint_format='sharded', holds them per process)")
                 else:
                     whole[key] = value
             new_state[pid] = whole
