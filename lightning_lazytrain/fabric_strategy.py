@@ -34,7 +34,7 @@ from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -79,7 +79,9 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         emulate_link_gb_per_s: on CPU, make host<->"device" copies take the time of a link of this speed.
 
     After the first backward, ``plan`` holds the ``AutoPlan`` (``plan.write(dir)`` writes plan.json
-    and the predicted timeline); ``last_stats`` holds the last micro-batch's ``StepStats``.
+    and the predicted timeline); ``last_stats`` holds the last micro-batch's ``StepStats`` and
+    ``metrics`` its ``lazytrain/*`` figures, the ones the Trainer's strategy logs (Fabric logs nothing
+    by itself: ``fabric.log_dict(fabric.strategy.metrics)``).
     """
 
     strategy_name = "lazytrain"
@@ -103,6 +105,9 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         self.executor: Executor | None = None
         self.plan: AutoPlan | None = None
         self.last_stats: StepStats | None = None
+        self.metrics: dict[str, float] = {}
+        self._hardware_measured: Hardware | None = None
+        self._t_step = 0.0
         self._module: nn.Module | None = None
         self._tokens = 1
         self._t_profile = 0.0
@@ -130,10 +135,6 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
             return self._root_device
         if isinstance(self.accelerator, CUDAAccelerator):
             if self.parallel_devices:
-                if len(self.parallel_devices) > 1:
-                    rank_zero_warn(f"strategy='lazytrain' trains on one device: using {self.parallel_devices[0]} of "
-                                   f"the {len(self.parallel_devices)} selected (pass devices=1 to silence this)")
-                    self.parallel_devices = self.parallel_devices[:1]
                 return torch.device(self.parallel_devices[0])
             return torch.device("cuda", torch.cuda.current_device())
         if self.accelerator is None or isinstance(self.accelerator, CPUAccelerator):
@@ -168,9 +169,18 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         if self.executor is not None:
             raise NotImplementedError("strategy='lazytrain' streams one model per Fabric; set up the others with "
                                       "a second Fabric or keep them outside fabric.setup")
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"Fabric(strategy='lazytrain') trains on one device, and devices= selected "
+                f"{len(self.parallel_devices)} ({', '.join(map(str, self.parallel_devices))}): pass devices=1 (or "
+                "devices=[i] for device i); for several devices use the Trainer's strategy='lazytrain', which "
+                "runs data parallel")
         device = self.root_device
         if self.nvme_dir is not None:
             check_nvme_dir(self.nvme_dir)
+        if self.hardware == "measure":  # free device memory before the executor's slots exist
+            self._hardware_measured = measure_hardware(device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
+                                                       nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
         links = None
         if self.emulate_link_gb_per_s is not None and device.type == "cpu":
             bw = self.emulate_link_gb_per_s * 1e9
@@ -204,10 +214,11 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
     def _begin_microbatch(self, args: tuple, kwargs: dict) -> None:
         ex = self.executor
         assert ex is not None
+        self._t_step = time.perf_counter()
         if self.plan is None:  # this micro-batch is the profile
             ex.profiling = True
             self._tokens = _count_tokens(args, kwargs)
-            self._t_profile = time.perf_counter()
+            self._t_profile = self._t_step
         ex.begin_microbatch(first=True, last=True)
 
     @override
@@ -223,10 +234,13 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
                 f"{err}. With strategy='lazytrain', every forward with grad enabled since the last backward must "
                 "feed this backward: wrap forwards whose result is not backpropagated in torch.no_grad()") from err
         self.last_stats = stats
+        assert stats is not None
+        seconds = time.perf_counter() - self._t_step
         if self.plan is None:
             ex.profiling = False
-            assert stats is not None
-            self._make_plan(stats, time.perf_counter() - self._t_profile)
+            self._make_plan(stats, seconds)
+        assert self.plan is not None
+        self.metrics = stats.metrics(seconds, self.plan.result.sim.iteration_seconds)
 
     def _make_plan(self, stats: StepStats, t_profile: float) -> None:
         """Measure the workload from the profiled micro-batch, solve, switch the executor to the plan."""
@@ -255,8 +269,8 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         if isinstance(self.hardware, Hardware):
             return self.hardware
         if self.hardware == "measure":
-            return measure_hardware(self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
-                                    nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
+            assert self._hardware_measured is not None  # setup_module measured it
+            return self._hardware_measured
         from lightning_lazytrain.config import load_hardware
 
         hw = load_hardware(self.hardware)

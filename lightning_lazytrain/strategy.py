@@ -666,7 +666,7 @@ class LazyTrainStrategy(ParallelStrategy):
             reason, self._replan_reason = self._replan_reason, None
             self._make_plan(stats, micro_batches, replan=reason)
         self._hand_over_norms(stats)
-        self._pending_metrics = self._step_metrics(stats, time.perf_counter() - self._t_step)
+        self._pending_metrics = stats.metrics(time.perf_counter() - self._t_step, self._predicted_seconds())
         if not profiled:  # a profiled step ran another schedule, with timing on
             self._watch_drift()
         if not self.lightning_module.automatic_optimization:
@@ -698,20 +698,6 @@ class LazyTrainStrategy(ParallelStrategy):
                     inv_scale = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
                     norms = dict(zip(norms, torch._foreach_mul(list(norms.values()), inv_scale)))
             inner.set_grad_norms(norms)
-
-    def _step_metrics(self, stats: StepStats, seconds: float) -> dict[str, float]:
-        compute = sum(s.end - s.start for s in stats.segments if s.lane == "compute")
-        metrics = {
-            "lazytrain/step_seconds": seconds,
-            "lazytrain/predicted_step_seconds": self._predicted_seconds(),
-            "lazytrain/stall_seconds": max(0.0, seconds - compute),
-            "lazytrain/peak_tracked_gb": stats.peak_tracked_bytes / 1e9,
-        }
-        for lane, nbytes in stats.lane_bytes.items():
-            metrics[f"lazytrain/{lane}_gb"] = nbytes / 1e9
-        if stats.max_memory_allocated is not None:
-            metrics["lazytrain/max_memory_allocated_gb"] = stats.max_memory_allocated / 1e9
-        return metrics
 
     def _predicted_seconds(self) -> float:
         if self._predicted is not None:

@@ -10,6 +10,7 @@ call counts of user code, gradients seen in ``on_after_backward`` (fp32 on CPU: 
 from __future__ import annotations
 
 import json
+import math
 
 import lightning as L
 import pytest
@@ -83,6 +84,11 @@ class Net(L.LightningModule):
         return torch.optim.AdamW([p for n, p in self.named_parameters() if not n.startswith("critic")], lr=1e-2)
 
 
+class SGDNet(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for n, p in self.named_parameters() if not n.startswith("critic")], lr=0.05)
+
+
 class HookNet(Net):
     def on_after_backward(self):
         self.calls["on_after_backward"] += 1
@@ -139,11 +145,12 @@ def data(n=STEPS * 2, seed=1):
     return [torch.randn(3, 5, 6, generator=g) for _ in range(n)]
 
 
-def fit(strategy, module, *, steps=STEPS, **kw):
+def fit(strategy, module, *, steps=STEPS, callbacks_extra=(), **kw):
     losses = Losses()
     torch.manual_seed(11)
+    kw.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False,
-                        enable_checkpointing=False, callbacks=[losses], enable_progress_bar=False,
+                        callbacks=[losses, *callbacks_extra], enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, **kw)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data(), batch_size=None))
     return module, losses.values
@@ -198,12 +205,80 @@ def test_bf16_mixed_is_plain_bf16_mixed(policy):
     assert_same_model(got_model, ref)
 
 
-def test_bf16_true_keeps_bf16_parameters():
+def test_bf16_true_keeps_bf16_parameters(policy):
     ref, want = fit("auto", Net(), precision="bf16-true")
-    got_model, got = fit(lazytrain("recompute_all"), Net(), precision="bf16-true")
+    got_model, got = fit(lazytrain(policy), Net(), precision="bf16-true")
     assert all(p.dtype == torch.bfloat16 for p in got_model.parameters())
     assert got == want
     assert_same_model(got_model, ref)
+
+
+def test_bf16_true_checkpoints_hold_bf16_weights_and_states(tmp_path):
+    """A checkpoint of a ``bf16-true`` run holds what ``auto``'s holds: bf16 weights and states."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saved = {}
+    for name in ("auto", "lazytrain"):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=STEPS)
+        strategy = "auto" if name == "auto" else lazytrain("milp")
+        fit(strategy, Net(), precision="bf16-true", callbacks_extra=[ckpt], enable_checkpointing=True)
+        saved[name] = torch.load(ckpt.best_model_path, weights_only=False)
+    for key, value in saved["auto"]["state_dict"].items():
+        got = saved["lazytrain"]["state_dict"][key]
+        assert got.dtype == value.dtype == torch.bfloat16 and torch.equal(got, value), key
+    want_states, got_states = (saved[k]["optimizer_states"][0]["state"] for k in ("auto", "lazytrain"))
+    assert want_states.keys() == got_states.keys()
+    for pid, state in want_states.items():
+        for key, value in state.items():
+            assert got_states[pid][key].dtype == value.dtype and torch.equal(got_states[pid][key], value), (pid, key)
+
+
+@pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
+def test_16_bit_precisions_train_as_auto(policy, precision):
+    """fp16 weights (``16-true``; SGD: AdamW's eps underflows in fp16, under ``auto`` too) and fp16
+    autocast with a loss scaler (``16-mixed``)."""
+    net = SGDNet if precision == "16-true" else Net
+    ref, want = fit("auto", net(dropout=0.1), precision=precision)
+    got_model, got = fit(lazytrain(policy), net(dropout=0.1), precision=precision)
+    assert all(map(math.isfinite, want)) and got == want
+    assert_same_model(got_model, ref)
+
+
+class Refused:
+    """Blocks the executor refuses: the error comes in the first step, before any optimizer step."""
+
+    @staticmethod
+    def hook_that_changes_an_output(module: Net) -> None:
+        module.layers[1].lin.register_forward_hook(lambda mod, args, out: out * 1.0)
+
+    @staticmethod
+    def block_whose_rerun_differs(module: Net) -> None:
+        class Flaky(Block):  # a second, hooked sub-module's output joins every other call only
+            def __init__(self):
+                super().__init__(16, 0.0, False)
+                self.sub, self.calls = nn.Linear(16, 16), 0
+                self.sub.register_forward_hook(lambda mod, args, out: None)
+
+            def forward(self, x):
+                self.calls += 1
+                y = super().forward(x)
+                return y + self.sub(x) if self.calls % 2 == 1 else y
+
+        module.layers = nn.ModuleList(Flaky() for _ in range(LAYERS))
+
+
+@pytest.mark.parametrize("pattern, policy_name, match", [
+    ("hook_that_changes_an_output", "milp", r"hook.*layers\.1\.lin"),
+    ("block_whose_rerun_differs", "recompute_all", r"block \d's re-run produced .* policy='keep_all'"),
+])
+def test_patterns_that_cannot_be_exact_are_refused_before_the_first_optimizer_step(pattern, policy_name, match):
+    module = Net()
+    getattr(Refused, pattern)(module)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(Exception, match=match):
+        fit(lazytrain(policy_name), module)
+    assert module.calls["training_step"] == 1  # the first step, which is the profile
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # no optimizer step
 
 
 def test_64_true_is_refused_before_training():

@@ -129,6 +129,41 @@ def test_same_losses_and_parameters_as_auto(policy, tmp_path):
     assert_same(got, auto())
 
 
+def test_each_backward_exposes_the_step_metrics_the_trainer_logs():
+    """``fabric.strategy.metrics``: the ``lazytrain/*`` figures of the last step, as the Trainer's
+    strategy logs them (same keys, from ``StepStats.metrics``), ready for ``fabric.log_dict``."""
+    got = train("lazytrain", steps=2, teardown=False)
+    strategy = got["fabric"].strategy
+    metrics = strategy.metrics
+    assert {"lazytrain/step_seconds", "lazytrain/predicted_step_seconds", "lazytrain/stall_seconds",
+            "lazytrain/peak_tracked_gb", "lazytrain/h2d_gb"} <= set(metrics)
+    assert metrics == strategy.last_stats.metrics(metrics["lazytrain/step_seconds"],
+                                                  strategy.plan.result.sim.iteration_seconds)
+    assert metrics["lazytrain/step_seconds"] > 0 and metrics["lazytrain/h2d_gb"] > 0
+    strategy.teardown()
+
+
+def test_several_devices_are_refused_with_the_way_out():
+    model = make_model()
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=LazyTrainFabricStrategy())
+    with pytest.raises(ValueError, match=r"trains on one device, and devices= selected 2 .*devices=1"):
+        fabric.setup(model)
+
+
+def test_free_memory_is_measured_before_the_executor_allocates(monkeypatch):
+    """``hardware="measure"``: the device's free memory is read before the executor's slots exist
+    (once; the plan uses that reading)."""
+    import lightning_lazytrain.fabric_strategy as fs
+
+    order = []
+    real_measure, real_executor = fs.measure_hardware, fs.Executor
+    monkeypatch.setattr(fs, "measure_hardware", lambda *a, **k: order.append("measure") or real_measure(*a, **k))
+    monkeypatch.setattr(fs, "Executor", lambda *a, **k: order.append("executor") or real_executor(*a, **k))
+    got = train(LazyTrainFabricStrategy(hardware="measure"), steps=2)
+    assert order == ["measure", "executor"]
+    assert_same(got, auto(steps=2))
+
+
 def test_gradient_accumulation_and_clipping():
     got = train("lazytrain", steps=3, accumulate=2)
     assert_same(got, auto(steps=3, accumulate=2))

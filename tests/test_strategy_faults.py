@@ -129,3 +129,16 @@ def test_the_chosen_gpu_is_the_root_device():
     strategy.accelerator = CUDAAccelerator()
     strategy.parallel_devices = [torch.device("cuda", 1)]
     assert strategy.root_device == torch.device("cuda", 1)
+
+
+def test_free_memory_is_measured_before_the_executor_allocates(tmp_path, monkeypatch):
+    """``hardware="measure"``: free device memory is read before the executor's slots exist, once
+    per fit, and the plan is made from that reading."""
+    import lightning_lazytrain.strategy as st
+
+    order = []
+    real_measure, real_executor = st.measure_hardware, st.Executor
+    monkeypatch.setattr(st, "measure_hardware", lambda *a, **k: order.append("measure") or real_measure(*a, **k))
+    monkeypatch.setattr(st, "Executor", lambda *a, **k: order.append("executor") or real_executor(*a, **k))
+    trainer(LazyTrainStrategy(hardware="measure"), tmp_path, max_steps=2).fit(Net(), loader())
+    assert order == ["measure", "executor"]

@@ -126,6 +126,22 @@ class StepStats:
     partial_recompute_bytes: dict[int, int] = field(default_factory=dict)
     partial_seconds: dict[int, float] = field(default_factory=dict)
 
+    def metrics(self, seconds: float, predicted_seconds: float) -> dict[str, float]:
+        """The ``lazytrain/*`` figures of a step that took ``seconds`` (what the Trainer's strategy
+        logs and the Fabric strategy exposes as ``metrics``)."""
+        compute = sum(s.end - s.start for s in self.segments if s.lane == "compute")
+        out = {
+            "lazytrain/step_seconds": seconds,
+            "lazytrain/predicted_step_seconds": predicted_seconds,
+            "lazytrain/stall_seconds": max(0.0, seconds - compute),
+            "lazytrain/peak_tracked_gb": self.peak_tracked_bytes / 1e9,
+        }
+        for lane, nbytes in self.lane_bytes.items():
+            out[f"lazytrain/{lane}_gb"] = nbytes / 1e9
+        if self.max_memory_allocated is not None:
+            out["lazytrain/max_memory_allocated_gb"] = self.max_memory_allocated / 1e9
+        return out
+
 
 class Executor:
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
