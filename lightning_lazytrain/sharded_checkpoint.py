@@ -369,9 +369,10 @@ def check_sharded_integrity(path: Any, *, group: Any = None) -> None:
 
 
 def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = None,
-                 verify: bool = True) -> dict[str, Any]:
+                 verify: bool = True, shard: tuple[int, int] | None = None) -> dict[str, Any]:
     """The checkpoint dict saved by ``save_sharded`` at ``path``, on any number of processes: every rank
-    of ``group`` calls it (``group=None``: this process alone, no process group needed)."""
+    of ``group`` calls it (``group=None``: this process alone, no process group needed). Per-process
+    entries are read for ``shard = (rank, world)`` (default: this rank in ``group``)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -383,14 +384,17 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
     reader = dcp.FileSystemReader(p)
     metadata = reader.read_metadata()
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    if shard is not None:
+        rank, world = shard
     wanted: list[str] = []
     for marker in markers(skeleton):
         if marker.get("per_rank") and marker["world"] != world:
             raise ValueError(
-                f"sharded checkpoint {p} holds {marker[MARKER]!r} per process of {marker['world']} sharded processes "
-                f"(8-bit optimizer states are blockwise over each process's shard): it resumes on {marker['world']} "
-                f"processes only, not {world}. Fix: resume with devices x num_nodes = {marker['world']}, or train "
-                "with 32-bit states (HybridAdamW(eight_bit='none')) to change the number of processes")
+                f"sharded checkpoint {p} holds {marker[MARKER]!r} per process of a shard group of {marker['world']} "
+                f"(8-bit optimizer states are blockwise over each process's shard): it resumes on shard groups of "
+                f"{marker['world']} processes only, not {world}. Fix: resume with data_parallel='shard' and "
+                f"{marker['world']} processes per shard group (shard_size; by default the devices per node), or "
+                "train with 32-bit states (HybridAdamW(eight_bit='none')) to change the number of processes")
         wanted += _wanted(marker, rank)
     tensors: dict[str, torch.Tensor] = {}
     for key in wanted:

@@ -91,11 +91,16 @@ class LazyTrainStrategy(ParallelStrategy):
             automatic optimization.
         data_parallel: with several processes, ``"replicate"`` (each holds all host state; every
             group's host gradients all-reduced) or ``"shard"`` (experimental: each holds 1/N of every
-            group's host masters, gradients and optimizer state; engine/shard_store.py; a sharded
+            group's host masters, gradients and optimizer state within a group of ``shard_size``
+            processes, replicated across the groups; engine/shard_store.py; a sharded
             checkpoint holds each rank's rows as written, nothing gathered, and resumes on any number
             of processes (8-bit states: on the same number only); a ``"full"`` one gathers every
             tensor to rank 0 and cannot hold 8-bit states; manual optimization is refused before the
             first step).
+        shard_size: ``data_parallel="shard"``: the processes that share one copy of the host state
+            (default: the devices per node; the state is replicated across nodes, and each shard's
+            gradient all-reduced across them: Note: [hybrid sharding] in distributed.py). Must divide
+            ``devices x num_nodes``.
         nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
             (``CausalLMModule``: ``embed``, ``head``): the step's tail moves, updates and stages them
             part by part, each part's transfers under the next part's host work (Note: [non-block
@@ -114,7 +119,7 @@ class LazyTrainStrategy(ParallelStrategy):
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
                  overlap_grad_sync: bool = True, nonblock_parts: bool = True,
-                 data_parallel: str = "replicate") -> None:
+                 data_parallel: str = "replicate", shard_size: int | None = None) -> None:
         # imported here: checkpoint_io imports Lightning, whose import registers this module (a
         # module-level import would be circular when checkpoint_io is imported first)
         from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
@@ -143,6 +148,10 @@ class LazyTrainStrategy(ParallelStrategy):
             raise ValueError(f"data_parallel={data_parallel!r}: use 'replicate' (every process holds all host "
                              "state) or 'shard' (each holds 1/N of every block's; experimental, no checkpoints)")
         self.data_parallel = data_parallel
+        if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
+            raise ValueError(f"shard_size={shard_size!r}: must be a number of processes >= 1 (default: the devices "
+                             "per node)")
+        self.shard_size = shard_size
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)
@@ -262,6 +271,8 @@ class LazyTrainStrategy(ParallelStrategy):
             from lightning_lazytrain.distributed import GradSync
 
             self.grad_sync = GradSync(self._timeout)
+            if self.data_parallel == "shard":  # Note: [hybrid sharding]: within a node by default
+                self.grad_sync.make_shard_groups(self.shard_size or self.num_processes)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -326,7 +337,8 @@ class LazyTrainStrategy(ParallelStrategy):
             self.precision_plugin._sharded_clip = self  # non-HybridAdamW norm clipping (precision.py)
         self.executor = Executor(module, provisional, blocks=stack, device=device,
                                  compute_dtype=_COMPUTE_DTYPE.get(precision, torch.float32), nvme_dir=self.nvme_dir,
-                                 links=links, shard_group="world" if shard else None)
+                                 links=links, shard_group=self.grad_sync.shard_device_group if shard else None,
+                                 replica_group=self.grad_sync.replica_device_group if shard else None)
         if hasattr(module, "_device"):  # LightningModule.device: where its computation runs
             module._device = device
         if self.grad_sync is not None:
@@ -398,7 +410,7 @@ class LazyTrainStrategy(ParallelStrategy):
             for is_shard, g in grads:
                 sq[0 if is_shard else 1] += g.detach().double().square().sum()
             part = sq[:1].clone()
-            torch.distributed.all_reduce(part, group=self.grad_sync.group)
+            torch.distributed.all_reduce(part, group=self.grad_sync.shard_host_group)  # each shard once
             total = float((part[0] + sq[1]).sqrt())
             coef = min(max_norm / (total + 1e-6), 1.0)
             for _, g in grads:
@@ -561,9 +573,12 @@ class LazyTrainStrategy(ParallelStrategy):
         from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
 
         if is_sharded_checkpoint(checkpoint_path):
-            group = self.grad_sync.group if self.grad_sync is not None else None
+            sync = self.grad_sync
+            group = sync.group if sync is not None else None
+            # per-process entries (8-bit states of a sharded run) are this rank's in its shard group
+            shard = (sync.shard_rank, sync.shard_size) if sync is not None and self.data_parallel == "shard" else None
             return load_sharded(checkpoint_path, group=group, weights_only=weights_only,
-                                verify=self._verify_checkpoints)
+                                verify=self._verify_checkpoints, shard=shard)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
@@ -817,9 +832,9 @@ class LazyTrainStrategy(ParallelStrategy):
             e = torch.empty((), dtype=store.compute_dtype).element_size()
             land = store.slot(0).grad_host.element_size()
             return measured_shard_workload(
-                wl, self.world_size, max(1, self.world_size // self.num_nodes),
+                wl, store.world, max(1, self.world_size // self.num_nodes),
                 [store.shard_numel(j) for j in range(store.num_layers)], store.shard_numel(REST_GROUP),
-                bandwidth, gather_element_bytes=e, reduce_element_bytes=land)
+                bandwidth, gather_element_bytes=e, reduce_element_bytes=land, replicas=store.replicas)
 
         bandwidth = sync.bytes_per_s()
         if bandwidth is None:  # no gradient crossed (a frozen model): nothing to price

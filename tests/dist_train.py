@@ -12,7 +12,8 @@ lane and the simulator's per-rank prediction for the schedule that step ran, and
 all-reduce overlapped the backward), union_of / epoch (one process sees, per batch, the union of
 what union_of ranks see in that epoch), overlap (LazyTrainStrategy's overlap_grad_sync, default
 true), two_forwards (the loss is the mean of two forwards, the second on the reversed sequences:
-every block runs twice before the backward), data_parallel ("replicate" or "shard": LazyTrainStrategy's).
+every block runs twice before the backward), data_parallel ("replicate" or "shard": LazyTrainStrategy's),
+shard_size (LazyTrainStrategy's: processes per shard group).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def train(opts: dict) -> Net:
         strategy = LazyTrainStrategy(policy=opts.get("policy", "milp"), timeout=timedelta(seconds=60),
                                      checkpoint_format=opts.get("checkpoint_format", "sharded"),
                                      overlap_grad_sync=opts.get("overlap", True),
-                                     data_parallel=opts.get("data_parallel", "replicate"))
+                                     data_parallel=opts.get("data_parallel", "replicate"),
+                                     shard_size=opts.get("shard_size"))
     else:
         strategy = "auto"
     module = Net(opts)

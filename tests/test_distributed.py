@@ -35,8 +35,8 @@ def launch(tmp_path: Path, timeout: float = 240, **opts) -> subprocess.Completed
                           timeout=timeout, cwd=tmp_path)
 
 
-def outputs(path: Path) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    return ([json.loads((path / f"losses_rank{r}.json").read_text()) for r in range(2)],
+def outputs(path: Path, ranks: int = 2) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    return ([json.loads((path / f"losses_rank{r}.json").read_text()) for r in range(ranks)],
             torch.load(path / "weights.pt"))
 
 
@@ -302,7 +302,7 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, fmt,
         assert len(shares) == 2 and all(0.3 < n / sum(shares) < 0.7 for n in shares), shares
         if optimizer == "hybrid8":
             assert any("#rank1" in k for k in keys)  # a state with no whole form, per rank
-            with pytest.raises(ValueError, match="resumes on 2 processes only, not 1"):
+            with pytest.raises(ValueError, match="resumes on shard groups of 2 processes only, not 1"):
                 load_sharded(ckpt)
         else:
             saved = load_sharded(ckpt)
@@ -333,3 +333,40 @@ def test_each_sharded_rank_moves_the_bytes_the_simulator_predicts(tmp_path, poli
                 assert row["measured"].get(lane, 0.0) > 0, (r, row["step"], lane)
                 assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), \
                     (r, row["step"], lane, row)
+
+
+def test_hybrid_sharding_two_groups_of_two_train_as_one_rank_with_four_times_the_batch(tmp_path):
+    """Note: [hybrid sharding]: 4 processes, ``shard_size=2`` (2 "nodes" of 2): each pair shards the
+    host state, the pairs replicate it (each shard's gradient all-reduced across them). Against one
+    process with the 4 ranks' batches: losses and final weights to 1e-6 (SGD, accumulation 2, clip);
+    each rank's bytes per lane (fetches of its shard, all-gathers, reduce-scatters, the replica
+    all-reduce) equal the simulator's for the plan's per-rank workload; the sharded checkpoint holds
+    each chunk once (the replicas' equal keys deduplicated) and joins whole in one process, equal to
+    the run's final weights."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_lazytrain.sharded_checkpoint import load_sharded
+
+    b, steps, accum = 1, 2, 2
+    ckpt = tmp_path / "last.ckpt"
+    run = launch(tmp_path, timeout=420, devices=4, shard_size=2, data_parallel="shard", batch=b, steps=steps,
+                 accum=accum, clip=0.5, same_init=False, record_bytes=True, save=str(ckpt))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    losses, weights = outputs(tmp_path, ranks=4)
+    ref = _script().train({"devices": 1, "batch": 4 * b, "steps": steps, "accum": accum, "clip": 0.5,
+                           "strategy": "auto", "same_init": False, "union_of": 4})
+    torch.testing.assert_close(torch.tensor([sum(x) / 4 for x in zip(*losses)]), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
+    for r in range(4):
+        for row in json.loads((tmp_path / f"bytes_rank{r}.json").read_text()):
+            for lane in ("h2d", "d2h", "collective"):
+                assert row["measured"][lane] == pytest.approx(row["predicted"][lane], rel=1e-9), (r, lane, row)
+    keys = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert not [k for k in keys if k.startswith("state_dict/model.model.layers.") and "@" not in k]
+    assert {k for k in keys if k.startswith("state_dict/model.lm_head.weight")} == {
+        "state_dict/model.lm_head.weight@0:128", "state_dict/model.lm_head.weight@128:256"}
+    saved = load_sharded(ckpt)
+    for name, value in weights.items():
+        assert torch.equal(saved["state_dict"][f"model.{name}"], value), name

@@ -290,32 +290,87 @@ def _snapshot(model: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_plain(model: torch.nn.Module, batches, device: str, lr: float = 0.05) -> RunResult:
-    """Plain autograd on ``device`` (fp32), SGD; the reference."""
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss of the kit's ``LlamaLM`` (``model.loss``)."""
+    return model.loss(tokens)
+
+
+def hf_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss of a Hugging Face causal LM, called as a training loop calls it."""
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+GPT2_FIELDS = dict(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.1,
+                   embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+
+
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    """A 4-block GPT-2 (``transformers.GPT2LMHeadModel`` from a config, no download) with dropout
+    0.1 on embeddings, attention and residuals, eager attention: every re-run of a block must
+    replay the forward's random state (CPU and CUDA generators) to be exact."""
+    import transformers
+
+    cfg = transformers.GPT2Config(**GPT2_FIELDS, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _forward_ctx(device: str, autocast: torch.dtype | None):
+    """Autocast around the forward only (as Lightning's bf16-mixed: backward runs outside it)."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=autocast)
+
+
+def _eval_loss(m: torch.nn.Module, tokens: torch.Tensor, device: str, loss_fn, autocast) -> torch.Tensor:
+    was = m.training
+    m.eval()  # dropout off: the evaluation loss is deterministic
+    try:
+        with _forward_ctx(device, autocast):
+            return loss_fn(m, tokens.to(device)).detach().float().cpu()
+    finally:
+        m.train(was)
+
+
+def run_plain(model: torch.nn.Module, batches, device: str, lr: float = 0.05, *,
+              loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = lm_loss,
+              autocast: torch.dtype | None = None, seed: int | None = None) -> RunResult:
+    """Plain autograd on ``device`` (fp32 parameters), SGD; the reference. ``autocast``: the
+    forward (and the evaluation) under ``torch.autocast(dtype=autocast)`` over the fp32
+    parameters, as ``precision="bf16-mixed"``; ``seed``: ``torch.manual_seed`` before the first
+    step (models with dropout)."""
     m = copy.deepcopy(model).to(device)
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     r = RunResult()
+    if seed is not None:
+        torch.manual_seed(seed)
     for step in batches:
         r.losses.append([])
         for tokens in step:
-            loss = m.loss(tokens.to(device))
+            with _forward_ctx(device, autocast):
+                loss = loss_fn(m, tokens.to(device))
             loss.backward()
-            r.losses[-1].append(loss.detach().cpu())
+            r.losses[-1].append(loss.detach().float().cpu())
         r.grads.append(_snapshot(m, grads=True))
         opt.step()
         opt.zero_grad()
         r.params.append(_snapshot(m, grads=False))
     with torch.no_grad():
-        r.eval_loss = m.loss(batches[0][0].to(device)).cpu()
+        r.eval_loss = _eval_loss(m, batches[0][0], device, loss_fn, autocast)
     return r
 
 
 def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir: Path,
                  lr: float = 0.05, compute_dtype: torch.dtype = torch.float32,
                  on_executor: Callable[[Any], Callable[[], None] | None] | None = None,
-                 on_stats: Callable[[Any, Any], None] | None = None, **executor_kwargs: Any) -> RunResult:
+                 on_stats: Callable[[Any, Any], None] | None = None,
+                 loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = lm_loss,
+                 autocast: torch.dtype | None = None, seed: int | None = None,
+                 **executor_kwargs: Any) -> RunResult:
     """The same training through the executor (fp32 compute unless ``compute_dtype``: 16-bit
     compute copies of the fp32 masters, cast on the host lane; host SGD on the masters).
+    ``loss_fn``, ``autocast`` and ``seed`` as in :func:`run_plain` (under ``autocast`` the fp32
+    masters are streamed in fp32 and autocast casts them, as the strategy does for bf16-mixed).
     ``on_executor(ex)`` runs once the executor is built (it may return a cleanup, run before the
     executor closes); ``on_stats(ex, stats)`` after each step's last micro-batch, before the step.
     ``executor_kwargs`` go to the ``Executor`` (e.g. ``shard_group``)."""
@@ -326,25 +381,28 @@ def run_executor(model: torch.nn.Module, schedule, batches, device: str, workdir
     cleanup = on_executor(ex) if on_executor is not None else None
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     r = RunResult()
+    if seed is not None:
+        torch.manual_seed(seed)
     try:
         for step in batches:
             r.losses.append([])
             for k, tokens in enumerate(step):
                 ex.begin_microbatch(first=k == 0, last=k == len(step) - 1)
-                loss = m.loss(tokens.to(device))
+                with _forward_ctx(device, autocast):
+                    loss = loss_fn(m, tokens.to(device))
                 loss.backward()
                 stats = ex.end_microbatch()
                 if stats is not None:
                     r.stats = stats
                     if on_stats is not None:
                         on_stats(ex, stats)
-                r.losses[-1].append(loss.detach().cpu())
+                r.losses[-1].append(loss.detach().float().cpu())
             r.grads.append(_snapshot(m, grads=True))
             opt.step()
             opt.zero_grad()
             r.params.append(_snapshot(m, grads=False))
         with ex.inference(), torch.no_grad():
-            r.eval_loss = m.loss(batches[0][0].to(device)).cpu()
+            r.eval_loss = _eval_loss(m, batches[0][0], device, loss_fn, autocast)
     finally:
         if cleanup is not None:
             cleanup()

@@ -50,15 +50,18 @@ class StageSpec:
 # stay under 8 minutes: the budget below also stops stages from starting once it is spent).
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("equivalence", "stage_equivalence.py", 120,
-              "executor == plain autograd, every schedule + MILP plan, accumulation (fp32; CPU: bitwise)"),
+              "executor == plain autograd, every schedule + MILP plan, accumulation, 3 steps + eval: fp32, "
+              "bf16-mixed vs plain autocast, GPT-2 with dropout under re-runs (CPU: bitwise)",
+              env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     StageSpec("delays", "stage_delays.py", 120,
               "delay injection on copy streams and at each bind: bitwise equal to undelayed",
               cpu_args=("--schedules", "cpu_homes,nvme_homes,kept_internals_resident",
                         "--patterns", "copies,compute,jitter0", "--delay-ms", "1"),
               env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
-    StageSpec("sanitizer", "stage_equivalence.py", 150,
-              "the equivalence runs under TORCH_CUDA_SANITIZER=1 (no race reported)",
-              args=("--steps", "1"), env={"TORCH_CUDA_SANITIZER": "1"}, cuda_only=True),
+    StageSpec("sanitizer", "stage_equivalence.py", 180,
+              "the fp32 and GPT-2 equivalence runs under TORCH_CUDA_SANITIZER=1 (no race reported)",
+              args=("--steps", "1", "--parts", "fp32,gpt2"),
+              env={"TORCH_CUDA_SANITIZER": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, cuda_only=True),
     StageSpec("sync_debug", "stage_sync_debug.py", 60,
               "implicit syncs per step under torch.cuda.set_sync_debug_mode('warn') (reported)", cuda_only=True),
     StageSpec("lightning", "stage_lightning.py", 150,

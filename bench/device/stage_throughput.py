@@ -15,13 +15,25 @@ Each runs one warm-up step and ``--repeats`` timed steps (median reported): toke
 predicted step seconds, busy seconds per lane (measured in the last step and predicted; ``host``:
 the host lane's casts and gradient accumulation), ``max_memory_allocated``/``max_memory_reserved`` against the predicted
 peak and the cap, the executor's tracked peak, and ``num_alloc_retries`` during the timed steps.
+Then:
+
+* achieved GB/s per lane (executor variants): the bytes the lane moved in the last timed step
+  (``StepStats.lane_bytes``) over its busy seconds, the union of that lane's measured
+  ``StepStats.segments`` (CUDA: event-timed copies; host lane: casts and accumulation), next to
+  the rate the plan assumed (the predicted timeline's bytes over its busy seconds);
+* GPU busy fraction (CUDA only): one more step under ``torch.profiler`` (CUDA activity);
+  the union of the GPU kernels' intervals (memcpy/memset excluded, overlapping kernels counted
+  once) over that step's wall time (``gpu_busy_fraction``), and over the median unprofiled step
+  (``gpu_busy_fraction_of_median_step``: the profiler's own overhead left out); the copies'
+  union is reported beside it. On the CPU the profiled step runs (the code path is rehearsed)
+  and the figure is recorded as skipped with the reason.
 
 Hard failures: the MILP plan's ``max_memory_allocated`` above the cap; an executor's tracked peak
 above the predicted peak (the engine's own invariant). Speed, the allocator's retries and
 predicted-vs-measured are reported only.
 
-CPU rehearsal: the 4-layer tiny model in fp32, batch 2 x 32, no warm-up, one step per variant;
-figures recorded (no allocator figures on the CPU).
+CPU rehearsal: the 4-layer tiny model in fp32, batch 2 x 32, no warm-up, one step per variant
+(+ the profiled one); figures recorded (no allocator figures, no GPU busy fraction on the CPU).
 """
 
 from __future__ import annotations
@@ -84,6 +96,86 @@ def time_steps(dev: str, step, warmup: int, repeats: int, between=None) -> dict:
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
         out["max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
         out["num_alloc_retries"] = _retries() - retries0
+    return out
+
+
+def interval_union(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals (overlaps counted once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for a, b in sorted((float(a), float(b)) for a, b in intervals if b > a):
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def lane_rates(segments, lane_bytes: dict | None = None) -> dict[str, dict]:
+    """Achieved rate per lane that moved bytes: ``lane_bytes[lane]`` (else the segments' bytes)
+    over the union of the lane's segment intervals (seconds)."""
+    spans: dict[str, list] = {}
+    seg_bytes: dict[str, float] = {}
+    for seg in segments:
+        spans.setdefault(seg.lane, []).append((seg.start, seg.end))
+        seg_bytes[seg.lane] = seg_bytes.get(seg.lane, 0.0) + float(getattr(seg, "bytes", 0.0) or 0.0)
+    out = {}
+    for lane in sorted(set(spans) | set(lane_bytes or {})):
+        nbytes = float((lane_bytes or {}).get(lane) or seg_bytes.get(lane, 0.0))
+        busy = interval_union(spans.get(lane, []))
+        if nbytes <= 0:
+            continue
+        out[lane] = {"bytes": int(nbytes), "busy_seconds": round(busy, 6),
+                     "gb_per_s": round(nbytes / busy / GB, 4) if busy > 0 else None}
+    return out
+
+
+def _is_copy(name: str) -> bool:
+    return name.lower().startswith(("memcpy", "memset"))
+
+
+def gpu_busy_from_events(events, wall_s: float) -> dict:
+    """GPU busy figures from profiler events: ``events`` are ``(name, is_device, start_us, end_us)``;
+    kernels are the device events that are not memcpy/memset."""
+    kernels = [(a, b) for name, dev, a, b in events if dev and not _is_copy(name)]
+    copies = [(a, b) for name, dev, a, b in events if dev and _is_copy(name)]
+    busy = interval_union(kernels) / 1e6
+    return {"kernels": len(kernels), "kernel_seconds": round(busy, 6),
+            "kernel_seconds_summed": round(sum(b - a for a, b in kernels) / 1e6, 6),
+            "copy_seconds": round(interval_union(copies) / 1e6, 6), "profiled_step_seconds": round(wall_s, 6),
+            "gpu_busy_fraction": busy / wall_s if wall_s > 0 else None}
+
+
+def profile_step(dev: str, step, between=None) -> dict:
+    """One more step under ``torch.profiler`` (CUDA: GPU kernels' busy fraction; CPU: rehearsed,
+    recorded as skipped)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    # CUDA: device activity only (the kernels' intervals; no host-side op records to slow the step)
+    activities = [ProfilerActivity.CUDA] if dev == "cuda" else [ProfilerActivity.CPU]
+    _sync(dev)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    if between is not None:
+        between()
+    t0 = time.perf_counter()
+    device_types = {DeviceType.CUDA, getattr(DeviceType, "PrivateUse1", DeviceType.CUDA)}
+    events = [(e.name, e.device_type in device_types, e.time_range.start, e.time_range.end) for e in prof.events()]
+    out = gpu_busy_from_events(events, wall)
+    out["events"] = len(events)
+    out["parse_seconds"] = round(time.perf_counter() - t0, 3)
+    if dev != "cuda":
+        out.update(status="skipped", reason="CUDA only: the CPU rehearsal has no GPU kernels (the profiled step ran)",
+                   gpu_busy_fraction=None)
+    else:
+        out["status"] = "measured"
     return out
 
 
@@ -153,10 +245,13 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             m.loss(tokens).backward()
             stats = ex.end_microbatch()
             peaks.append(stats.peak_tracked_bytes)
-            last["segments"] = stats.segments
+            last["segments"] = list(stats.segments)
+            last["lane_bytes"] = dict(stats.lane_bytes)
 
         try:
             r = time_steps(dev, step, warmup, repeats, between=ex.params.zero_grad)
+            timed = dict(last)  # the last timed step (the profiled one below is not timed)
+            r["gpu_busy"] = profile_step(dev, step, between=ex.params.zero_grad)
         finally:
             ex.close()
         m = ex = step = None  # drop this variant's host copy before the next one
@@ -170,13 +265,21 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         # Busy seconds per lane in the last step (the host lane: casts and gradient accumulation off
         # the launching thread), measured and predicted.
         busy: dict[str, float] = {}
-        for seg in last.get("segments", []):
+        for seg in timed.get("segments", []):
             busy[seg.lane] = busy.get(seg.lane, 0.0) + seg.end - seg.start
         pbusy: dict[str, float] = {}
         for seg in pred.timeline:
             pbusy[seg.lane] = pbusy.get(seg.lane, 0.0) + seg.end - seg.start
         r["lane_busy_seconds"] = {k: round(v, 4) for k, v in sorted(busy.items())}
         r["predicted_lane_busy_seconds"] = {k: round(v, 4) for k, v in sorted(pbusy.items())}
+        # Achieved GB/s per lane (bytes / the lane's busy seconds), measured and as planned.
+        r["lane_gb_per_s"] = lane_rates(timed.get("segments", []), timed.get("lane_bytes"))
+        r["predicted_lane_gb_per_s"] = {k: v["gb_per_s"] for k, v in lane_rates(pred.timeline).items()}
+        r["gpu_busy_fraction"] = r["gpu_busy"]["gpu_busy_fraction"]
+        if cuda and r["gpu_busy"]["kernel_seconds"]:
+            r["gpu_busy_fraction_of_median_step"] = r["gpu_busy"]["kernel_seconds"] / r["median_step_seconds"]
+        if not r["lane_gb_per_s"]:
+            st.note(f"{name}: no lane moved bytes in the last timed step (no GB/s to report)")
         if cuda:  # what the allocator saw that the executor does not track (logits, a block's transients, ...)
             r["untracked_gb"] = r["max_memory_allocated_gb"] - max(peaks) / GB
             r["over_cap_gb"] = r["max_memory_allocated_gb"] - cap / GB
@@ -193,7 +296,10 @@ def body(st: Stage, args: argparse.Namespace) -> None:
               f"(predicted {pred.iteration_seconds:.3f}), tracked peak {max(peaks) / GB:.4g} GB "
               f"(predicted {pred.peak_gpu_bytes / GB:.4g})"
               + (f", max allocated {r['max_memory_allocated_gb']:.2f} GB, reserved {r['max_memory_reserved_gb']:.2f} GB"
-                 if cuda else ""), flush=True)
+                 if cuda else "")
+              + "; GB/s " + ", ".join(f"{k} {v['gb_per_s']}" for k, v in r["lane_gb_per_s"].items())
+              + (f"; GPU busy {r['gpu_busy_fraction']:.1%}" if r["gpu_busy_fraction"] is not None else
+                 f"; GPU busy: {r['gpu_busy']['reason']}" if "reason" in r["gpu_busy"] else ""), flush=True)
 
     # Plain PyTorch: the whole model on the device in the compute dtype, plain autograd.
     plain = copy.deepcopy(model).to(device=dev, dtype=dtype)
@@ -202,9 +308,16 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         r = time_steps(dev, lambda: plain.loss(tokens).backward(), warmup, repeats,
                        between=lambda: plain.zero_grad(set_to_none=True))
         r["tokens_per_s"] = ntok / r["median_step_seconds"]
+        r["gpu_busy"] = profile_step(dev, lambda: plain.loss(tokens).backward(),
+                                     between=lambda: plain.zero_grad(set_to_none=True))
+        r["gpu_busy_fraction"] = r["gpu_busy"]["gpu_busy_fraction"]
+        if cuda and r["gpu_busy"]["kernel_seconds"]:
+            r["gpu_busy_fraction_of_median_step"] = r["gpu_busy"]["kernel_seconds"] / r["median_step_seconds"]
         variants["plain"] = r
         print(f"{'plain':<10} {r['tokens_per_s']:,.0f} tok/s, step {r['median_step_seconds']:.3f} s"
-              + (f", max allocated {r['max_memory_allocated_gb']:.2f} GB" if cuda else ""), flush=True)
+              + (f", max allocated {r['max_memory_allocated_gb']:.2f} GB" if cuda else "")
+              + (f"; GPU busy {r['gpu_busy_fraction']:.1%}" if r["gpu_busy_fraction"] is not None else ""),
+              flush=True)
     except torch.OutOfMemoryError as e:
         variants["plain"] = {"error": f"out of memory: {e}"[:300]}
         st.note("plain PyTorch does not fit on this device")

@@ -148,7 +148,7 @@ class Executor:
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
                  wait_updated: Callable[[int], None] | None = None, nvme_required_bytes: int = 0,
-                 shard_group: Any = None) -> None:
+                 shard_group: Any = None, replica_group: Any = None) -> None:
         self.module = module
         self.stack = blocks if isinstance(blocks, BlockStack) else find_blocks(module, blocks)
         self.device = torch.device(device)
@@ -176,6 +176,7 @@ class Executor:
         # sharded data parallel (engine/shard_store.py): the process group whose ranks share every
         # block's host state ("world": the default group); None: this process holds all of it
         self.shard_group = shard_group
+        self.replica_group = replica_group  # Note: [hybrid sharding] (distributed.py)
         self.set_schedule(schedule)
         self._install()
 
@@ -207,7 +208,7 @@ class Executor:
                 group = None if self.shard_group == "world" else self.shard_group
                 self.params = ShardedParamStore(self.module, self.stack, self.device, self.compute_dtype,
                                                 self.engine, num_slots=slots, lazy_slots=range(2, slots),
-                                                group=group)
+                                                group=group, replica_group=self.replica_group)
             self.params.on_final_grads = hook
             if self.rest_parts:
                 self.params.set_rest_parts(self.rest_parts)

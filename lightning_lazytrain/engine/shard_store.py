@@ -16,8 +16,10 @@ gradient reached is the union over the ranks (one small all-reduce of flags), as
 
 This first version runs the collectives on the calling thread in program order (every rank stages and
 sends the same groups in the same order, so they match) and waits for the shard's H2D before the
-all-gather: exact, not yet overlapped. Clip norms from ``grad_norms`` are per shard; a global norm
-needs their squares summed across ranks (not done here: the strategy's side, open).
+all-gather: exact, not yet overlapped. Clip norms from ``grad_norms`` are per shard; the strategy sums
+their squares over the shard group (``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``).
+With a ``replica_group`` (Note: [hybrid sharding] in distributed.py) each reduce-scattered shard is
+also summed over the ranks holding the same shard in the other shard groups before the division.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ __all__ = ["ShardedParamStore"]
 class ShardedParamStore(ParamStore):
     """``ParamStore`` with every block's host state sharded over ``group`` (default: the world)."""
 
-    def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any = None, replica_group: Any = None, **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedParamStore needs an initialised torch.distributed process group")
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.collective_bytes = {"gather": 0, "reduce": 0}  # what this rank sent per collective kind
+        # Note: [hybrid sharding] (distributed.py): the ranks holding the same shard in other groups
+        self.replica_group = replica_group
+        self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
+        self.collective_bytes = {"gather": 0, "reduce": 0, "replica": 0}  # what this rank sent, per kind
         self.collective_seconds = 0.0  # in those collectives (they run in line: see the module doc)
         self._since = (0, 0.0)  # take_collective's last reading
         super().__init__(*args, **kwargs)
@@ -137,9 +142,13 @@ class ShardedParamStore(ParamStore):
             mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
             t0 = time.perf_counter()
             dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
+            if self.replica_group is not None:  # the same shard's sum over the other shard groups
+                dist.all_reduce(mine, group=self.replica_group)
             self.collective_seconds += time.perf_counter() - t0
-            mine.div_(self.world)
+            mine.div_(self.world * self.replicas)  # DDP's average over every rank
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
+        # a ring all-reduce sends 2 (R-1)/R of the buffer (Note: [collective bytes] in distributed.py)
+        self.collective_bytes["replica"] += 2 * (self.replicas - 1) / self.replicas * mine.nbytes
         touched = self._touched_anywhere(g, s.touched)
         h = self.engine.d2h(s.grad_host[: layout.shard_numel], mine,
                             after=[s.accumulated] if s.accumulated else [], tag=f"grad:{layer}")
@@ -150,6 +159,8 @@ class ShardedParamStore(ParamStore):
         """The parameters of ``g`` a gradient reached on any rank (DDP averages every rank's)."""
         flags = torch.tensor([id(info) in touched for info in g.params], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, group=self.group)
+        if self.replica_group is not None:
+            dist.all_reduce(flags, group=self.replica_group)
         return frozenset(id(info) for info, f in zip(g.params, flags.tolist()) if f)
 
     # ---- end ---------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, h
 
 def measured_shard_workload(wl: Workload, world_size: int, ranks_per_node: int, shard_numel: list[int],
                             nonblock_shard_numel: int, collective_bytes_per_s: float,
-                            gather_element_bytes: float, reduce_element_bytes: float) -> Workload:
+                            gather_element_bytes: float, reduce_element_bytes: float, replicas: int = 1) -> Workload:
     """One rank's workload of a running ``shard`` job (``LazyTrainStrategy(data_parallel="shard")``,
     engine/shard_store.py), from the workload that rank measured: each layer's fetch moves its shard
     (``shard_numel[j]`` of the group's ``params`` elements: ``link_fraction``), followed by an
@@ -194,8 +194,10 @@ def measured_shard_workload(wl: Workload, world_size: int, ranks_per_node: int, 
     gradient copy moves the shard after a reduce-scatter of ``(W-1)`` shards of
     ``reduce_element_bytes`` (the masters' dtype); the non-block group likewise. The collectives are
     priced at the bandwidth the profiled step's achieved. Bytes in the engine's unit
-    (``ShardedParamStore.collective_bytes``: what this rank sends), so they compare exactly."""
-    if world_size <= 1:
+    (``ShardedParamStore.collective_bytes``: what this rank sends), so they compare exactly.
+    ``world_size`` is the shard group's size; with ``replicas`` shard groups (hybrid sharding) each
+    reduce-scatter is followed by an all-reduce of the shard over the replicas, ``2 (R-1)/R`` of it."""
+    if world_size <= 1 and replicas <= 1:
         return wl
     if collective_bytes_per_s <= 0:
         raise InvalidInput("collective_bytes_per_s", collective_bytes_per_s, "must be > 0")
@@ -203,17 +205,20 @@ def measured_shard_workload(wl: Workload, world_size: int, ranks_per_node: int, 
         raise InvalidInput("shard_numel", len(shard_numel), f"need {wl.num_layers} entries (one per layer)")
     W, bw = world_size, collective_bytes_per_s
 
+    R = replicas
+
     def costs(params: int, shard: int) -> dict:
-        gather, reduce = (W - 1) * shard * gather_element_bytes, (W - 1) * shard * reduce_element_bytes
+        gather = (W - 1) * shard * gather_element_bytes
+        reduce = ((W - 1) + 2 * (R - 1) / R) * shard * reduce_element_bytes
         return dict(link_fraction=shard / params if params else 1.0, gather_seconds=gather / bw, gather_bytes=gather,
                     reduce_seconds=reduce / bw, reduce_bytes=reduce)
 
     layers = tuple(replace(layer, **costs(layer.params, n)) for layer, n in zip(wl.layers, shard_numel))
     nb = costs(wl.nonblock_params, nonblock_shard_numel)
-    return replace(wl, layers=layers, data_parallel="shard", ranks=W, ranks_per_node=ranks_per_node,
+    return replace(wl, layers=layers, data_parallel="shard", ranks=W * R, ranks_per_node=ranks_per_node,
                    nonblock_link_fraction=nb["link_fraction"], nonblock_gather_seconds=nb["gather_seconds"],
                    nonblock_gather_bytes=nb["gather_bytes"], nonblock_reduce_seconds=nb["reduce_seconds"],
-                   nonblock_reduce_bytes=nb["reduce_bytes"], name=f"{wl.name}/shard-measuredx{W}").validate()
+                   nonblock_reduce_bytes=nb["reduce_bytes"], name=f"{wl.name}/shard-measuredx{W}" + (f"x{R}" if R > 1 else "")).validate()
 
 
 def fsdp_schedules(wl: Workload) -> list[Schedule]:
