@@ -179,3 +179,48 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         return Schedule.from_json(body)
     except Exception as err:  # the planner's own validation: version, lengths, homes
         raise ValueError(f"plan file {p} holds an invalid schedule: {err}") from err
+
+
+def validate_options(hardware: object, budget: object, nvme_dir: object, policy: object,
+                     link: object) -> Schedule | None:
+    """The strategies' (Trainer and Fabric) options, checked at construction and named as the user
+    wrote them (not later, in bytes). Returns the schedule of a plan.json ``policy`` (else None)."""
+    for name, value in (("gpu_memory_budget_gb", budget), ("emulate_link_gb_per_s", link)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name}={value!r}: must be a number of GB{'/s' if 'link' in name else ''} > 0 "
+                             "(or None)")
+    if not isinstance(hardware, Hardware):
+        if not isinstance(hardware, str):
+            raise ValueError(f"hardware={hardware!r}: use 'measure', a profile name or a planner.Hardware")
+        if hardware != "measure":
+            from lightning_lazytrain.config import load_hardware
+            from lightning_lazytrain.planner import InvalidInput
+
+            try:
+                load_hardware(hardware)
+            except InvalidInput as err:
+                raise ValueError(f"hardware={hardware!r}: {err}") from err
+    if policy in POLICIES:
+        return None
+    schedule = load_schedule(str(policy))  # names the file in every error
+    if "nvme" in schedule.homes and nvme_dir is None:
+        raise ValueError(f"plan file {policy} puts activations on NVMe: pass nvme_dir= (a directory on an "
+                         "NVMe drive), or use a plan without NVMe homes")
+    return schedule
+
+
+def given_hardware(hardware: str | Hardware, budget_gb: float | None, nvme_dir: object) -> Hardware:
+    """The machine a named profile or a ``Hardware`` describes, as the options shape it: the budget
+    applies on every path, and without ``nvme_dir`` the plan gets no NVMe tier (nowhere to spill).
+    (``hardware="measure"`` is ``measure_hardware``'s, which applies both itself.)"""
+    if isinstance(hardware, Hardware):
+        hw = hardware
+    else:
+        from lightning_lazytrain.config import load_hardware
+
+        hw = load_hardware(hardware)
+    if budget_gb is not None:
+        hw = hw.replace(gpu_memory_cap_bytes=min(budget_gb * GB, hw.gpu_memory_bytes))
+    if nvme_dir is None and hw.nvme_capacity_bytes:
+        hw = hw.replace(nvme_capacity_bytes=0.0, nvme_read_bytes_per_s=0.0, nvme_write_bytes_per_s=0.0)
+    return hw

@@ -25,7 +25,6 @@ place and the next forward stages the updated weights.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Any
 
@@ -38,7 +37,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import POLICIES, AutoPlan, measure_hardware, plan_from_workload
+from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload, validate_options
 from lightning_lazytrain.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
@@ -77,6 +76,10 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         policy: "milp", "megatrain", "keep_all", "recompute_all", or the path of a ``plan.json``.
         blocks: dotted path of the block stack (default: found automatically).
         emulate_link_gb_per_s: on CPU, make host<->"device" copies take the time of a link of this speed.
+        verify_checkpoints: ``fabric.save`` writes atomically and ``fabric.load`` checks the file's CRCs
+            first (``checkpoint_io.VerifiedCheckpointIO``; a ``checkpoint_io=`` of your own replaces it).
+
+    Bad options fail at construction, named as written (``autoplan.validate_options``, as the Trainer's).
 
     After the first backward, ``plan`` holds the ``AutoPlan`` (``plan.write(dir)`` writes plan.json
     and the predicted timeline); ``last_stats`` holds the last micro-batch's ``StepStats`` and
@@ -89,11 +92,14 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
     def __init__(self, hardware: str | Hardware = "measure", gpu_memory_budget_gb: float | None = None,
                  nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,
                  emulate_link_gb_per_s: float | None = None, device: str | torch.device | None = None,
-                 accelerator: Any = None, checkpoint_io: Any = None, precision: Precision | None = None) -> None:
-        super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
+                 accelerator: Any = None, checkpoint_io: Any = None, precision: Precision | None = None,
+                 verify_checkpoints: bool = True) -> None:
+        from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
+
+        super().__init__(device=device or "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision=precision)
-        if policy not in POLICIES and not os.path.isfile(str(policy)):
-            raise ValueError(f"policy={policy!r}: use one of {POLICIES} or the path of a plan.json")
+        validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy, emulate_link_gb_per_s)
         self._device_given = device is not None
         self.parallel_devices: list | None = None  # Fabric's connector fills in the devices= selection
         self.hardware = hardware
@@ -266,17 +272,11 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
                        f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
 
     def _hardware(self) -> Hardware:
-        if isinstance(self.hardware, Hardware):
-            return self.hardware
+        """As the Trainer's: the budget applies on every path, no NVMe tier without ``nvme_dir``."""
         if self.hardware == "measure":
             assert self._hardware_measured is not None  # setup_module measured it
             return self._hardware_measured
-        from lightning_lazytrain.config import load_hardware
-
-        hw = load_hardware(self.hardware)
-        if self.gpu_memory_budget_gb is not None:
-            hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
-        return hw
+        return given_hardware(self.hardware, self.gpu_memory_budget_gb, self.nvme_dir)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

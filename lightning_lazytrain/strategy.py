@@ -37,13 +37,13 @@ from lightning.pytorch.utilities import rank_zero as _rank_zero
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import POLICIES, AutoPlan, load_schedule, measure_hardware, plan_from_workload
+from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload, validate_options
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.engine.profiler import workload_from_stats
-from lightning_lazytrain.planner import Hardware, Schedule, min_memory, recompute_all
+from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
 from lightning_lazytrain.precision import LazyTrainPrecision, with_lazytrain_precision
 
 log = logging.getLogger(__name__)
@@ -127,8 +127,8 @@ class LazyTrainStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
                          checkpoint_io=checkpoint_io or VerifiedCheckpointIO(verify=verify_checkpoints),
                          precision_plugin=precision_plugin)
-        self._fixed_schedule = self._validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy,
-                                                      emulate_link_gb_per_s)
+        self._fixed_schedule = validate_options(hardware, gpu_memory_budget_gb, nvme_dir, policy,
+                                                emulate_link_gb_per_s)
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: use 'sharded' (several processes write a "
                              "directory, each a share) or 'full' (one file from rank 0)")
@@ -175,32 +175,6 @@ class LazyTrainStrategy(ParallelStrategy):
         self._full_microbatches = False  # every micro-batch writes all grads back (see _begin_microbatch)
         self._pending_metrics: dict[str, float] = {}
         self._inference = contextlib.ExitStack()
-
-    @staticmethod
-    def _validate_options(hardware: Any, budget: Any, nvme_dir: Any, policy: Any, link: Any) -> Schedule | None:
-        """Bad options fail here, named as the user wrote them (not later, in bytes)."""
-        for name, value in (("gpu_memory_budget_gb", budget), ("emulate_link_gb_per_s", link)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name}={value!r}: must be a number of GB{'/s' if 'link' in name else ''} > 0 "
-                                 "(or None)")
-        if not isinstance(hardware, Hardware):
-            if not isinstance(hardware, str):
-                raise ValueError(f"hardware={hardware!r}: use 'measure', a profile name or a planner.Hardware")
-            if hardware != "measure":
-                from lightning_lazytrain.config import load_hardware
-                from lightning_lazytrain.planner import InvalidInput
-
-                try:
-                    load_hardware(hardware)
-                except InvalidInput as err:
-                    raise ValueError(f"hardware={hardware!r}: {err}") from err
-        if policy in POLICIES:
-            return None
-        schedule = load_schedule(policy)  # names the file in every error
-        if "nvme" in schedule.homes and nvme_dir is None:
-            raise ValueError(f"plan file {policy} puts activations on NVMe: pass nvme_dir= (a directory on an "
-                             "NVMe drive), or use a plan without NVMe homes")
-        return schedule
 
     # ---- device and processes ------------------------------------------------------------------
     @property
@@ -855,16 +829,7 @@ class LazyTrainStrategy(ParallelStrategy):
                     link_gb_per_s=self.emulate_link_gb_per_s)
             hw = self._hardware_measured
         else:
-            if isinstance(self.hardware, Hardware):
-                hw = self.hardware
-            else:
-                from lightning_lazytrain.config import load_hardware
-
-                hw = load_hardware(self.hardware)
-            if self.gpu_memory_budget_gb is not None:
-                hw = hw.replace(gpu_memory_cap_bytes=min(self.gpu_memory_budget_gb * 1e9, hw.gpu_memory_bytes))
-            if self.nvme_dir is None and hw.nvme_capacity_bytes:
-                hw = hw.replace(nvme_capacity_bytes=0.0, nvme_read_bytes_per_s=0.0, nvme_write_bytes_per_s=0.0)
+            hw = given_hardware(self.hardware, self.gpu_memory_budget_gb, self.nvme_dir)
         if self.num_processes > 1:
             hw = hw.replace(cpu_memory_bytes=hw.cpu_memory_bytes / self.num_processes)
         return hw

@@ -246,6 +246,45 @@ def test_save_and_load_round_trip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     fabric2.strategy.teardown()
 
+    # one flipped bit: fabric.load refuses the file, naming it (the CRCs are checked first)
+    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
+
+    data = bytearray((tmp_path / "ckpt.pt").read_bytes())
+    data[len(data) // 2] ^= 0x04
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    fabric3 = L.Fabric(accelerator="cpu", strategy="lazytrain")
+    with pytest.raises(CorruptCheckpoint, match="bad.pt"):
+        fabric3.load(tmp_path / "bad.pt", {"step": 0})
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(gpu_memory_budget_gb=0), r"gpu_memory_budget_gb=0: must be a number of GB > 0"),
+    (dict(emulate_link_gb_per_s=-1), r"emulate_link_gb_per_s=-1: must be a number of GB/s > 0"),
+    (dict(hardware="h900"), r"hardware='h900'"),
+    (dict(policy="nope"), r"'nope' is neither one of"),
+])
+def test_bad_options_fail_at_construction_with_the_users_names(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LazyTrainFabricStrategy(**kw)
+
+
+def test_the_budget_applies_to_a_hardware_object_and_no_nvme_tier_without_nvme_dir():
+    """As the Trainer's strategy: a ``Hardware`` gets the budget too (an impossible one raises before
+    the optimizer step), and a profile with an NVMe drive plans none without ``nvme_dir``."""
+    from lightning_lazytrain.config import load_hardware
+
+    hw = load_hardware("cpu")
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fabric = L.Fabric(accelerator="cpu", strategy=LazyTrainFabricStrategy(hardware=hw, gpu_memory_budget_gb=1e-6))
+    model, opt = fabric.setup(model, opt)
+    with pytest.raises(InfeasibleBudget, match="gpu memory short by"):
+        fabric.backward(model(input_ids=DATA[0], labels=DATA[0]).loss)
+    assert not opt.state
+    fabric.strategy.teardown()
+    h800 = LazyTrainFabricStrategy(hardware="h800")._hardware()
+    assert load_hardware("h800").nvme_capacity_bytes > 0 and h800.nvme_capacity_bytes == 0
+
 
 def test_module_without_block_stack_and_unusable_accelerator_are_clear_errors():
     from lightning.fabric.accelerators import Accelerator

@@ -21,8 +21,13 @@ dependency of those that the image does not already hold, at the exact versions 
      its name; ``MANIFEST.json`` records the repack and the libraries kept.
 
 The folder must stay below ``--max-mib`` (60 MiB): the device call carries at most 64 MiB of
-ignored files. ``MANIFEST.json`` lists every wheel with its size and sha256; ``check.sh`` installs
-exactly the ``*.whl`` files of the folder.
+ignored files. The wheels are downloaded into a temporary folder and measured there; only a set
+under the limit replaces the folder's wheels (an oversized set leaves the folder as it was and
+exits 1). ``MANIFEST.json`` lists every wheel with its size and sha256, and the interpreter the
+set was fetched for: ``python`` (``3.11``), ``python_tag`` (``cp311``: compiled wheels such as
+highspy's and the sdist-built ones only fit that CPython) and ``platform``. ``check.sh`` refuses
+(exit 2, with the fix) to install a set whose ``python_tag`` differs from the device's
+interpreter, and installs exactly the ``*.whl`` files of the folder.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import zipfile
 from importlib import metadata
@@ -151,6 +157,52 @@ def repack_bitsandbytes(wheel: Path, keep: list[str], dest: Path) -> list[str]:
     return sorted(kept)
 
 
+def python_tag() -> str:
+    """The CPython tag of this interpreter (``cp311``): the one the fetched wheels are for."""
+    return f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def wheel_python_tags(names) -> set[str]:
+    """The interpreter-specific tags (``cp311``) in wheel file names; pure wheels (``py3``) add none."""
+    out: set[str] = set()
+    for name in names:
+        parts = Path(name).name[:-len(".whl")].split("-")
+        if len(parts) >= 5:
+            out |= {t for t in parts[-3].split(".") if t.startswith("cp")}
+    return out
+
+
+class OverLimit(Exception):
+    """The staged wheels are over the size limit (the destination was left untouched)."""
+
+
+def place(staged: Path, manifest: list[dict], dest: Path, max_bytes: float) -> int:
+    """Measure the staged wheels; only when their total is within ``max_bytes`` replace the
+    ``*.whl`` files of ``dest`` with them (filling each entry's ``bytes`` and ``sha256``) and
+    return the total. Over the limit: raise ``OverLimit`` before touching ``dest``."""
+    for entry in manifest:
+        path = staged / entry["file"]
+        entry["bytes"] = path.stat().st_size
+        entry["sha256"] = sha256(path)
+    total = sum(e["bytes"] for e in manifest)
+    if total > max_bytes:
+        raise OverLimit(f"the wheels take {total / MIB:.2f} MiB, over the {max_bytes / MIB:g} MiB limit; "
+                        f"{dest} was left as it was (trim bitsandbytes with --bnb-keep, or ship fewer wheels)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):
+        old.unlink()
+    for entry in manifest:
+        shutil.move(str(staged / entry["file"]), dest / entry["file"])
+    return total
+
+
+def write_manifest(dest: Path, manifest: list[dict], total: int) -> None:
+    (dest / "MANIFEST.json").write_text(json.dumps(
+        {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "python_tag": python_tag(),
+         "platform": sysconfig.get_platform(), "device_has": list(DEVICE_HAS), "total_bytes": total,
+         "wheels": manifest}, indent=1) + "\n")
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -169,13 +221,13 @@ def main() -> int:
     args = ap.parse_args()
 
     todo = wanted()
-    print(f"python {sys.version.split()[0]}; the device lacks {len(todo)} distributions:")
+    print(f"python {sys.version.split()[0]} ({python_tag()}, {sysconfig.get_platform()}): the wheels are for "
+          f"this CPython; the device lacks {len(todo)} distributions:")
     for name, version in todo.items():
         print(f"  {name}=={version}")
     if args.list:
         return 0
     keep = [k.strip() for k in args.bnb_keep.split(",") if k.strip()]
-    args.dest.mkdir(parents=True, exist_ok=True)
     manifest = []
     with tempfile.TemporaryDirectory(prefix="lazytrain-wheels-") as t:
         tmp = Path(t)
@@ -191,24 +243,21 @@ def main() -> int:
             else:
                 shutil.copy2(wheel, staged / wheel.name)
             manifest.append(entry)
-        for old in args.dest.glob("*.whl"):
-            old.unlink()
-        for entry in manifest:
-            path = args.dest / entry["file"]
-            shutil.move(str(staged / entry["file"]), path)
-            entry["bytes"] = path.stat().st_size
-            entry["sha256"] = sha256(path)
-    total = sum(e["bytes"] for e in manifest)
-    (args.dest / "MANIFEST.json").write_text(json.dumps(
-        {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "device_has": list(DEVICE_HAS),
-         "total_bytes": total, "wheels": manifest}, indent=1) + "\n")
+        other = wheel_python_tags(e["file"] for e in manifest) - {python_tag()}
+        if other:
+            raise SystemExit(f"wheels for {sorted(other)} among those fetched for {python_tag()}: {manifest}")
+        try:
+            total = place(staged, manifest, args.dest, args.max_mib * MIB)
+        except OverLimit as err:
+            for e in manifest:
+                print(f"{e['file']:<78} {e['bytes'] / MIB:7.2f}  {e['source']}")
+            print(f"ERROR: {err}", file=sys.stderr)
+            return 1
+    write_manifest(args.dest, manifest, total)
     print(f"\n{'wheel':<78} {'MiB':>7}")
     for e in manifest:
         print(f"{e['file']:<78} {e['bytes'] / MIB:7.2f}  {e['source']}")
-    print(f"total {total / MIB:.2f} MiB in {len(manifest)} wheels -> {args.dest}")
-    if total > args.max_mib * MIB:
-        print(f"ERROR: over the {args.max_mib:g} MiB limit", file=sys.stderr)
-        return 1
+    print(f"total {total / MIB:.2f} MiB in {len(manifest)} wheels for {python_tag()} -> {args.dest}")
     return 0
 
 

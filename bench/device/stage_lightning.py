@@ -12,11 +12,21 @@ recompute activations.
 * CUDA: ``accelerator="gpu"``, ``precision="bf16-mixed"``: train and validation losses within
   bf16 tolerance (``--tol``: |a - b| <= tol x max(1, |b|)). Not bitwise: the strategy keeps the
   optimizer states on the host (bitsandbytes' CPU kernel) where auto runs the CUDA kernel, and
-  the kernels' launch order differs.
+  the kernels' launch order differs. Memory, a hard check: ``torch.cuda.max_memory_allocated``
+  over the strategy's whole ``fit`` (its profiled first step, training, validation; the peak
+  statistics reset just before) must stay within the ``gpu_memory_budget_gb`` it was given;
+  ``max_memory_reserved`` is reported beside it.
 * CPU rehearsal: ``accelerator="cpu"``, ``precision="32-true"``, two pairs of runs: with the clip
   routed but inactive (``gradient_clip_val=100``) every loss must be bitwise equal; with an active
   clip (0.5) the first loss bitwise and the rest within ``--cpu-tol`` (1e-5): the clip's global
-  norm is summed per layer under the strategy, per tensor under ``clip_grad_norm_``.
+  norm is summed per layer under the strategy, per tensor under ``clip_grad_norm_``. The memory
+  check is recorded as skipped, with the reason (no device allocator on the CPU).
+
+What the plan does is read from the run's ``plan.json`` schedule and recorded (``plan.summary``,
+printed): where each boundary lives (GPU, host, NVMe, recomputed), which layers keep their
+internals on the GPU, move them to the host and back, keep them partially or re-run locally,
+and which weights stay resident. A note is made only when the plan moves and recomputes nothing
+(every boundary and every layer's internals stay on the GPU), i.e. the budget forced nothing.
 
 Train losses are recorded as Lightning reports them (divided by ``accumulate_grad_batches``).
 """
@@ -97,6 +107,36 @@ def fit(strategy, spec: ModelSpec, train, val, *, accelerator: str, precision: s
     return rec, seconds, opt, Path(trainer.log_dir or logdir)
 
 
+def describe_schedule(sched) -> dict:
+    """What a plan's ``Schedule`` does with each boundary, each layer's internals and weights."""
+    L = sched.num_layers
+    offloaded = set(sched.offloaded_internals)
+    partial = set(sched.partial_layers)
+    d = {
+        "boundaries": sched.count_homes(),
+        "internals_kept_on_gpu": [j for j in range(L) if sched.keep_internals[j] and j not in offloaded],
+        "internals_offloaded_to_host": sorted(offloaded),
+        "internals_partially_kept": sorted(partial),
+        "internals_rerun_locally": [j for j in range(L) if not sched.keep_internals[j] and j not in partial],
+        "recompute_blocks": [list(b) for b in sched.recompute_blocks],
+        "resident_weights": [j for j in range(L) if sched.resident_weights[j]],
+        "extra_forwards_per_microbatch": sched.recomputed_layers,
+    }
+    homes = d["boundaries"]
+    d["moves_or_recomputes"] = bool(any(n for h, n in homes.items() if h != "gpu") or offloaded or partial
+                                    or d["internals_rerun_locally"] or sched.recomputed_layers)
+    parts = [f"boundaries {', '.join(f'{n} {h}' for h, n in homes.items() if n)} (of {L + 1})",
+             f"internals kept on the GPU {d['internals_kept_on_gpu']}"]
+    for key, what in (("internals_offloaded_to_host", "offloaded to the host and back"),
+                      ("internals_partially_kept", "partially kept"), ("internals_rerun_locally", "re-run locally"),
+                      ("recompute_blocks", "recompute blocks"), ("resident_weights", "resident weights")):
+        if d[key]:
+            parts.append(f"{what} {d[key]}")
+    parts.append(f"{sched.recomputed_layers} extra layer forwards per micro-batch")
+    d["text"] = "; ".join(parts)
+    return d
+
+
 def body(st: Stage, args: argparse.Namespace) -> None:
     dev = args.device
     from lightning_lazytrain import strategy as strategy_module
@@ -118,7 +158,9 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             wl = measure(model, probe, dev, args.workdir, compute_dtype=dtype)
     else:
         wl = measure(model, probe, dev, args.workdir, compute_dtype=dtype)
-    del model
+    del model, probe
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     lo, hi = footprint_range(wl)
     budget_gb = (lo + 0.5 * (hi - lo)) / GB
     st.figures.update({"model": dataclasses.asdict(spec), "batch": [batch, seq], "precision": precision,
@@ -140,26 +182,53 @@ def compare_pair(st: Stage, tag: str, spec: ModelSpec, train, val, *, accelerato
                  clip: float, tol: float, budget_gb: float, workdir: Path, cuda: bool) -> None:
     from lightning_lazytrain.strategy import LazyTrainStrategy
 
+    from lightning_lazytrain.autoplan import load_schedule
+
     strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=budget_gb)
+    if cuda:  # the peak over the strategy's whole fit, and nothing before it
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated_before = torch.cuda.memory_allocated()
     lazy, t_lazy, opt, logdir = fit(strategy, spec, train, val, accelerator=accelerator, precision=precision,
                                     steps=steps, clip=clip, logdir=workdir / f"{tag}-lazytrain")
+    if cuda:
+        torch.cuda.synchronize()
+        memory = {"status": "measured", "budget_gb": budget_gb, "allocated_before_fit_gb": allocated_before / GB,
+                  "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / GB,
+                  "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / GB}
+        memory["headroom_gb"] = budget_gb - memory["max_memory_allocated_gb"]
+    else:
+        memory = {"status": "skipped", "budget_gb": budget_gb,
+                  "reason": "CUDA only: torch.cuda.max_memory_allocated has no counterpart on the CPU"}
     auto, t_auto, _, _ = fit("auto", spec, train, val, accelerator=accelerator, precision=precision,
                              steps=steps, clip=clip, logdir=workdir / f"{tag}-auto")
     fig: dict = {"gradient_clip_val": clip, "seconds_lazytrain": round(t_lazy, 2), "seconds_auto": round(t_auto, 2),
                  "train_loss_lazytrain": lazy.train, "train_loss_auto": auto.train,
                  "val_loss_lazytrain": lazy.val, "val_loss_auto": auto.val,
                  "optimizer": type(opt).__name__ if opt is not None else None,
-                 "skipped_steps": getattr(opt, "skipped_steps", None)}
+                 "skipped_steps": getattr(opt, "skipped_steps", None), "memory": memory}
     st.figures[tag] = fig
+    if cuda:
+        st.check(memory["max_memory_allocated_gb"] <= budget_gb,
+                 f"{tag}: max_memory_allocated {memory['max_memory_allocated_gb']:.4f} GB > the strategy's "
+                 f"gpu_memory_budget_gb {budget_gb:.4f}")
+    print(f"{tag}: memory " + (f"max allocated {memory['max_memory_allocated_gb']:.4f} GB, reserved "
+                               f"{memory['max_memory_reserved_gb']:.4f} GB, budget {budget_gb:.4f} GB" if cuda
+                               else f"check skipped ({memory['reason']})"), flush=True)
     plan_path = logdir / "plan.json"
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
         sched = plan.get("schedule", {})
         fig["plan"] = {"status": plan.get("status"), "homes": sched.get("homes"),
-                       "keep_internals": sched.get("keep_internals"), "predicted": plan.get("predicted")}
-        homes, keep = sched.get("homes") or [], sched.get("keep_internals") or []
-        if homes and all(h == "gpu" for h in homes) and keep and all(keep):
-            st.note(f"{tag}: the budget did not force the plan to move or recompute anything (it is keep_all)")
+                       "keep_internals": sched.get("keep_internals"),
+                       "internals_offload_window": sched.get("internals_offload_window"),
+                       "resident_weights": sched.get("resident_weights"), "predicted": plan.get("predicted")}
+        summary = describe_schedule(load_schedule(plan_path))
+        fig["plan"]["summary"] = summary
+        print(f"{tag}: plan ({plan.get('status')}): {summary['text']}", flush=True)
+        if not summary["moves_or_recomputes"]:
+            st.note(f"{tag}: the budget did not force the plan to move or recompute anything: every boundary and "
+                    f"every layer's internals stay on the GPU ({summary['text']})")
     else:
         st.note(f"{tag}: no plan.json in {logdir}")
 
