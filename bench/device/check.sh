@@ -10,11 +10,16 @@
 #    `pip install --no-index --no-deps --target`; without pip, the wheels are unpacked.
 #    PYTHONPATH=$KIT_SITE:<repo root>. OUTDIR/site is removed at the end (it would travel back
 #    with the results) unless KIT_KEEP_SITE=1.
+#    The wheels are for one CPython (MANIFEST.json's python_tag, e.g. cp311; compiled wheels carry it
+#    in their names too): a device interpreter of another version stops the kit here (exit 2, with
+#    the fix) instead of failing later on an import.
 # 2. python bench/device/run_checks.py [--rehearse] OUTDIR: the stages, each in its own process
 #    with its own timeout; OUTDIR/results.json and OUTDIR/log.txt.
 # Exit status: 0 when no stage failed; 1 when one did; 2 when the kit could not run.
 # Environment: PYTHON (interpreter, default python3/python), KIT_SITE, KIT_KEEP_SITE, KIT_BUDGET_S
-# (seconds for all stages, default 450), KIT_ONLY (comma-separated stages), LAZYTRAIN_NVME_DIR.
+# (seconds for all stages, default 450), KIT_ONLY (comma-separated stages), LAZYTRAIN_NVME_DIR,
+# KIT_WHEELS (the wheel folder, default bench/device/wheels), KIT_NEEDED (the modules to check,
+# space-separated; default: those the image lacks).
 set -uo pipefail
 
 REHEARSE=()
@@ -22,7 +27,7 @@ OUT=""
 for arg in "$@"; do
   case "$arg" in
     --rehearse) REHEARSE=(--rehearse) ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     *) OUT="$arg" ;;
   esac
@@ -38,14 +43,14 @@ mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
 SITE="${KIT_SITE:-$OUT/site}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-WHEELS="$KIT_DIR/wheels"
+WHEELS="${KIT_WHEELS:-$KIT_DIR/wheels}"
 T0=$(date +%s)
 cd "$REPO" || exit 2
 
 note() { echo "[check.sh] $*"; }
 
 # Modules the package and its tests import that the GPU image does not ship.
-NEEDED="pyomo.environ highspy hydra omegaconf bitsandbytes jsonargparse docstring_parser typeshed_client antlr4"
+NEEDED="${KIT_NEEDED:-pyomo.environ highspy hydra omegaconf bitsandbytes jsonargparse docstring_parser typeshed_client antlr4}"
 missing() {
   PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$@" <<'EOF'
 import importlib.util, sys
@@ -70,6 +75,39 @@ if [ -n "$MISSING" ]; then
     note "missing modules: $MISSING, and no wheels in $WHEELS: run 'python bench/device/fetch_wheels.py' on a machine with pip access and carry bench/device/wheels"
     exit 2
   fi
+  # The wheels fit one CPython: refuse another before installing anything.
+  "$PY" - "$WHEELS" "${wheels[@]}" <<'EOF'
+import json, sys
+from pathlib import Path
+
+folder, wheels = Path(sys.argv[1]), sys.argv[2:]
+here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+version = f"{sys.version_info.major}.{sys.version_info.minor}"
+want, fetched = set(), None
+manifest = folder / "MANIFEST.json"
+if manifest.is_file():
+    try:
+        doc = json.loads(manifest.read_text())
+        fetched = doc.get("python")
+        if doc.get("python_tag"):
+            want.add(doc["python_tag"])
+    except (OSError, ValueError) as err:
+        print(f"[check.sh] warning: {manifest} is not readable ({err}); judging by the wheel names")
+for name in wheels:  # wheels built for one CPython's ABI name it: foo-1.0-cp311-cp311-manylinux...whl
+    parts = Path(name).name[:-len(".whl")].split("-")
+    if len(parts) >= 5 and parts[-2].startswith("cp"):
+        want |= {t for t in parts[-3].split(".") if t.startswith("cp")}
+if want and want != {here}:
+    print(f"[check.sh] ERROR: the carried wheels in {folder} were fetched for {', '.join(sorted(want))}"
+          + (f" (Python {fetched})" if fetched else "")
+          + f", but this machine's Python is {sys.version.split()[0]} ({here}, {sys.executable}). Fix: on a "
+          f"machine with pip access run 'python{version} bench/device/fetch_wheels.py' (a Python {version}, "
+          f"as here) and carry the new bench/device/wheels, or set PYTHON to a Python "
+          f"{fetched or 'of that version'} on this machine.")
+    sys.exit(2)
+print(f"[check.sh] the wheels are for {', '.join(sorted(want)) or 'any Python (pure)'}; this Python is {here}")
+EOF
+  [ $? -eq 0 ] || exit 2
   note "missing modules: $MISSING; installing ${#wheels[@]} carried wheels into $SITE (offline)"
   mkdir -p "$SITE"
   if "$PY" -m pip --version >/dev/null 2>&1; then

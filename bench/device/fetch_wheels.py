@@ -163,11 +163,13 @@ def python_tag() -> str:
 
 
 def wheel_python_tags(names) -> set[str]:
-    """The interpreter-specific tags (``cp311``) in wheel file names; pure wheels (``py3``) add none."""
+    """The interpreter-specific tags (``cp311``) in wheel file names: those of wheels built for one
+    CPython's ABI (``cp311-cp311``); pure (``py3-none``) and stable-ABI (``cp38-abi3``) wheels add
+    none. (``check.sh`` applies the same rule on the device.)"""
     out: set[str] = set()
     for name in names:
         parts = Path(name).name[:-len(".whl")].split("-")
-        if len(parts) >= 5:
+        if len(parts) >= 5 and parts[-2].startswith("cp"):
             out |= {t for t in parts[-3].split(".") if t.startswith("cp")}
     return out
 
