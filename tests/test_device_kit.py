@@ -1,15 +1,19 @@
 """The device validation kit (bench/device/): its CPU rehearsal passes, and its race hunt works.
 
 The rehearsal runs every stage that can run without CUDA, each in its own process, exactly as
-``bash bench/device/check.sh --rehearse OUTDIR`` does on a developer's machine (~70-110 s on 2
-cores, most of it the stages' imports).
+``bash bench/device/check.sh --rehearse OUTDIR`` does on a developer's machine (~85 s on 2
+cores, most of it the stages' imports). The kit's own logic that the rehearsal does not reach
+(the wheel folder's size limit and Python tag, the throughput stage's interval arithmetic) is
+tested here directly, on fake inputs (nothing is downloaded).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -52,10 +56,37 @@ def test_rehearsal_passes_every_cpu_stage_and_skips_the_cuda_ones(tmp_path):
         assert stages[name]["status"] == "pass", (name, stages[name].get("reason"))
     # the figures say what was compared
     eq = stages["equivalence"]["figures"]
-    assert eq["comparison"] == "bitwise" and eq["max_rel_err"] == 0
-    assert {"keep_all", "recompute_all", "megatrain_K1", "megatrain_K2", "cpu_homes", "nvme_homes",
-            "kept_internals_resident", "milp"} <= set(eq["schedules"])
-    assert stages["lightning"]["figures"]["clip_inactive"]["max_abs_loss_diff"] == 0
+    assert eq["comparison"] == eq["comparison_bf16"] == "bitwise" and eq["max_rel_err"] == 0
+    assert eq["steps"] == 3 and eq["micro_batches"] == 2
+    every = {"keep_all", "recompute_all", "megatrain_K1", "megatrain_K2", "megatrain_K4", "cpu_homes", "nvme_homes",
+             "kept_internals_resident", "offloaded_internals", "milp"}
+    assert every <= set(eq["schedules"])
+    # bf16-mixed (autocast over fp32 masters) vs plain autograd under the same autocast: bitwise,
+    # losses included, under every schedule
+    assert every <= set(eq["bf16_mixed"]) and eq["bf16_max_rel_err"] == 0 and eq["bf16_max_abs_loss_diff"] == 0
+    for name, r in eq["bf16_mixed"].items():
+        assert r["autocast"] == "torch.bfloat16" and r["max_rel_err"] == 0 and not r["problems"], name
+    # GPT-2 with dropout 0.1 under recomputing schedules: the re-runs replay the random state, bitwise
+    assert eq["gpt2_config"]["dropout"] == 0.1 and eq["gpt2_config"]["attn_implementation"] == "eager"
+    assert {"recompute_all", "megatrain_K2", "cpu_homes", "recompute_all_bf16"} <= set(eq["gpt2"])
+    for name, r in eq["gpt2"].items():
+        assert r["max_rel_err"] == 0 and r["max_abs_loss_diff"] == 0 and not r["problems"], name
+        assert sum(r["recomputed_forwards"].values()) > 0, name
+    assert eq["gpt2_max_rel_err"] == 0
+    lit = stages["lightning"]["figures"]
+    assert lit["clip_inactive"]["max_abs_loss_diff"] == 0
+    for tag in ("clip_inactive", "clipped"):
+        memory = lit[tag]["memory"]  # the hard memory check is CUDA-only: skipped, with the reason
+        assert memory["status"] == "skipped" and "CUDA" in memory["reason"] and memory["budget_gb"] > 0
+        summary = lit[tag]["plan"]["summary"]  # what the plan does, read from its schedule
+        assert summary["text"] and sum(summary["boundaries"].values()) == len(lit[tag]["plan"]["homes"])
+    assert not any("keep_all" in n for n in stages["lightning"]["notes"])
+    for name in ("milp", "megatrain"):
+        v = stages["throughput"]["figures"]["variants"][name]
+        assert v["lane_gb_per_s"]["h2d"]["gb_per_s"] > 0 and v["lane_gb_per_s"]["h2d"]["bytes"] > 0, name
+        assert v["gpu_busy"]["status"] == "skipped" and "CUDA" in v["gpu_busy"]["reason"], name
+        assert v["gpu_busy"]["profiled_step_seconds"] > 0 and v["gpu_busy_fraction"] is None, name
+    assert stages["throughput"]["figures"]["variants"]["plain"]["gpu_busy"]["status"] == "skipped"
     assert "6 GPU tests" in stages["pytest_gpu"]["reason"] or "GPU tests collected" in stages["pytest_gpu"]["reason"]
     assert not (out / "site").exists()  # installed packages do not travel back with the results
     assert "## equivalence" in log
@@ -109,3 +140,86 @@ def test_wheel_list_is_what_the_gpu_image_lacks(kit):
     needed = (KIT / "check.sh").read_text()
     for module in ("pyomo", "highspy", "hydra", "omegaconf", "bitsandbytes", "jsonargparse", "antlr4"):
         assert module in needed.split("NEEDED=", 1)[1].splitlines()[0], module
+
+
+def test_throughput_interval_arithmetic(kit):
+    from stage_throughput import gpu_busy_from_events, interval_union, lane_rates
+
+    from lightning_lazytrain.planner.simulator import Segment
+
+    assert interval_union([(0, 2), (1, 3), (5, 6), (6, 6)]) == 4
+    assert interval_union([]) == 0
+    segs = [Segment("F0", "h2d", "weights", 0, 0.0, 1.0, 1e9), Segment("F0", "h2d", "weights", 1, 0.5, 2.0, 1e9),
+            Segment("F0", "compute", "forward", 0, 0.0, 3.0)]
+    rates = lane_rates(segs, {"h2d": 3e9, "d2h": 0})
+    assert rates == {"h2d": {"bytes": 3_000_000_000, "busy_seconds": 2.0, "gb_per_s": 1.5}}  # bytes / union busy
+    assert lane_rates(segs)["h2d"]["gb_per_s"] == 1.0  # the segments' own bytes when lane_bytes is not given
+    events = [("ampere_sgemm", True, 0.0, 400.0), ("elementwise", True, 300.0, 500.0),
+              ("Memcpy HtoD (Pinned -> Device)", True, 0.0, 900.0), ("aten::mm", False, 0.0, 1000.0)]
+    busy = gpu_busy_from_events(events, wall_s=1e-3)
+    assert busy["kernels"] == 2 and busy["kernel_seconds"] == 5e-4 and busy["kernel_seconds_summed"] == 6e-4
+    assert busy["copy_seconds"] == 9e-4 and busy["gpu_busy_fraction"] == 0.5
+
+
+def _wheel(path: Path, nbytes: int = 0) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("pad.bin", os.urandom(nbytes))
+    return path
+
+
+def test_fetch_wheels_checks_the_size_before_placing_anything(kit, tmp_path):
+    import fetch_wheels
+
+    staged, dest = tmp_path / "staged", tmp_path / "wheels"
+    staged.mkdir()
+    dest.mkdir()
+    _wheel(dest / "old-1.0-py3-none-any.whl", 10)
+    manifest = [{"file": _wheel(staged / f"w{i}-1.0-py3-none-any.whl", 200_000).name} for i in range(3)]
+    with pytest.raises(fetch_wheels.OverLimit, match="left as it was"):
+        fetch_wheels.place(staged, manifest, dest, max_bytes=500_000)
+    assert [p.name for p in dest.iterdir()] == ["old-1.0-py3-none-any.whl"]  # untouched
+    total = fetch_wheels.place(staged, manifest, dest, max_bytes=1_000_000)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(e["file"] for e in manifest)
+    assert total == sum(e["bytes"] for e in manifest) > 600_000 and all(len(e["sha256"]) == 64 for e in manifest)
+    fetch_wheels.write_manifest(dest, manifest, total)
+    doc = json.loads((dest / "MANIFEST.json").read_text())
+    assert doc["python_tag"] == f"cp{sys.version_info.major}{sys.version_info.minor}" == fetch_wheels.python_tag()
+    assert doc["python"] == f"{sys.version_info.major}.{sys.version_info.minor}" and doc["total_bytes"] == total
+    assert fetch_wheels.wheel_python_tags(["highspy-1.9-cp311-cp311-manylinux_2_17_x86_64.whl",
+                                           "bitsandbytes-0.45-py3-none-manylinux_2_24_x86_64.whl",
+                                           "foo-1.0-cp38-abi3-manylinux_2_17_x86_64.whl",
+                                           "pyomo-6.8-py3-none-any.whl"]) == {"cp311"}
+
+
+def _check_sh(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KIT_WHEELS": str(wheels), "KIT_NEEDED": "lazytrain_kit_module_that_is_missing"}
+    return subprocess.run(["bash", str(KIT / "check.sh"), "--rehearse", str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_check_sh_refuses_wheels_of_another_python(tmp_path):
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    other = "cp39" if here != "cp39" else "cp310"
+    # by MANIFEST.json's python_tag (pure wheels only)
+    by_manifest = tmp_path / "by_manifest"
+    by_manifest.mkdir()
+    _wheel(by_manifest / "pure-1.0-py3-none-any.whl")
+    (by_manifest / "MANIFEST.json").write_text(json.dumps({"python": "3.9", "python_tag": other}))
+    r = _check_sh(tmp_path, by_manifest)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"fetched for {other} (Python 3.9)" in r.stdout and "fetch_wheels.py" in r.stdout
+    assert not (tmp_path / "out" / "site").exists()  # nothing installed
+    # by a compiled wheel's name (no manifest)
+    by_name = tmp_path / "by_name"
+    by_name.mkdir()
+    _wheel(by_name / f"compiled-1.0-{other}-{other}-manylinux_2_17_x86_64.whl")
+    r = _check_sh(tmp_path, by_name)
+    assert r.returncode == 2 and f"fetched for {other}" in r.stdout, r.stdout + r.stderr
+    # the same Python passes the check (and goes on to install: this fake wheel has no metadata)
+    same = tmp_path / "same"
+    same.mkdir()
+    _wheel(same / "pure-1.0-py3-none-any.whl")
+    (same / "MANIFEST.json").write_text(json.dumps({"python": "x", "python_tag": here}))
+    r = _check_sh(tmp_path, same)
+    assert "ERROR: the carried wheels" not in r.stdout and f"this Python is {here}" in r.stdout, r.stdout
+    assert r.returncode == 2 and not (tmp_path / "out" / "site").exists()  # a failed install leaves no site

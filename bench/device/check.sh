@@ -48,6 +48,9 @@ T0=$(date +%s)
 cd "$REPO" || exit 2
 
 note() { echo "[check.sh] $*"; }
+# OUTDIR/site would travel back with the results: removed at the end (unless KIT_KEEP_SITE=1) and
+# after a failed install.
+drop_site() { if [ "$SITE" = "$OUT/site" ] && [ "${KIT_KEEP_SITE:-0}" != "1" ]; then rm -rf "$SITE"; fi; }
 
 # Modules the package and its tests import that the GPU image does not ship.
 NEEDED="${KIT_NEEDED:-pyomo.environ highspy hydra omegaconf bitsandbytes jsonargparse docstring_parser typeshed_client antlr4}"
@@ -103,7 +106,7 @@ if want and want != {here}:
           + f", but this machine's Python is {sys.version.split()[0]} ({here}, {sys.executable}). Fix: on a "
           f"machine with pip access run 'python{version} bench/device/fetch_wheels.py' (a Python {version}, "
           f"as here) and carry the new bench/device/wheels, or set PYTHON to a Python "
-          f"{fetched or 'of that version'} on this machine.")
+          f"{fetched or 'matching ' + ', '.join(sorted(want))} on this machine.")
     sys.exit(2)
 print(f"[check.sh] the wheels are for {', '.join(sorted(want)) or 'any Python (pure)'}; this Python is {here}")
 EOF
@@ -112,10 +115,10 @@ EOF
   mkdir -p "$SITE"
   if "$PY" -m pip --version >/dev/null 2>&1; then
     "$PY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check -q --target "$SITE" "${wheels[@]}" \
-      || { note "pip install of the wheels failed"; exit 2; }
+      || { note "pip install of the wheels failed"; drop_site; exit 2; }
   else
     note "no pip: unpacking the wheels into $SITE"
-    "$PY" - "$SITE" "${wheels[@]}" <<'EOF' || { note "unpacking the wheels failed"; exit 2; }
+    "$PY" - "$SITE" "${wheels[@]}" <<'EOF' || { note "unpacking the wheels failed"; drop_site; exit 2; }
 import sys, zipfile
 site = sys.argv[1]
 for wheel in sys.argv[2:]:
@@ -129,6 +132,7 @@ EOF
   MISSING="$(missing $NEEDED)"
   if [ -n "$MISSING" ]; then
     note "still missing after installing the wheels: $MISSING (the wheel list is incomplete)"
+    drop_site
     exit 2
   fi
   note "installed in $(( $(date +%s) - T0 )) s"
@@ -139,8 +143,6 @@ fi
 export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" "$KIT_DIR/run_checks.py" "${REHEARSE[@]}" "$OUT"
 rc=$?
-if [ "$SITE" = "$OUT/site" ] && [ "${KIT_KEEP_SITE:-0}" != "1" ]; then
-  rm -rf "$SITE"
-fi
+drop_site
 note "exit $rc after $(( $(date +%s) - T0 )) s; results in $OUT/results.json"
 exit $rc
