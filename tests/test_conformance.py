@@ -236,10 +236,18 @@ def test_bf16_true_checkpoints_hold_bf16_weights_and_states(tmp_path):
 @pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
 def test_16_bit_precisions_train_as_auto(policy, precision):
     """fp16 weights (``16-true``; SGD: AdamW's eps underflows in fp16, under ``auto`` too) and fp16
-    autocast with a loss scaler (``16-mixed``)."""
+    autocast with a loss scaler (``16-mixed``: the plugin given explicitly, as Lightning turns
+    ``precision="16-mixed"`` into bf16-mixed on CPU)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def kw():
+        if precision == "16-true":
+            return {"precision": "16-true"}
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))]}
+
     net = SGDNet if precision == "16-true" else Net
-    ref, want = fit("auto", net(dropout=0.1), precision=precision)
-    got_model, got = fit(lazytrain(policy), net(dropout=0.1), precision=precision)
+    ref, want = fit("auto", net(dropout=0.1), **kw())
+    got_model, got = fit(lazytrain(policy), net(dropout=0.1), **kw())
     assert all(map(math.isfinite, want)) and got == want
     assert_same_model(got_model, ref)
 
