@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyReg
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero as _rank_zero
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from typing_extensions import override
 
 from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload, validate_options
@@ -706,7 +706,7 @@ class LazyTrainStrategy(ParallelStrategy):
             reason = self.broadcast(reason)
         if reason is not None:
             self._replan_reason = reason
-            rank_zero_info(f"lazytrain: {reason}; re-profiling the next step to re-plan")
+            rank_zero_debug(f"lazytrain: {reason}; re-profiling the next step to re-plan")
 
     def _make_plan(self, stats: StepStats, micro_batches: int, replan: str | None = None) -> None:
         """Plan from the profiled step, and switch the executor to the plan (before the step's
@@ -764,9 +764,11 @@ class LazyTrainStrategy(ParallelStrategy):
             self.replans.append({"step": trainer.global_step, "reason": replan, "current_predicted_s": current_s,
                                  "new_predicted_s": new_s, "gain": gain, "switched": switch,
                                  "warm_start": plan.result.solver.get("seed")})
-            rank_zero_info(f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule "
-                           f"{current_s:.3f} s, new plan {new_s:.3f} s ({gain:+.1%}): "
-                           f"{'switching' if switch else 'keeping the current schedule'}")
+            # a switch is news; a kept schedule (usually a noisy machine) is a debug line and a row of
+            # ``replans`` (the training app sums them up in its summary)
+            (rank_zero_info if switch else rank_zero_debug)(
+                f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule {current_s:.3f} s, "
+                f"new plan {new_s:.3f} s ({gain:+.1%}): {'switching' if switch else 'keeping the current schedule'}")
             self._drift.reset()
             if not switch:
                 self._predicted = current_s

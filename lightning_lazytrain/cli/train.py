@@ -556,6 +556,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
                   fit_seconds=wall, train_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
                   step_seconds_measured=timer.median(), step_seconds_predicted=predicted,
                   step_seconds_first=timer.seconds[0] if timer.seconds else None, data=info,
+                  replans=list(getattr(trainer.strategy, "replans", [])),
                   output_dir=str(out_dir), pid=os.getpid())
     title = (f"{cfg.model.name} ({_params(module.num_parameters)}) on stdlib bytes, strategy {cfg.strategy.name}: "
              f"batch {info['batch_size']} x {info['seq_len']}, lr {cfg.optim.lr:g}")
@@ -582,6 +583,11 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
         line = f"step time: measured {measured:.3f} s (median after the first step)"
         if predicted is not None:
             line += f", predicted {predicted:.3f} s by the plan (measured / predicted {measured / predicted:.2f}x)"
+        replans = result["replans"]
+        if replans:  # drift re-plans (each in result.json; only switches are printed as they happen)
+            switched = [r["step"] for r in replans if r["switched"]]
+            line += (f"; re-planned {len(replans)}x on drift (steps {', '.join(str(r['step']) for r in replans)}), "
+                     + (f"switched at {', '.join(map(str, switched))}" if switched else "kept the schedule"))
         lines.append(line)
     lines.append(f"wrote loss_curve.png, result.json, losses.json, logs/metrics.csv to {out_dir}")
     summary = (f"lazytrain-train: done, {result['steps']} steps in {wall:.1f} s "
