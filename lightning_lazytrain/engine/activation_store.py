@@ -24,8 +24,8 @@ by size class; at ``end_step`` a class used in the step keeps as many buffers
 as the step held at once (a plan that puts fewer boundaries on the host than
 the provisional schedule did gives the rest back), classes the step did not
 use are kept. ``host_pinned_bytes`` is what the pool holds: for a step's CPU
-tier, the sum over its boundaries of their bytes rounded up to 4 KiB (the
-simulator's ``host_bytes`` counts the bytes unrounded); NVMe staging, as many
+tier, the sum over its boundaries of their bytes rounded up to 4 KiB (as the
+simulator's ``host_bytes`` counts them: ``planner.host_page_bytes``); NVMe staging, as many
 buffers as the step had in flight at once (the simulator assumes two of the
 largest boundary; nothing here bounds it).
 

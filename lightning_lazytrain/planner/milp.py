@@ -47,7 +47,7 @@ from .milp_internals import InternalsOffload
 from .milp_partial import PartialKeep
 from .schedule import Schedule
 from .simulator import MEM_TOL
-from .workload import Workload
+from .workload import Workload, host_page_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -250,7 +250,7 @@ class ScheduleModel:
 
     def host_bytes(self):
         """Host bytes (the simulator's ``host_bytes``): static, cpu boundaries, NVMe staging, moved internals."""
-        m, A = self.m, self.A
+        m, A = self.m, [host_page_bytes(a) for a in self.A]  # host buffers are whole pages
         return (self.wl.host_static_bytes + sum(A[i] * m.c[i] for i in self.inner) + 2 * max(A) * m.any_nvme
                 + self.internals.host_bytes())
 

@@ -19,7 +19,7 @@ from .errors import InfeasibleSchedule
 from .hardware import Hardware
 from .schedule import LANES, Op, Schedule, Window
 from .units import format_bytes
-from .workload import Workload
+from .workload import Workload, host_page_bytes
 
 # Memory checks allow this many bytes over a capacity (float noise; the MILP uses the same).
 MEM_TOL = 1024.0
@@ -190,12 +190,13 @@ def window_memory(s: Schedule, wl: Workload) -> list[float]:
 
 
 def host_bytes(s: Schedule, wl: Workload) -> tuple[float, float]:
-    """(peak host bytes, NVMe bytes)."""
+    """(peak host bytes, NVMe bytes). Host activation buffers are whole pages (``host_page_bytes``:
+    what the engine's pool holds)."""
     A = wl.boundary_bytes
-    cpu = sum(A[i] for i, h in enumerate(s.homes) if h == "cpu")
+    cpu = sum(host_page_bytes(A[i]) for i, h in enumerate(s.homes) if h == "cpu")
     cpu += sum(wl.layers[j].internal_bytes - A[j] for j in s.offloaded_internals)
     nvme = sum(A[i] for i, h in enumerate(s.homes) if h == "nvme")
-    bounce = 2 * max(A) if nvme > 0 else 0.0  # pinned staging for the file legs
+    bounce = 2 * host_page_bytes(max(A)) if nvme > 0 else 0.0  # pinned staging for the file legs
     return wl.host_static_bytes + cpu + bounce, nvme
 
 

@@ -39,6 +39,12 @@ ELEMENTWISE_EFFICIENCY = 0.7
 PARAM_SLOTS = 3
 
 
+def host_page_bytes(nbytes: float) -> float:
+    """A host activation buffer's size: ``nbytes`` rounded up to whole pages (the engine's pool,
+    engine/activation_store.py, keeps O_DIRECT-ready buffers of whole pages)."""
+    return -(-nbytes // HOST_PAGE) * HOST_PAGE
+
+
 def host_arena_bytes(sizes: Iterable[float]) -> int:
     """Bytes a host arena holding slices of ``sizes`` bytes reserves (and pins on CUDA): every slice
     rounded up to ``HOST_ARENA_ALIGN``, the sum rounded up to whole pages; 0 for no bytes."""
