@@ -585,6 +585,9 @@ class LazyTrainStrategy(ParallelStrategy):
             self._micro_index = 0
             self._t_step = time.perf_counter()
             self._pending_steps = [p for p in getattr(self, "_pending_steps", []) if not p[0].done]
+            store = self._shard_store()
+            if store is not None:  # a profiled step's collectives run in line: their times price the plan
+                store.overlap = not ex.profiling  # Note: [overlapped all-gather]
         if self.lightning_module.automatic_optimization:
             ex.begin_microbatch(first=first, last=last)
         else:
@@ -646,7 +649,7 @@ class LazyTrainStrategy(ParallelStrategy):
             if store is not None:
                 nbytes, seconds = store.take_collective()
                 stats.lane_bytes["collective"] = stats.lane_bytes.get("collective", 0.0) + nbytes
-                if nbytes and seconds > 0:
+                if nbytes and seconds > 0 and not store.overlap:  # in line: the collectives' own time
                     self._shard_bytes_per_s = nbytes / seconds
         profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1
         if profiled:

@@ -32,13 +32,15 @@ def model() -> LlamaLM:
 
 
 def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 1,
-          switch_to=None) -> tuple[list[float], dict, dict]:
+          switch_to=None, overlap: bool = True) -> tuple[list[float], dict, dict]:
     """``STEPS`` SGD steps through the executor (with ``shard``, every group sharded over the
     ``world`` ranks, the non-block one included); ``switch_to``: the schedule after the first step (a new
     ParamStore when its slots differ: the sharded one gathers the module whole and re-shards it).
     Returns losses, the final (full) weights and host bytes moved."""
 
     ex = Executor(m, schedule, shard_group="world" if shard else None)
+    if shard:
+        ex.params.overlap = overlap  # Note: [overlapped all-gather]
     opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)  # after the store: block params are shards
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     losses = []
@@ -86,6 +88,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             tokens = data()[2 * rank: 2 * rank + 2]
             results[name] = train(model(), tokens, schedule, shard=True, world=2)
         results["bf16_grads"] = bf16_grads(model(), data()[2 * rank: 2 * rank + 2], shard=True)
+        results["in_line"] = train(model(), data()[2 * rank: 2 * rank + 2], SCHEDULES["recompute_all"], shard=True,
+                                   world=2, overlap=False)
         results["rebuild"] = train(model(), data()[2 * rank: 2 * rank + 2], keep_all(4), shard=True, world=2,
                                    switch_to=RESIDENT)
         torch.save(results, f"{out}/rank{rank}.pt")
@@ -106,6 +110,17 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("shard")
     mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_the_overlapped_all_gather_is_bit_identical_to_the_in_line_one(two_ranks):
+    """Note: [overlapped all-gather]: the async all-gather finished at bind fills the slots as the
+    in-line one does (the profiled step runs in line): the same losses and weights, bit for bit."""
+    for r in range(2):
+        (overlapped, w_over, bytes_over), (in_line, w_line, bytes_line) = two_ranks[r]["recompute_all"], \
+            two_ranks[r]["in_line"]
+        assert overlapped == in_line
+        assert all(torch.equal(v, w_line["state"][k]) for k, v in w_over["state"].items())
+        assert bytes_over == bytes_line
 
 
 @pytest.mark.parametrize("name", [*SCHEDULES, "rebuild"])

@@ -14,9 +14,18 @@ divided by the world size (DDP's average), one D2H of this rank's shard; ``finis
 accumulates it into the shard's host ``.grad`` on the host lane as for any group. Which parameters a
 gradient reached is the union over the ranks (one small all-reduce of flags), as under DDP.
 
-This first version runs the collectives on the calling thread in program order (every rank stages and
-sends the same groups in the same order, so they match) and waits for the shard's H2D before the
-all-gather: exact, not yet overlapped. Clip norms from ``grad_norms`` are per shard; the strategy sums
+Note: [overlapped all-gather]
+    The collectives are issued on the calling thread in program order (every rank stages and sends
+    the same groups in the same order, so they match across ranks). A block's all-gather is issued
+    asynchronously once its shard's H2D is in (CPU: the copy thread done; CUDA: the compute stream
+    waits for the copy's event, the host does not block) and finished at ``bind``
+    (``_Gathered.sync_current_stream``: wait for the collective -- gloo: the host waits; NCCL: the
+    compute stream does -- then copy the rank-major buffer out into the slot), so the executor's
+    prefetch (stage layer j+1, compute layer j) overlaps the all-gather with compute, as the plan's
+    collective lane has it. With ``overlap=False`` (the strategy sets it for a profiled step, whose
+    collective times price the plan's collective lane) the all-gather runs to completion in
+    ``stage``. Either way the same collective fills the slot: bit-identical. The reduce-scatter still
+    runs in line (its D2H needs its result). Clip norms from ``grad_norms`` are per shard; the strategy sums
 their squares over the shard group (``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``).
 With a ``replica_group`` (Note: [hybrid sharding] in distributed.py) each reduce-scattered shard is
 also summed over the ranks holding the same shard in the other shard groups before the division.
@@ -30,11 +39,55 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import threading
+
 from lightning_lazytrain.engine.copy_engine import CopyHandle
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads, _Param
 from lightning_lazytrain.engine.shard_layout import ShardLayout
 
 __all__ = ["ShardedParamStore"]
+
+
+class _Gathered(CopyHandle):
+    """A staged shard's all-gather in flight (Note: [overlapped all-gather]): finishing it waits for
+    the collective and copies the gathered buffer out into the slot's weights, once."""
+
+    lane = "h2d"  # what it completes: the weights' arrival in the slot
+
+    def __init__(self, h2d: CopyHandle, work: Any, gathered: torch.Tensor, shard: torch.Tensor, layout: ShardLayout,
+                 weights: torch.Tensor, store: ShardedParamStore) -> None:
+        self.h2d, self.nbytes = h2d, h2d.nbytes
+        self._work, self._gathered, self._shard, self._layout, self._weights = work, gathered, shard, layout, weights
+        self._store = store
+        self._lock = threading.Lock()
+        self._finished = False
+        self._event: Any = None
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            t0 = time.perf_counter()
+            self._work.wait()  # gloo: until it is done; NCCL: the current stream waits for it
+            self._store.collective_seconds += time.perf_counter() - t0
+            with torch.no_grad():
+                self._layout.gather_into(self._gathered, self._weights)
+            if self._weights.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record()
+            self._work = self._gathered = self._shard = self._weights = None
+            self._finished = True
+
+    def sync_current_stream(self) -> None:
+        self._finish()
+
+    def wait(self) -> None:
+        self._finish()
+        if self._event is not None:
+            self._event.synchronize()
+
+    def done(self) -> bool:
+        return self._finished and (self._event is None or self._event.query())
 
 
 class ShardedParamStore(ParamStore):
@@ -50,7 +103,8 @@ class ShardedParamStore(ParamStore):
         self.replica_group = replica_group
         self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
         self.collective_bytes = {"gather": 0, "reduce": 0, "replica": 0}  # what this rank sent, per kind
-        self.collective_seconds = 0.0  # in those collectives (they run in line: see the module doc)
+        self.collective_seconds = 0.0  # blocked in those collectives (Note: [overlapped all-gather])
+        self.overlap = True  # Note: [overlapped all-gather]
         self._since = (0, 0.0)  # take_collective's last reading
         super().__init__(*args, **kwargs)
 
@@ -99,6 +153,8 @@ class ShardedParamStore(ParamStore):
         g, s = self._group(layer), self._slot(layer, slot)
         if s.bound:
             raise RuntimeError(f"slot {slot} is bound (layer {s.gid}); leave bind() before restaging it")
+        if isinstance(s.ready, _Gathered):  # staged, never bound: its collective's buffers live until done
+            s.ready.sync_current_stream()
         layout = self._layouts[layer]
         self._repair_master(g)
         if s.weights is None:
@@ -107,21 +163,24 @@ class ShardedParamStore(ParamStore):
         src = g.master[:n]
         after = [s.free] if s.free is not None else []
         if s.cast is not None and g.master.dtype != s.cast.dtype:
+            # the cast buffer may still feed this slot's previous shard H2D
             src, master = s.cast[:n], g.master[:n]
-            after.append(self.engine.host(lambda: src.copy_(master), after=[s.ready] if s.ready else [],
+            after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
                                           tag=f"cast:{layer}", nbytes=master.nbytes + src.nbytes))
         shard = torch.empty(n, dtype=self.compute_dtype, device=self.device)
         h = self.engine.h2d(shard, src, after=after, tag=f"param:{layer}")
-        h.wait()  # first version: the all-gather follows on this thread (see the module doc)
+        s.prior_ready = h
+        h.sync_current_stream()  # the all-gather reads the landed shard (CUDA: no host wait)
         gathered = torch.empty(layout.gathered_numel, dtype=self.compute_dtype, device=self.device)
-        t0 = time.perf_counter()
-        dist.all_gather_into_tensor(gathered, shard, group=self.group)
-        self.collective_seconds += time.perf_counter() - t0
         self.collective_bytes["gather"] += (self.world - 1) * shard.nbytes
-        with torch.no_grad():
-            layout.gather_into(gathered, s.weights)
-        s.ready, s.gid = h, layer
-        return h
+        t0 = time.perf_counter()
+        work = dist.all_gather_into_tensor(gathered, shard, group=self.group, async_op=True)
+        self.collective_seconds += time.perf_counter() - t0
+        ready = _Gathered(h, work, gathered, shard, layout, s.weights, self)
+        if not self.overlap:
+            ready.sync_current_stream()
+        s.ready, s.gid = ready, layer
+        return ready
 
     # ---- gradients ------------------------------------------------------------------------------
     def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
@@ -169,6 +228,9 @@ class ShardedParamStore(ParamStore):
         all-gather per block, collective (every rank closes), so the module is whole again, as the
         one-process store leaves it, and a store built next (``Executor.set_schedule``) shards it afresh."""
         if self._slots:
+            for s in self._slots:  # all-gathers still in flight (staged, not bound)
+                if isinstance(s.ready, _Gathered):
+                    s.ready.wait()
             self.engine.synchronize()
             with torch.no_grad():
                 for gid, layout in self._layouts.items():
