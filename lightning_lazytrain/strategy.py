@@ -88,7 +88,9 @@ class LazyTrainStrategy(ParallelStrategy):
             the step's backward has finished it, on a thread of its own, instead of all of them after
             the backward (``distributed.py``: Note: [overlapped all-reduce]; bit-identical; the plan
             is made for the planner's ``replicate_overlap`` mode, else ``replicate``). Only with
-            automatic optimization.
+            automatic optimization. With ``data_parallel="shard"``: each block's all-gather overlaps
+            the previous block's compute (engine/shard_store.py, Note: [overlapped all-gather]);
+            False runs it in line (the ablation).
         data_parallel: with several processes, ``"replicate"`` (each holds all host state; every
             group's host gradients all-reduced) or ``"shard"`` (experimental: each holds 1/N of every
             group's host masters, gradients and optimizer state within a group of ``shard_size``
@@ -587,7 +589,7 @@ class LazyTrainStrategy(ParallelStrategy):
             self._pending_steps = [p for p in getattr(self, "_pending_steps", []) if not p[0].done]
             store = self._shard_store()
             if store is not None:  # a profiled step's collectives run in line: their times price the plan
-                store.overlap = not ex.profiling  # Note: [overlapped all-gather]
+                store.overlap = self.overlap_grad_sync and not ex.profiling  # Note: [overlapped all-gather]
         if self.lightning_module.automatic_optimization:
             ex.begin_microbatch(first=first, last=last)
         else:
