@@ -17,8 +17,9 @@ gradient reached is the union over the ranks (one small all-reduce of flags), as
 Note: [overlapped all-gather]
     The collectives are issued on the calling thread in program order (every rank stages and sends
     the same groups in the same order, so they match across ranks). A block's all-gather is issued
-    asynchronously once its shard's H2D is in (CPU: the copy thread done; CUDA: the compute stream
-    waits for the copy's event, the host does not block) and finished at ``bind``
+    asynchronously once its shard's H2D is in (CPU: the copy thread done; CUDA: the store's collective
+    stream waits for the copy's event and the all-gather is issued on it, so neither the host nor the
+    compute stream waits for the H2D; not yet run on a GPU) and finished at ``bind``
     (``_Gathered.sync_current_stream``: wait for the collective -- gloo: the host waits; NCCL: the
     compute stream does -- then copy the rank-major buffer out into the slot), so the executor's
     prefetch (stage layer j+1, compute layer j) overlaps the all-gather with compute, as the plan's
@@ -33,13 +34,13 @@ also summed over the ranks holding the same shard in the other shard groups befo
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-import threading
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads, _Param
@@ -73,6 +74,9 @@ class _Gathered(CopyHandle):
             with torch.no_grad():
                 self._layout.gather_into(self._gathered, self._weights)
             if self._weights.device.type == "cuda":
+                # the gathered buffer came from the collective stream's pool: the copy-out just queued
+                # on this stream must finish before that pool hands it out again
+                self._gathered.record_stream(torch.cuda.current_stream(self._weights.device))
                 self._event = torch.cuda.Event()
                 self._event.record()
             self._work = self._gathered = self._shard = self._weights = None
@@ -105,8 +109,19 @@ class ShardedParamStore(ParamStore):
         self.collective_bytes = {"gather": 0, "reduce": 0, "replica": 0}  # what this rank sent, per kind
         self.collective_seconds = 0.0  # blocked in those collectives (Note: [overlapped all-gather])
         self.overlap = True  # Note: [overlapped all-gather]
+        self._stream: Any = None  # CUDA: the all-gathers' stream (_collective_stream)
         self._since = (0, 0.0)  # take_collective's last reading
         super().__init__(*args, **kwargs)
+
+    def _collective_stream(self) -> Any:
+        """CUDA: a context on this store's collective stream (the NCCL all-gather is ordered after what
+        is queued on the current stream when it is issued: on the compute stream it would wait for the
+        compute queued so far, and that compute for the shard's H2D). CPU: no-op."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._stream)
 
     def shard_numel(self, layer: int) -> int:
         """Elements of this rank's shard of group ``layer`` (what one of its fetches moves)."""
@@ -170,11 +185,12 @@ class ShardedParamStore(ParamStore):
         shard = torch.empty(n, dtype=self.compute_dtype, device=self.device)
         h = self.engine.h2d(shard, src, after=after, tag=f"param:{layer}")
         s.prior_ready = h
-        h.sync_current_stream()  # the all-gather reads the landed shard (CUDA: no host wait)
-        gathered = torch.empty(layout.gathered_numel, dtype=self.compute_dtype, device=self.device)
         self.collective_bytes["gather"] += (self.world - 1) * shard.nbytes
         t0 = time.perf_counter()
-        work = dist.all_gather_into_tensor(gathered, shard, group=self.group, async_op=True)
+        with self._collective_stream():  # CUDA: a stream of its own, so compute never waits for this H2D
+            h.sync_current_stream()  # the all-gather reads the landed shard (CPU: the copy thread is done)
+            gathered = torch.empty(layout.gathered_numel, dtype=self.compute_dtype, device=self.device)
+            work = dist.all_gather_into_tensor(gathered, shard, group=self.group, async_op=True)
         self.collective_seconds += time.perf_counter() - t0
         ready = _Gathered(h, work, gathered, shard, layout, s.weights, self)
         if not self.overlap:
