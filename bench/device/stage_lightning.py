@@ -185,16 +185,18 @@ def compare_pair(st: Stage, tag: str, spec: ModelSpec, train, val, *, accelerato
     from lightning_lazytrain.autoplan import load_schedule
 
     strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=budget_gb)
-    if cuda:  # the peak over the strategy's whole fit, and nothing before it
+    from lightning_lazytrain.engine.live_bytes import max_memory_allocated, reset_cuda_peak
+
+    if cuda:  # the peak over the strategy's whole fit (across the executor's per-step resets), nothing before it
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        reset_cuda_peak(torch.device("cuda", torch.cuda.current_device()), forget=True)
         allocated_before = torch.cuda.memory_allocated()
     lazy, t_lazy, opt, logdir = fit(strategy, spec, train, val, accelerator=accelerator, precision=precision,
                                     steps=steps, clip=clip, logdir=workdir / f"{tag}-lazytrain")
     if cuda:
         torch.cuda.synchronize()
         memory = {"status": "measured", "budget_gb": budget_gb, "allocated_before_fit_gb": allocated_before / GB,
-                  "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / GB,
+                  "max_memory_allocated_gb": max_memory_allocated() / GB,
                   "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / GB}
         memory["headroom_gb"] = budget_gb - memory["max_memory_allocated_gb"]
     else:

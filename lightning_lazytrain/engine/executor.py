@@ -51,7 +51,7 @@ from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheRe
                                                  UnsupportedBlockPattern)
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
 from lightning_lazytrain.engine.internals import OffloadedInternals
-from lightning_lazytrain.engine.live_bytes import DeviceBytes
+from lightning_lazytrain.engine.live_bytes import DeviceBytes, reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks, PartialForward
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
@@ -407,8 +407,8 @@ class Executor:
             self.tracker.reset_peak()
             sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
             self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync)
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
+            if self.device.type == "cuda":  # a new peak per step, the run's kept (Note: [peaks across resets])
+                reset_cuda_peak(self.device)
             self._start_memory()
             self._window("T")
             # T's last ops: the updated non-block weights (part by part, each as soon as its update is

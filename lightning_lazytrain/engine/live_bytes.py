@@ -25,7 +25,37 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveBytes", "DeviceBytes"]
+__all__ = ["LiveBytes", "DeviceBytes", "reset_cuda_peak", "max_memory_allocated"]
+
+# Note: [peaks across resets]
+#     The executor starts a new CUDA peak at each step (``lazytrain/max_memory_allocated_gb`` is per
+#     step) and, while measuring, at each window; that resets the counter user code reads with
+#     ``torch.cuda.max_memory_allocated``. Every reset goes through ``reset_cuda_peak``, which first
+#     folds the counter into a running maximum per device; ``max_memory_allocated`` is the peak since
+#     the process started (or since the caller's own ``torch.cuda.reset_peak_memory_stats`` before
+#     the run: call ``reset_cuda_peak(device, forget=True)`` instead, which clears the running maximum
+#     too), as if nothing had been reset.
+_RUNNING_PEAK: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def reset_cuda_peak(device: torch.device, *, forget: bool = False) -> None:
+    """``torch.cuda.reset_peak_memory_stats(device)``, keeping the peak so far in the running maximum
+    (``forget``: drop that too: a new measurement starts here)."""
+    i = _index(device)
+    kept = 0 if forget else max(_RUNNING_PEAK.get(i, 0), int(torch.cuda.max_memory_allocated(device)))
+    _RUNNING_PEAK[i] = kept
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def max_memory_allocated(device: torch.device | str | int | None = None) -> int:
+    """The CUDA allocator's peak bytes on ``device`` across the executor's resets (Note: [peaks across
+    resets]): what ``torch.cuda.max_memory_allocated`` would say had no one reset it."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return max(_RUNNING_PEAK.get(_index(device), 0), int(torch.cuda.max_memory_allocated(device)))
 
 
 class LiveBytes(TorchDispatchMode):
@@ -92,7 +122,7 @@ class DeviceBytes:
 
     def start(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            reset_cuda_peak(self.device)
         else:
             self.live = self._exit.enter_context(LiveBytes())
 
@@ -116,6 +146,6 @@ class DeviceBytes:
 
     def mark(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            reset_cuda_peak(self.device)
         elif self.live is not None:
             self.live.reset_peak()
