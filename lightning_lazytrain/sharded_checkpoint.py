@@ -196,8 +196,9 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor], *, rank: int =
                 if "shape" not in obj:
                     return tensors[parts[0]]
                 chunks = [tensors[k] for k in parts]
-                whole = torch.cat(chunks) if chunks else torch.empty(0)
-                return whole.reshape(obj["shape"])
+                if not chunks:  # a tensor of zero rows (its dtype is not in the checkpoint)
+                    return torch.empty(obj["shape"])
+                return torch.cat(chunks).reshape(obj["shape"])
             out = _copy_dict(obj)
             for k, v in obj.items():
                 out[k] = walk(v)

@@ -340,7 +340,9 @@ class LazyTrainStrategy(ParallelStrategy):
                 raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
                                  "only so far: use data_parallel='replicate' with manual optimization")
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
-            if shard and trainer.checkpoint_callbacks and self.checkpoint_format == "full" and self._eight_bit_states():
+            full = self.checkpoint_format == "full" or any(  # remote directories are saved full
+                "://" in str(getattr(cb, "dirpath", "") or "") for cb in trainer.checkpoint_callbacks)
+            if shard and trainer.checkpoint_callbacks and full and self._eight_bit_states():
                 raise ValueError(self._SHARD_NO_CHECKPOINTS)
             self._set_rest_parts()
         self.setup_precision_plugin()

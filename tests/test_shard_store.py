@@ -76,6 +76,28 @@ def bf16_grads(m: LlamaLM, tokens: torch.Tensor, shard: bool) -> dict[str, torch
         ex.close()  # gathers weights and grads whole again; the copies above are this rank's shards
 
 
+def tied_checkpoint(rank: int, out: str) -> dict[str, torch.Tensor]:
+    """A model whose embedding and head are one parameter, sharded, one SGD step, then saved as the
+    strategy saves a sharded checkpoint (each rank its rows, ``checkpoint_layout``); returns the
+    whole weights the store gives back at close."""
+    from lightning_lazytrain.sharded_checkpoint import save_sharded
+
+    torch.manual_seed(0)
+    m = LlamaLM(dataclasses.replace(SPEC, tied_embeddings=True))
+    ex = Executor(m, recompute_all(4), shard_group="world")
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    try:
+        ex.begin_microbatch()
+        m.loss(data()[2 * rank: 2 * rank + 2]).backward()
+        ex.end_microbatch()
+        opt.step()
+        checkpoint = {"state_dict": m.state_dict(), "optimizer_states": [opt.state_dict()]}
+        save_sharded(checkpoint, f"{out}/tied.ckpt", layout=ex.params.checkpoint_layout(checkpoint, m, [opt]))
+    finally:
+        ex.close()
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -92,6 +114,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    world=2, overlap=False)
         results["rebuild"] = train(model(), data()[2 * rank: 2 * rank + 2], keep_all(4), shard=True, world=2,
                                    switch_to=RESIDENT)
+        results["tied_checkpoint"] = tied_checkpoint(rank, out)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -109,7 +132,29 @@ def two_ranks(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("shard")
     mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    results = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    results[0]["tied_path"] = out / "tied.ckpt"
+    return results
+
+
+def test_a_tied_parameter_is_saved_under_each_name_as_rows(two_ranks):
+    """Each name of a tied parameter is written as row chunks (the state dict has both names, the
+    module's parameters list it once): the joined checkpoint holds the whole tensor under both."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_lazytrain.sharded_checkpoint import load_sharded
+
+    path = two_ranks[0]["tied_path"]
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name in ("state_dict/embed_tokens.weight", "state_dict/lm_head.weight"):
+        assert name not in keys and f"{name}@0:128" in keys and f"{name}@128:256" in keys, sorted(keys)[:6]
+    saved = load_sharded(path)
+    whole = two_ranks[0]["tied_checkpoint"]
+    for k, v in whole.items():
+        assert torch.equal(saved["state_dict"][k], v), k
+    shapes = {tuple(v.shape) for v in whole.values()}
+    for state in saved["optimizer_states"][0]["state"].values():  # SGD's momentum, joined whole
+        assert tuple(state["momentum_buffer"].shape) in shapes
 
 
 def test_the_overlapped_all_gather_is_bit_identical_to_the_in_line_one(two_ranks):

@@ -113,6 +113,13 @@ class ShardedParamStore(ParamStore):
         self._since = (0, 0.0)  # take_collective's last reading
         super().__init__(*args, **kwargs)
 
+    def _device_sync(self) -> None:
+        """CUDA, collectives in line (``overlap`` off: a profiled step, whose collective times price the
+        plan): wait for the device, so a host timer measures the collectives, not their launch (NCCL
+        does not block the host). The profiled step synchronises at every window mark anyway."""
+        if not self.overlap and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _collective_stream(self) -> Any:
         """CUDA: a context on this store's collective stream (the NCCL all-gather is ordered after what
         is queued on the current stream when it is issued: on the compute stream it would wait for the
@@ -182,19 +189,24 @@ class ShardedParamStore(ParamStore):
             src, master = s.cast[:n], g.master[:n]
             after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
                                           tag=f"cast:{layer}", nbytes=master.nbytes + src.nbytes))
-        shard = torch.empty(n, dtype=self.compute_dtype, device=self.device)
+        # a fresh buffer the H2D stream owns (CUDA: memory compute freed may still be read by kernels
+        # queued before; copy_cuda's Note: [allocator ownership])
+        shard = self.engine.new_device_buffer((n,), self.compute_dtype, self.device)
         h = self.engine.h2d(shard, src, after=after, tag=f"param:{layer}")
         s.prior_ready = h
         self.collective_bytes["gather"] += (self.world - 1) * shard.nbytes
-        t0 = time.perf_counter()
         with self._collective_stream():  # CUDA: a stream of its own, so compute never waits for this H2D
             h.sync_current_stream()  # the all-gather reads the landed shard (CPU: the copy thread is done)
+            t0 = time.perf_counter()
             gathered = torch.empty(layout.gathered_numel, dtype=self.compute_dtype, device=self.device)
             work = dist.all_gather_into_tensor(gathered, shard, group=self.group, async_op=True)
         self.collective_seconds += time.perf_counter() - t0
         ready = _Gathered(h, work, gathered, shard, layout, s.weights, self)
-        if not self.overlap:
+        if not self.overlap:  # in line (a profiled step): its time is the collective's own
+            t0 = time.perf_counter()
             ready.sync_current_stream()
+            self._device_sync()
+            self.collective_seconds += time.perf_counter() - t0
         s.ready, s.gid = ready, layer
         return ready
 
@@ -215,10 +227,12 @@ class ShardedParamStore(ParamStore):
             rank_major = torch.empty(layout.gathered_numel, dtype=dt, device=grads.device)
             layout.scatter_into(grads[: g.numel], rank_major)
             mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
+            self._device_sync()  # (CUDA, in line) what is queued before is not the collective's time
             t0 = time.perf_counter()
             dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
             if self.replica_group is not None:  # the same shard's sum over the other shard groups
                 dist.all_reduce(mine, group=self.replica_group)
+            self._device_sync()
             self.collective_seconds += time.perf_counter() - t0
             mine.div_(self.world * self.replicas)  # DDP's average over every rank
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
@@ -292,8 +306,9 @@ class ShardedParamStore(ParamStore):
 
     def _module_entries(self, state: dict[str, Any], module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, _Param]]:
         """The state dict entries of sharded parameters: (key, parameter, its record)."""
-        infos = self._sharded_infos()
-        return [(name, p, infos[id(p)]) for name, p in module.named_parameters() if id(p) in infos and name in state]
+        infos = self._sharded_infos()  # every name of a tied parameter (the state dict has each)
+        return [(name, p, infos[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
+                if id(p) in infos and name in state]
 
     def whole_module_state(self, state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
         """``module``'s state dict with every sharded parameter's entry whole (collective)."""
@@ -324,13 +339,18 @@ class ShardedParamStore(ParamStore):
         for i, (optimizer, state) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
             optimizer = getattr(optimizer, "optimizer", optimizer)
             for pid, (p, info) in self._optimizer_entries(optimizer, state).items():
-                for key, value in state["state"][pid].items():
-                    if not isinstance(value, torch.Tensor):
+                states = state["state"][pid]
+                # 8-bit states (uint8 codes, blockwise scales over the shard, padding rows included):
+                # every tensor of the parameter is this rank's own, written as it is
+                quantized = any(isinstance(v, torch.Tensor) and not v.is_floating_point() and v.ndim
+                                for v in states.values())
+                for key, value in states.items():
+                    if not isinstance(value, torch.Tensor) or value.ndim == 0:  # (a step count: replicated)
                         continue
                     flat = f"optimizer_states/{i}/state/{pid}/{key}"
-                    if value.ndim and tuple(value.shape) == tuple(p.shape):  # per element of the shard
+                    if not quantized and tuple(value.shape) == tuple(p.shape):  # per element of the shard
                         layout[flat] = ("rows", tuple(info.shape), self.world, self.rank)
-                    elif value.numel() > 1:  # blockwise over the shard (8-bit states): this rank's own
+                    else:  # no whole form
                         layout[flat] = ("rank", self.world, self.rank)
         return layout
 
@@ -359,6 +379,15 @@ class ShardedParamStore(ParamStore):
         rank's rows (a checkpoint from any number of processes, one included)."""
         new_state = dict(state["state"])
         for pid, (_, info) in self._optimizer_entries(optimizer, state).items():
-            new_state[pid] = {key: self._rows(v, info) if isinstance(v, torch.Tensor) and v.ndim
-                              and tuple(v.shape) == tuple(info.shape) else v for key, v in new_state[pid].items()}
+            new_state[pid] = {key: self._rows(v, info) if self._per_element(key, v, info) else v
+                              for key, v in new_state[pid].items()}
         return {**state, "state": new_state}
+
+    @staticmethod
+    def _per_element(key: Any, value: Any, info: _Param) -> bool:
+        """Is optimizer state ``value`` (whole) one element per element of parameter ``info``? A
+        0-dim parameter's states are 0-dim like its step count: told apart by torch's name for that,
+        ``step``."""
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(info.shape):
+            return False
+        return value.ndim > 0 or key != "step"
