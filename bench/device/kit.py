@@ -444,8 +444,8 @@ class Delays:
     """Delay injection for race hunting, wrapped around the package at class level (the package
     has no hook of its own):
 
-    * CUDA copies: ``torch.cuda._sleep(cycles)`` on the copy stream just before each H2D/D2H
-      (``CudaCopyEngine._submit``), so the copy lands late;
+    * CUDA copies: ``torch.cuda._sleep(cycles)`` on the copy stream just before each H2D/D2H, after
+      the copy's waits (``CudaCopyEngine.before_copy``), so the copy itself lands late;
     * host copy lanes (NVMe lanes on both backends, every lane of the CPU engine): a
       ``time.sleep`` inside the lane's worker right before the copy (``LaneWorker.submit``);
     * compute: at each ``ParamStore.bind``, after the bind has made the compute stream wait for
@@ -499,15 +499,11 @@ class Delays:
             if self.device == "cuda":
                 from lightning_lazytrain.engine import copy_cuda
 
-                orig_cuda_submit = copy_cuda.CudaCopyEngine._submit
+                def before_copy(lane: str) -> None:  # on the copy stream, after the copy's waits
+                    me.counts["gpu_copy"] += 1
+                    me._gpu_sleep(me._draw(me.copy_s))
 
-                def cuda_submit(engine, h, *rest, **kw):
-                    with torch.cuda.device(engine.device), torch.cuda.stream(engine._streams[h.lane]):
-                        me.counts["gpu_copy"] += 1
-                        me._gpu_sleep(me._draw(me.copy_s))
-                    return orig_cuda_submit(engine, h, *rest, **kw)
-
-                patches.append((copy_cuda.CudaCopyEngine, "_submit", cuda_submit))
+                patches.append((copy_cuda.CudaCopyEngine, "before_copy", staticmethod(before_copy)))
 
         if self.compute_s > 0:
             orig_bind = param_store.ParamStore.bind

@@ -153,6 +153,10 @@ class CudaHandle(CopyHandle):
 class CudaCopyEngine(CopyEngine):
     kind = "cuda"
 
+    # A test hook (the device kit's delay injection), a static function of the lane: called on the
+    # copy stream after the copy's waits and right before it, so work it queues delays the copy itself.
+    before_copy: Callable[[str], None] | None = None
+
     def __init__(self, device: torch.device, links: Mapping[str, LinkSpec] | None = None,
                  *, timeline: bool = True) -> None:
         if not torch.cuda.is_available():
@@ -233,6 +237,8 @@ class CudaCopyEngine(CopyEngine):
                     start = torch.cuda.Event(enable_timing=self.timeline)
                     end = torch.cuda.Event(enable_timing=self.timeline)
                     with torch.cuda.stream(stream), torch.no_grad():
+                        if self.before_copy is not None:
+                            self.before_copy(h.lane)
                         start.record(stream)
                         dst.copy_(src, non_blocking=True)
                         end.record(stream)
