@@ -39,9 +39,12 @@ Note: [sharded checkpoint]
     rank's from the whole shape and the world size), and the marker carries the whole shape and the
     world size. States with no per-element form (HybridAdamW's 8-bit states and block scales, blockwise
     over a rank's shard) are written per rank, ``<key>#rank<r>``, and resume on the same world size
-    only (the load says so otherwise). Nothing is gathered to save; a load reads every chunk of an
-    entry and returns it whole (rank 0's replica of a chunk, when replicas hold it twice, is written
-    once: DCP deduplicates equal keys), so a checkpoint of N sharded ranks resumes on M ranks or on one.
+    only (the load says so otherwise). Nothing is gathered to save (a chunk replicas hold twice is
+    written once: DCP deduplicates equal keys). A load returns the model's entries whole (Lightning
+    loads them into the whole module, before the strategy shards it) and, for a sharded run
+    (``shard=``), each optimizer state as the rank's own rows, read from the chunks that overlap them
+    only; so a checkpoint of N sharded ranks resumes on M ranks or on one, and no rank holds the whole
+    optimizer state.
 """
 
 from __future__ import annotations
@@ -154,15 +157,49 @@ def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KE
     return skeleton, tensors
 
 
-def _wanted(marker: dict[str, Any], rank: int) -> list[str]:
-    """The entries of ``tensors`` a marker is made of (for ``rank``, when it is a per-rank one)."""
+def _wanted(marker: dict[str, Any], rank: int, own: tuple[int, int, int] | None = None) -> list[str]:
+    """The entries of ``tensors`` a marker is made of (for ``rank``, when it is a per-rank one; with
+    ``own = (start, stop, k)``, only the row chunks that overlap rows ``[start, stop)``)."""
     key = marker[MARKER]
     if marker.get("per_rank"):
         return [_rank_key(key, rank)]
     if "shape" in marker:
         shape = marker["shape"]
-        return [_chunk_key(key, a, b) for a, b in row_chunks(shape[0] if shape else 1, marker["world"]) if b > a]
+        chunks = [(a, b) for a, b in row_chunks(shape[0] if shape else 1, marker["world"]) if b > a]
+        if own is not None:  # (a rank whose rows are all padding reads one chunk: the dtype)
+            chunks = [(a, b) for a, b in chunks if a < own[1] and b > own[0]] or chunks[:1]
+        return [_chunk_key(key, a, b) for a, b in chunks]
     return [key]
+
+
+def _own_rows(marker: dict[str, Any], shard: tuple[int, int]) -> tuple[int, int, int]:
+    """``(start, stop, k)``: the rows of a row-chunked entry that rank ``shard[0]`` of a shard group of
+    ``shard[1]`` holds (``k`` rows, padded), as ``ShardLayout`` cuts them."""
+    shape = marker["shape"]
+    rows = shape[0] if shape else 1
+    start, stop = row_chunks(rows, shard[1])[shard[0]]
+    return start, stop, -(-rows // shard[1])
+
+
+def _rows_from_chunks(marker: dict[str, Any], tensors: dict[str, torch.Tensor], own: tuple[int, int, int],
+                      rank: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a row-chunked entry as a ``(k, *rest)`` tensor, padding rows zero."""
+    start, stop, k = own
+    shape = marker["shape"]
+    parts = _wanted(marker, rank, own)
+    if not parts:  # a tensor of zero rows
+        return torch.zeros((k, *shape[1:]))
+    out = None
+    for key in parts:
+        chunk = tensors[key]
+        a, b = (int(x) for x in key.rsplit("@", 1)[1].split(":"))
+        if out is None:
+            out = torch.zeros((k, *chunk.shape[1:]), dtype=chunk.dtype)
+        lo, hi = max(a, start), min(b, stop)
+        if hi > lo:
+            out[lo - start: hi - start] = chunk[lo - a: hi - a]
+    assert out is not None
+    return out
 
 
 def markers(skeleton: Any) -> list[dict[str, Any]]:
@@ -183,12 +220,17 @@ def markers(skeleton: Any) -> list[dict[str, Any]]:
     return found
 
 
-def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor], *, rank: int = 0) -> Any:
-    """The inverse of ``split_tensors``: every marker replaced by its tensor (row chunks joined whole;
-    per-rank entries: ``rank``'s)."""
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor], *, rank: int = 0,
+                 own: dict[str, tuple[int, int, int]] | None = None) -> Any:
+    """The inverse of ``split_tensors``: every marker replaced by its tensor (row chunks joined whole,
+    or, for the entries ``own`` names, only those rows, padded; per-rank entries: ``rank``'s)."""
+    own = own or {}
+
     def walk(obj: Any) -> Any:
         if isinstance(obj, dict):
             if _is_marker(obj):
+                if obj[MARKER] in own:
+                    return _rows_from_chunks(obj, tensors, own[obj[MARKER]], rank)
                 parts = _wanted(obj, rank)
                 missing = [k for k in parts if k not in tensors]
                 if missing:
@@ -373,7 +415,11 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
                  verify: bool = True, shard: tuple[int, int] | None = None) -> dict[str, Any]:
     """The checkpoint dict saved by ``save_sharded`` at ``path``, on any number of processes: every rank
     of ``group`` calls it (``group=None``: this process alone, no process group needed). Per-process
-    entries are read for ``shard = (rank, world)`` (default: this rank in ``group``)."""
+    entries are read for ``shard = (rank, world)`` (default: this rank in ``group``). With ``shard``
+    (a sharded run resuming), row-chunked optimizer states are read as that rank's rows only
+    (``(k, *rest)``, padding zero, as the rank's shard holds them): a rank never materialises the
+    whole optimizer state. The model's tensors come whole (Lightning loads them into the whole
+    module before the strategy shards it)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -387,6 +433,8 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     if shard is not None:
         rank, world = shard
+    own = {m[MARKER]: _own_rows(m, shard) for m in markers(skeleton)
+           if shard is not None and "shape" in m and m[MARKER].startswith("optimizer_states/")}
     wanted: list[str] = []
     for marker in markers(skeleton):
         if marker.get("per_rank") and marker["world"] != world:
@@ -396,7 +444,7 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
                 f"{marker['world']} processes only, not {world}. Fix: resume with data_parallel='shard' and "
                 f"{marker['world']} processes per shard group (shard_size; by default the devices per node), or "
                 "train with 32-bit states (HybridAdamW(eight_bit='none')) to change the number of processes")
-        wanted += _wanted(marker, rank)
+        wanted += _wanted(marker, rank, own.get(marker[MARKER]))
     tensors: dict[str, torch.Tensor] = {}
     for key in wanted:
         md = metadata.state_dict_metadata.get(key)
@@ -410,4 +458,4 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
             dcp.load(tensors, storage_reader=reader, no_dist=True)
     else:
         dcp.load(tensors, storage_reader=reader, process_group=group)
-    return join_tensors(skeleton, tensors, rank=rank)
+    return join_tensors(skeleton, tensors, rank=rank, own=own)

@@ -103,3 +103,29 @@ def test_all_gather_assembles_the_weights_and_reduce_scatter_sums_each_shard(tmp
         assert torch.equal(got["assembled"], got["weights"])
         # two ranks: a + b is the same sum in either order, so the shard equals the shard of the sum exactly
         assert torch.equal(got["mine"], layout.shard_of(total, rank))
+
+
+@pytest.mark.parametrize("rows, saved_world, world", [(5, 2, 3), (7, 3, 2), (1, 2, 3), (4, 4, 1), (3, 2, 2), (0, 2, 2)])
+def test_a_resuming_rank_reads_only_its_rows_of_a_row_chunked_state(rows, saved_world, world):
+    """sharded_checkpoint: a state written as row chunks by ``saved_world`` ranks, read back for rank r
+    of ``world`` (``own``), is exactly that rank's ``ShardLayout`` shard of the whole tensor (padding
+    zero), from the chunks that overlap its rows only."""
+    from lightning_lazytrain.sharded_checkpoint import (MARKER, _own_rows, _wanted, join_tensors, markers,
+                                                        split_tensors)
+
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    key = "optimizer_states/0/state/0/exp_avg"
+    saved: dict[str, torch.Tensor] = {}
+    for r in range(saved_world):
+        saving = ShardLayout([full.shape], [0], saved_world)
+        shard = saving.local_view(saving.shard_of(full.reshape(-1), r), 0)
+        skeleton, tensors = split_tensors({"optimizer_states": [{"state": {0: {"exp_avg": shard}}}]},
+                                          layout={key: ("rows", (rows, 3), saved_world, r)})
+        saved.update(tensors)
+    layout = ShardLayout([full.shape], [0], world)
+    for r in range(world):
+        own = {m[MARKER]: _own_rows(m, (r, world)) for m in markers(skeleton)}
+        got = join_tensors(skeleton, saved, rank=r, own=own)["optimizer_states"][0]["state"][0]["exp_avg"]
+        assert torch.equal(got, layout.local_view(layout.shard_of(full.reshape(-1), r), 0)), (r, got)
+        if rows:
+            assert len(_wanted(markers(skeleton)[0], r, own[key])) <= -(-saved_world // world) + 1
