@@ -157,66 +157,73 @@ def split_tensors(checkpoint: dict[str, Any], keys: tuple[str, ...] = SHARDED_KE
     return skeleton, tensors
 
 
+def _rows(marker: dict[str, Any]) -> int:
+    """Dim-0 size of a row-chunked entry (a 0-dim tensor is one row)."""
+    return marker["shape"][0] if marker["shape"] else 1
+
+
+def _chunks(marker: dict[str, Any], own: tuple[int, int, int] | None = None) -> list[tuple[int, int]]:
+    """Rows ``[a, b)`` of the (non-empty) chunks a row-chunked entry was written in; with ``own =
+    (start, stop, k)``, those that overlap rows ``[start, stop)`` (a rank whose rows are all padding
+    still reads one chunk: its dtype)."""
+    chunks = [(a, b) for a, b in row_chunks(_rows(marker), marker["world"]) if b > a]
+    if own is not None:
+        chunks = [(a, b) for a, b in chunks if a < own[1] and b > own[0]] or chunks[:1]
+    return chunks
+
+
 def _wanted(marker: dict[str, Any], rank: int, own: tuple[int, int, int] | None = None) -> list[str]:
     """The entries of ``tensors`` a marker is made of (for ``rank``, when it is a per-rank one; with
-    ``own = (start, stop, k)``, only the row chunks that overlap rows ``[start, stop)``)."""
+    ``own``, only the row chunks ``_chunks`` picks)."""
     key = marker[MARKER]
     if marker.get("per_rank"):
         return [_rank_key(key, rank)]
     if "shape" in marker:
-        shape = marker["shape"]
-        chunks = [(a, b) for a, b in row_chunks(shape[0] if shape else 1, marker["world"]) if b > a]
-        if own is not None:  # (a rank whose rows are all padding reads one chunk: the dtype)
-            chunks = [(a, b) for a, b in chunks if a < own[1] and b > own[0]] or chunks[:1]
-        return [_chunk_key(key, a, b) for a, b in chunks]
+        return [_chunk_key(key, a, b) for a, b in _chunks(marker, own)]
     return [key]
 
 
 def _own_rows(marker: dict[str, Any], shard: tuple[int, int]) -> tuple[int, int, int]:
     """``(start, stop, k)``: the rows of a row-chunked entry that rank ``shard[0]`` of a shard group of
     ``shard[1]`` holds (``k`` rows, padded), as ``ShardLayout`` cuts them."""
-    shape = marker["shape"]
-    rows = shape[0] if shape else 1
-    start, stop = row_chunks(rows, shard[1])[shard[0]]
-    return start, stop, -(-rows // shard[1])
+    start, stop = row_chunks(_rows(marker), shard[1])[shard[0]]
+    return start, stop, -(-_rows(marker) // shard[1])
 
 
-def _rows_from_chunks(marker: dict[str, Any], tensors: dict[str, torch.Tensor], own: tuple[int, int, int],
-                      rank: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a row-chunked entry as a ``(k, *rest)`` tensor, padding rows zero."""
+def _rows_from_chunks(marker: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      own: tuple[int, int, int]) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a row-chunked entry as a ``(k, *rest)`` tensor, padding rows zero,
+    from the chunks that overlap them."""
     start, stop, k = own
-    shape = marker["shape"]
-    parts = _wanted(marker, rank, own)
-    if not parts:  # a tensor of zero rows
-        return torch.zeros((k, *shape[1:]))
     out = None
-    for key in parts:
-        chunk = tensors[key]
-        a, b = (int(x) for x in key.rsplit("@", 1)[1].split(":"))
+    for a, b in _chunks(marker, own):
+        chunk = tensors[_chunk_key(marker[MARKER], a, b)]
         if out is None:
             out = torch.zeros((k, *chunk.shape[1:]), dtype=chunk.dtype)
         lo, hi = max(a, start), min(b, stop)
         if hi > lo:
             out[lo - start: hi - start] = chunk[lo - a: hi - a]
-    assert out is not None
-    return out
+    return out if out is not None else torch.zeros((k, *marker["shape"][1:]))  # zero rows: no dtype saved
+
+
+def _map_markers(obj: Any, fn: Any) -> Any:
+    """``obj`` with every marker replaced by ``fn(marker)`` (dicts copied with their attributes)."""
+    if _is_marker(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = _copy_dict(obj)
+        for k, v in obj.items():
+            out[k] = _map_markers(v, fn)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_map_markers(v, fn) for v in obj)
+    return obj
 
 
 def markers(skeleton: Any) -> list[dict[str, Any]]:
     """Every marker in ``skeleton``."""
     found: list[dict[str, Any]] = []
-
-    def walk(obj: Any) -> None:
-        if _is_marker(obj):
-            found.append(obj)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            for v in obj:
-                walk(v)
-
-    walk(skeleton)
+    _map_markers(skeleton, lambda m: found.append(m) or m)
     return found
 
 
@@ -226,30 +233,19 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor], *, rank: int =
     or, for the entries ``own`` names, only those rows, padded; per-rank entries: ``rank``'s)."""
     own = own or {}
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            if _is_marker(obj):
-                if obj[MARKER] in own:
-                    return _rows_from_chunks(obj, tensors, own[obj[MARKER]], rank)
-                parts = _wanted(obj, rank)
-                missing = [k for k in parts if k not in tensors]
-                if missing:
-                    raise KeyError(f"sharded checkpoint has no tensor {missing[0]!r}")
-                if "shape" not in obj:
-                    return tensors[parts[0]]
-                chunks = [tensors[k] for k in parts]
-                if not chunks:  # a tensor of zero rows (its dtype is not in the checkpoint)
-                    return torch.empty(obj["shape"])
-                return torch.cat(chunks).reshape(obj["shape"])
-            out = _copy_dict(obj)
-            for k, v in obj.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(walk(v) for v in obj)
-        return obj
+    def resolve(marker: dict[str, Any]) -> torch.Tensor:
+        key = marker[MARKER]
+        missing = [k for k in _wanted(marker, rank, own.get(key)) if k not in tensors]
+        if missing:
+            raise KeyError(f"sharded checkpoint has no tensor {missing[0]!r}")
+        if "shape" not in marker:
+            return tensors[_wanted(marker, rank)[0]]
+        if key in own:
+            return _rows_from_chunks(marker, tensors, own[key])
+        rows = _rows(marker)
+        return _rows_from_chunks(marker, tensors, (0, rows, rows)).reshape(marker["shape"])  # whole
 
-    return walk(skeleton)
+    return _map_markers(skeleton, resolve)
 
 
 # ---- small file helpers ----------------------------------------------------------------------------

@@ -340,9 +340,9 @@ class LazyTrainStrategy(ParallelStrategy):
                 raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
                                  "only so far: use data_parallel='replicate' with manual optimization")
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
-            full = self.checkpoint_format == "full" or any(  # remote directories are saved full
-                "://" in str(getattr(cb, "dirpath", "") or "") for cb in trainer.checkpoint_callbacks)
-            if shard and trainer.checkpoint_callbacks and full and self._eight_bit_states():
+            if shard and self._eight_bit_states() and any(  # saved full: "full", or a remote directory
+                    not self._sharded_checkpoint(getattr(cb, "dirpath", None), None, warn=False)
+                    for cb in trainer.checkpoint_callbacks):
                 raise ValueError(self._SHARD_NO_CHECKPOINTS)
             self._set_rest_parts()
         self.setup_precision_plugin()
@@ -509,15 +509,16 @@ class LazyTrainStrategy(ParallelStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def _sharded_checkpoint(self, filepath: Any, storage_options: Any) -> bool:
+    def _sharded_checkpoint(self, filepath: Any, storage_options: Any, *, warn: bool = True) -> bool:
         """Save ``filepath`` as a sharded directory (several processes, ``checkpoint_format="sharded"``)."""
         if self.checkpoint_format != "sharded" or not self.is_distributed or self.grad_sync is None:
             return False
         if storage_options is not None or "://" in str(filepath):
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-            rank_zero_warn(f"lazytrain: {filepath} is saved as one full checkpoint from rank 0: sharded checkpoints "
-                           "are written to local (or shared) directories without storage_options")
+            if warn:
+                rank_zero_warn(f"lazytrain: {filepath} is saved as one full checkpoint from rank 0: sharded "
+                               "checkpoints are written to local (or shared) directories without storage_options")
             return False
         return True
 

@@ -26,10 +26,12 @@ Note: [overlapped all-gather]
     collective lane has it. With ``overlap=False`` (the strategy sets it for a profiled step, whose
     collective times price the plan's collective lane) the all-gather runs to completion in
     ``stage``. Either way the same collective fills the slot: bit-identical. The reduce-scatter still
-    runs in line (its D2H needs its result). Clip norms from ``grad_norms`` are per shard; the strategy sums
-their squares over the shard group (``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``).
-With a ``replica_group`` (Note: [hybrid sharding] in distributed.py) each reduce-scattered shard is
-also summed over the ranks holding the same shard in the other shard groups before the division.
+    runs in line (its D2H needs its result).
+
+Clip norms from ``grad_norms`` are per shard; the strategy sums their squares over the shard group
+(``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``). With a ``replica_group`` (Note:
+[hybrid sharding] in distributed.py) each reduce-scattered shard is also summed over the ranks holding
+the same shard in the other shard groups before the division.
 """
 
 from __future__ import annotations
@@ -340,30 +342,36 @@ class ShardedParamStore(ParamStore):
             optimizer = getattr(optimizer, "optimizer", optimizer)
             for pid, (p, info) in self._optimizer_entries(optimizer, state).items():
                 states = state["state"][pid]
-                # 8-bit states (uint8 codes, blockwise scales over the shard, padding rows included):
-                # every tensor of the parameter is this rank's own, written as it is
-                quantized = any(isinstance(v, torch.Tensor) and not v.is_floating_point() and v.ndim
-                                for v in states.values())
                 for key, value in states.items():
-                    if not isinstance(value, torch.Tensor) or value.ndim == 0:  # (a step count: replicated)
-                        continue
-                    flat = f"optimizer_states/{i}/state/{pid}/{key}"
-                    if not quantized and tuple(value.shape) == tuple(p.shape):  # per element of the shard
-                        layout[flat] = ("rows", tuple(info.shape), self.world, self.rank)
-                    else:  # no whole form
-                        layout[flat] = ("rank", self.world, self.rank)
+                    kind = self._state_kind(states, value, p)
+                    if kind is not None:
+                        layout[f"optimizer_states/{i}/state/{pid}/{key}"] = (
+                            ("rows", tuple(info.shape), self.world, self.rank) if kind == "rows"
+                            else ("rank", self.world, self.rank))
         return layout
+
+    @staticmethod
+    def _state_kind(states: dict[str, Any], value: Any, p: torch.nn.Parameter) -> str | None:
+        """What a (shard-shaped) optimizer state of parameter ``p`` is: ``"rows"`` (one per element of
+        the shard: rows of a whole tensor), ``"rank"`` (no whole form: 8-bit states -- uint8 codes and
+        blockwise scales over the shard, padding rows included -- make every tensor of the parameter
+        this rank's own), or None (not a tensor, or a 0-dim one such as the step count: replicated)."""
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return None
+        quantized = any(isinstance(v, torch.Tensor) and not v.is_floating_point() and v.ndim for v in states.values())
+        return "rows" if not quantized and tuple(value.shape) == tuple(p.shape) else "rank"
 
     def whole_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every sharded parameter's per-element state whole
         (collective). 8-bit states (blockwise over the shard) have no whole form: refused."""
         new_state = dict(state["state"])
         for pid, (p, info) in self._optimizer_entries(optimizer, state).items():
-            whole = {}
-            for key, value in state["state"][pid].items():
-                if isinstance(value, torch.Tensor) and value.ndim and tuple(value.shape) == tuple(p.shape):
+            whole, states = {}, state["state"][pid]
+            for key, value in states.items():
+                kind = self._state_kind(states, value, p)
+                if kind == "rows":
                     whole[key] = self._whole(value, info)
-                elif isinstance(value, torch.Tensor) and value.numel() > 1:
+                elif kind == "rank":
                     raise NotImplementedError(
                         f"optimizer state {key!r} of {info.name} ({tuple(value.shape)}, {value.dtype}) is not "
                         "per element of the shard (8-bit states are blockwise over it): a single-file "
