@@ -42,6 +42,7 @@ from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
+from lightning_lazytrain.engine.param_store import upcast_parameters
 from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
 from lightning_lazytrain.precision import LazyTrainPrecision, with_lazytrain_precision
@@ -110,6 +111,18 @@ class LazyTrainStrategy(ParallelStrategy):
         replan: re-profile and re-plan when the measured step time drifts from the prediction
             (``True``, ``False`` or a dict of ``replan.ReplanOptions``: threshold, patience,
             min_gain, max_replans); only for ``policy="milp"``.
+        fp32_masters: with ``precision="bf16-true"`` (or ``"16-true"``): keep fp32 master weights
+            on the host (the optimizer and its states, gradient accumulation across micro-batches
+            and clipping in fp32) and stream 16-bit compute copies (the papers' setup: half the
+            bytes of ``bf16-mixed``, which streams the fp32 weights autocast reads). The same
+            training as plain PyTorch with fp32 master weights and a 16-bit model copy; not the
+            same as ``strategy="auto"`` with bf16-true, whose optimizer updates bf16 weights.
+            The masters are cast per weight fetch on the host lane, or once per step and kept
+            (``keep_compute_copy``).
+        keep_compute_copy: with ``fp32_masters``: keep each group's 16-bit copy in host memory
+            (2 bytes per parameter, pinned on CUDA), cast from the masters at its first fetch of a
+            step and reused by the step's later fetches (backward, re-runs, further micro-batches),
+            instead of a cast per fetch. ``"auto"`` (default): when the plan's host memory has room.
     """
 
     strategy_name = "lazytrain"
@@ -121,7 +134,8 @@ class LazyTrainStrategy(ParallelStrategy):
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
                  overlap_grad_sync: bool = True, nonblock_parts: bool = True,
-                 data_parallel: str = "replicate", shard_size: int | None = None) -> None:
+                 data_parallel: str = "replicate", shard_size: int | None = None, fp32_masters: bool = False,
+                 keep_compute_copy: bool | str = "auto") -> None:
         # imported here: checkpoint_io imports Lightning, whose import registers this module (a
         # module-level import would be circular when checkpoint_io is imported first)
         from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
@@ -154,6 +168,12 @@ class LazyTrainStrategy(ParallelStrategy):
             raise ValueError(f"shard_size={shard_size!r}: must be a number of processes >= 1 (default: the devices "
                              "per node)")
         self.shard_size = shard_size
+        if not isinstance(fp32_masters, bool):
+            raise ValueError(f"fp32_masters={fp32_masters!r}: must be True or False")
+        if keep_compute_copy not in (True, False, "auto"):
+            raise ValueError(f"keep_compute_copy={keep_compute_copy!r}: use True, False or 'auto'")
+        self.fp32_masters = fp32_masters
+        self.keep_compute_copy = keep_compute_copy
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)
@@ -297,6 +317,13 @@ class LazyTrainStrategy(ParallelStrategy):
             raise ValueError(f"precision={precision!r} is not supported by strategy='lazytrain': use one of "
                              f"{sorted(_COMPUTE_DTYPE)} (64-bit and plugin precisions would silently train "
                              "differently from strategy='auto')")
+        compute_dtype = _COMPUTE_DTYPE[precision]
+        if self.fp32_masters:
+            if compute_dtype == torch.float32:
+                raise ValueError(f"LazyTrainStrategy(fp32_masters=True) streams 16-bit copies of fp32 masters: use "
+                                 f"precision='bf16-true' (or '16-true'), not {precision!r} (under '32-true' and "
+                                 "the mixed precisions the weights are fp32 already)")
+            upcast_parameters(self.lightning_module)
         t0 = time.perf_counter()
         module = self.lightning_module
         from lightning_lazytrain.blocks import find_blocks
@@ -312,7 +339,7 @@ class LazyTrainStrategy(ParallelStrategy):
             self.grad_sync.broadcast_module(module)
             self.precision_plugin._sharded_clip = self  # non-HybridAdamW norm clipping (precision.py)
         self.executor = Executor(module, provisional, blocks=stack, device=device,
-                                 compute_dtype=_COMPUTE_DTYPE.get(precision, torch.float32), nvme_dir=self.nvme_dir,
+                                 compute_dtype=compute_dtype, nvme_dir=self.nvme_dir,
                                  links=links, shard_group=self.grad_sync.shard_device_group if shard else None,
                                  replica_group=self.grad_sync.replica_device_group if shard else None)
         if hasattr(module, "_device"):  # LightningModule.device: where its computation runs
@@ -345,6 +372,7 @@ class LazyTrainStrategy(ParallelStrategy):
                     for cb in trainer.checkpoint_callbacks):
                 raise ValueError(self._SHARD_NO_CHECKPOINTS)
             self._set_rest_parts()
+            self._choose_compute_copy()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -352,8 +380,10 @@ class LazyTrainStrategy(ParallelStrategy):
             module = self.lightning_module
             # Grads of the non-block weights and of layer 0 normally reach the host once per optimizer
             # step; a hook that looks at grads after each backward, or manual optimization, needs
-            # every micro-batch's grads on the host, as plain Lightning has them.
-            self._full_microbatches = not module.automatic_optimization or is_overridden(
+            # every micro-batch's grads on the host, as plain Lightning has them. So do fp32 masters:
+            # each micro-batch's 16-bit gradients join the fp32 ones (a step's would otherwise add up
+            # in 16 bits on the device for layer 0 and the non-block weights).
+            self._full_microbatches = self.fp32_masters or not module.automatic_optimization or is_overridden(
                 "on_after_backward", module) or any(is_overridden("on_after_backward", cb, parent=Callback)
                                                     for cb in trainer.callbacks)
             if not any(isinstance(cb, _StepMetrics) for cb in trainer.callbacks):
@@ -445,6 +475,23 @@ class LazyTrainStrategy(ParallelStrategy):
                                           block_layer, part_layers)
         if self._pipelined:
             ex.wait_updated = self._wait_updated
+
+    def _choose_compute_copy(self) -> None:
+        """``fp32_masters``: keep the 16-bit copies on the host (engine/param_store.py, Note: [kept
+        compute copy]) when asked, or with ``"auto"`` when the host holds them beside the masters,
+        their gradients and AdamW-sized optimizer states (8 bytes per parameter)."""
+        ex = self.executor
+        if not self.fp32_masters or ex is None or ex.params is None:
+            return
+        want = self.keep_compute_copy
+        store = ex.params
+        numel = sum(p.numel() for p in self.lightning_module.parameters())
+        if want == "auto":
+            need = store.host_pinned_bytes + store.host_grad_bytes + 8 * numel + 2 * numel
+            want = need <= self._hardware().cpu_memory_bytes
+            rank_zero_info(f"lazytrain: 16-bit weight copies {'kept on the host' if want else 'cast per fetch'} "
+                           f"(keep_compute_copy='auto': the host needs ~{need / 1e9:.2f} GB with them)")
+        ex.set_keep_compute_copy(bool(want))
 
     def _set_rest_parts(self) -> None:
         """One process: T moves, updates and stages the non-block weights in the parts of the

@@ -233,3 +233,26 @@ def test_milp_finds_the_best_enumerated_schedule_with_host_costs(seed):
     sim = simulate(res.schedule, wl, hw)
     assert res.objective == pytest.approx(sim.iteration_seconds, rel=1e-2)
     assert best * (1 - 1e-9) <= sim.iteration_seconds <= best * (1 + 1e-3) + 1e-9
+
+
+# ---- kept compute copies (engine/param_store.py, Note: [kept compute copy]) ---------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_copies_cast_once_per_microbatch_in_the_simulator_and_the_milp(seed):
+    """With ``kept_copies`` only a layer's first fetch of a micro-batch casts (F and T windows);
+    H's and every B window's fetches do not. The MILP's window algebra still equals the simulator's
+    timing on every schedule, and no window gets longer."""
+    from dataclasses import replace
+
+    rng = random.Random(300 + seed)
+    wl, hw, nvme = random_instance(rng, 3)
+    kept = replace(wl, kept_copies=True)
+    assert Workload.from_json(kept.to_json()).kept_copies
+    assert milp_time_equals_simulator_for_every_schedule(kept, hw, nvme, pipelined=seed % 2 == 0) > 20
+    for s in (megatrain(3, 2), recompute_all(3), keep_all(3)):
+        a, b = simulate(s, wl, hw, check=False), simulate(s, kept, hw, check=False)
+        host = {w: [g for g in b.timeline if g.window == w and g.lane == "host" and g.kind == "cast"]
+                for w in b.window_seconds}
+        for w, segs in host.items():
+            refetch = w == "H" or w.startswith("B")
+            assert all((g.end - g.start == 0.0) == refetch for g in segs if g.index >= 0), (s.policy, w)
+            assert b.window_seconds[w] <= a.window_seconds[w] + 1e-12, (s.policy, w)

@@ -148,8 +148,11 @@ class Executor:
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
                  wait_updated: Callable[[int], None] | None = None, nvme_required_bytes: int = 0,
-                 shard_group: Any = None, replica_group: Any = None) -> None:
+                 shard_group: Any = None, replica_group: Any = None, keep_compute_copy: bool = False) -> None:
         self.module = module
+        # 16-bit compute copies of fp32 masters cast once per micro-batch and kept on the host
+        # (param_store's Note: [kept compute copy]); kept across set_schedule
+        self.keep_compute_copy = keep_compute_copy
         self.stack = blocks if isinstance(blocks, BlockStack) else find_blocks(module, blocks)
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
@@ -210,6 +213,7 @@ class Executor:
                                                 self.engine, num_slots=slots, lazy_slots=range(2, slots),
                                                 group=group, replica_group=self.replica_group)
             self.params.on_final_grads = hook
+            self.params.keep_copies(self.keep_compute_copy)
             if self.rest_parts:
                 self.params.set_rest_parts(self.rest_parts)
         uses_nvme = "nvme" in schedule.homes
@@ -222,6 +226,15 @@ class Executor:
                                         nvme_required_bytes=self._nvme_required)
         self.tracker = DeviceTracker()
         self._static_bytes()
+
+    def set_keep_compute_copy(self, on: bool) -> bool:
+        """Keep (or drop) the host compute-dtype copies (between micro-batches); returns whether
+        they are kept (only where masters need a cast)."""
+        if self._micro is not None:
+            raise RuntimeError("set_keep_compute_copy() inside a micro-batch")
+        assert self.params is not None
+        self.keep_compute_copy = on
+        return self.params.keep_copies(on)
 
     def set_rest_parts(self, parts: list[list[nn.Parameter]]) -> bool:
         """Run T's non-block work in these parts (Note: [non-block parts] in planner/schedule.py;
@@ -372,6 +385,7 @@ class Executor:
         assert self.params is not None
         if self._micro is not None:
             raise RuntimeError("inference() inside a training micro-batch")
+        self.params.invalidate_copies()  # the masters may have changed since the last micro-batch
         self.params.stage(REST).wait()
         with self.params.bind(REST, grads=False):
             yield
@@ -381,6 +395,7 @@ class Executor:
         if self._micro is not None:
             raise RuntimeError("begin_microbatch() twice without end_microbatch()")
         self.disarm()
+        self.params.invalidate_copies()  # Note: [kept compute copy]: valid for one micro-batch
         self._micro = (first, last)
         self._windows = {w.name: w for w in self.schedule.windows(first_microbatch=first, last_microbatch=last)}
         self._saved: dict[int, torch.Tensor] = {}

@@ -54,6 +54,15 @@ Note: [grad write-back ordering] ``send_grads`` issues the D2H after an
     zero the device grads for the next use of the slot) and accumulates into
     the fp32 master grad once the bytes have landed.
 
+Note: [kept compute copy] With ``keep_copies(True)`` (16-bit compute copies of masters in another
+    dtype), each group also has a host copy in the compute dtype (the ``copies`` arena, pinned on
+    CUDA): a group's first ``stage`` after ``invalidate_copies`` casts its masters into it on the host
+    lane, later stages of the same range H2D straight from it (one DMA, no cast). The executor
+    invalidates every copy when a micro-batch begins and when evaluation begins: inside a micro-batch
+    the masters cannot change (the optimizer runs between micro-batches; the pipelined one updates a
+    layer before its first stage), so a backward's or a re-run's fetch reuses the forward's cast.
+    A re-cast waits for the last H2D that read the copy (``copy_read``).
+
 Note: [host lane] The host-side work of a copy -- casting fp32 masters into a
     slot's 16-bit staging before its H2D, adding a landed gradient into the
     fp32 host grad and taking the group's norm after its D2H -- runs on the copy
@@ -81,7 +90,7 @@ from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
 from lightning_lazytrain.engine.host_arena import HostArena
 
-__all__ = ["REST", "ParamStore", "PendingGrads"]
+__all__ = ["REST", "ParamStore", "PendingGrads", "upcast_parameters"]
 
 REST: Final[int] = -1  # group id of the non-block parameters
 # Every parameter starts at a multiple of ALIGN elements of its packed buffer (256 B in fp32, 128 B
@@ -109,6 +118,8 @@ class _Group:
     dtype: torch.dtype = torch.float32  # of the master (16-bit when all its parameters are, else fp32)
     master: torch.Tensor = field(init=False)  # flat host, a slice of the masters arena
     grad: torch.Tensor = field(init=False)  # flat host, master dtype
+    copy: torch.Tensor | None = None  # flat host compute-dtype copy of the master (Note: [kept compute copy])
+    copy_read: CopyHandle | None = None  # the last H2D that read ``copy``
 
 
 @dataclass(eq=False)
@@ -209,6 +220,9 @@ class ParamStore:
             raise ValueError(f"lazy_slots must be in 0..{num_slots - 1}, got {sorted(lazy)}")
         self._slots = [self._new_slot(n, cast, lazy=k in lazy, host_numel=h, landing=land[k])
                        for k, (n, h) in enumerate(zip(sizes, host_sizes))]
+        self._pin = pin
+        self._copies: HostArena | None = None  # Note: [kept compute copy]
+        self._copy_cast: dict[tuple[int, int, int], CopyHandle] = {}  # (layer, lo, hi) -> its cast this micro-batch
 
     # ---- construction ----------------------------------------------------
     def _build_groups(self) -> dict[int, _Group]:
@@ -434,9 +448,13 @@ class ParamStore:
     @property
     def host_pinned_bytes(self) -> int:
         """Host bytes of the store's arenas (pinned on CUDA; the same layout on CPU): packed masters
-        plus slot staging. Equals ``planner.workload.param_store_host_bytes`` for this store; a
-        closed store still counts its masters while the module's parameters live in them."""
-        return sum(a.reserved_bytes for a in (self._masters_arena, self._staging_arena))
+        plus slot staging, plus the kept compute copies (Note: [kept compute copy]). Equals
+        ``planner.workload.param_store_host_bytes`` for this store; a closed store still counts its
+        masters while the module's parameters live in them."""
+        return sum(a.reserved_bytes for a in self._arenas())
+
+    def _arenas(self) -> list[HostArena]:
+        return [self._masters_arena, self._staging_arena] + ([self._copies] if self._copies is not None else [])
 
     @property
     def host_grad_bytes(self) -> int:
@@ -446,7 +464,7 @@ class ParamStore:
     def host_arenas(self) -> list[dict[str, Any]]:
         """Per arena: name, reserved and used bytes, how it is pinned, and what PyTorch's pinned
         allocator would have reserved for the same bytes."""
-        return [a.report() for a in (self._masters_arena, self._staging_arena)]
+        return [a.report() for a in self._arenas()]
 
     @property
     def device_bytes(self) -> int:
@@ -516,6 +534,12 @@ class ParamStore:
             s.prior_ready = s.ready
         src = g.master[lo:hi]
         after = [s.free] if s.free is not None else []
+        if g.copy is not None:  # Note: [kept compute copy]
+            src, cast = self._from_copy(g, layer, lo, hi, index)
+            after.append(cast)
+            s.ready = g.copy_read = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}")
+            s.gid = layer
+            return s.ready
         if s.cast is not None and g.master.dtype != s.cast.dtype:
             # Cast on the host so only compute-dtype bytes cross the link, on the host lane (Note:
             # [host lane]); the cast buffer may still feed this slot's previous H2D.
@@ -525,6 +549,50 @@ class ParamStore:
         s.ready = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}")
         s.gid = layer
         return s.ready
+
+    # ---- kept compute copies (Note: [kept compute copy]) ------------------------------------
+    def _needs_cast(self, g: _Group) -> bool:
+        return self.compute_dtype != torch.float32 and g.master.dtype != self.compute_dtype
+
+    def keep_copies(self, on: bool) -> bool:
+        """Keep (``on``) or drop each group's host compute-dtype copy; returns whether copies are
+        kept (never when no master needs a cast)."""
+        groups = [g for g in self._groups.values() if self._needs_cast(g)]
+        self.wait_host()
+        for g in self._groups.values():
+            g.copy, g.copy_read = None, None
+        self._copy_cast = {}
+        if self._copies is not None:
+            self._copies.release()
+            self._copies = None
+        if not (on and groups):
+            return False
+        e = torch.empty((), dtype=self.compute_dtype).element_size()
+        self._copies = HostArena.for_sizes([self._host_numel(g) * e for g in groups], pin=self._pin, name="copies")
+        for g in groups:
+            g.copy = self._copies.take(self._host_numel(g), self.compute_dtype)
+        return True
+
+    @property
+    def keeps_copies(self) -> bool:
+        return self._copies is not None
+
+    def invalidate_copies(self) -> None:
+        """The masters may have changed: the next stage of each group casts again."""
+        self._copy_cast = {}
+
+    def _from_copy(self, g: _Group, layer: int, lo: int, hi: int, index: Any) -> tuple[torch.Tensor, CopyHandle]:
+        """The H2D source of a stage from the kept copy, and the cast it waits for (queued now if the
+        range was not cast since ``invalidate_copies``)."""
+        assert g.copy is not None
+        key = (layer, lo, hi)
+        cast = self._copy_cast.get(key)
+        if cast is None:
+            dst, master = g.copy[lo:hi], g.master[lo:hi]
+            cast = self.engine.host(lambda: dst.copy_(master), after=[g.copy_read] if g.copy_read else [],
+                                    tag=f"cast:{index}", nbytes=master.nbytes + dst.nbytes)
+            self._copy_cast[key] = cast
+        return g.copy[lo:hi], cast
 
     def release(self, layer: int, slot: int | None = None) -> None:
         """Mark the compute queued so far as the last user of the slot (Note: [slot reuse])."""
@@ -793,12 +861,33 @@ class ParamStore:
                 s.gid, s.ready, s.free, s.sending, s.accumulated, s.wrappers = None, None, None, None, None, []
             self._slots = []
             self._staging_arena.release()  # its memory goes with the last slot view
+            for g in self._groups.values():
+                g.copy, g.copy_read = None, None
+            if self._copies is not None:
+                self._copies.release()
+                self._copies = None
             for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)
                 if m._buffers.get(name) is not None:
                     m._buffers[name] = m._buffers[name].to(device)
             self._moved_buffers = []
             if self._own_engine:
                 self.engine.close()
+
+
+def upcast_parameters(module: nn.Module) -> int:
+    """Make every 16-bit floating parameter of ``module`` fp32 in place (its ``.data``, and its
+    ``.grad`` if any), so a ``ParamStore`` over it keeps fp32 masters while it streams 16-bit
+    compute copies (``LazyTrainStrategy(fp32_masters=True)``). Buffers keep their dtype. Returns the
+    number of parameters changed."""
+    changed = 0
+    with torch.no_grad():
+        for p in {id(p): p for p in module.parameters()}.values():
+            if p.dtype in (torch.bfloat16, torch.float16):
+                p.data = p.data.float()
+                if p.grad is not None:
+                    p.grad = p.grad.float()
+                changed += 1
+    return changed
 
 
 def sq_sum(norms: Iterable[torch.Tensor]) -> torch.Tensor:

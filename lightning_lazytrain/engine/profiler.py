@@ -11,6 +11,7 @@ tracker) on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -86,7 +87,7 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     # Host: what the parameter store holds (its pinned arenas: masters and slot staging, exactly; the
     # flat host grads) plus the optimizer states. Host activations are the schedule's (simulator).
     host_static = executor.params.host_pinned_bytes + executor.params.host_grad_bytes + total * state_bytes_per_param
-    return Workload.from_measured(
+    wl = Workload.from_measured(
         fwd_seconds=fwd, bwd_seconds=bwd, params=numel, param_bytes=[n * e for n in numel],
         grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
         fwd_work_bytes=[float(work.get(f"F{j}", 0)) for j in range(L)],
@@ -107,3 +108,5 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         partial_recompute_bytes=[float(stats.partial_recompute_bytes.get(j, 0)) for j in range(L)],
         partial_seconds=[float(stats.partial_seconds.get(j, 0.0)) for j in range(L)],
         tokens=tokens, grad_accum=grad_accum, name="measured")
+    # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast
+    return dataclasses.replace(wl, kept_copies=True) if executor.params.keeps_copies else wl

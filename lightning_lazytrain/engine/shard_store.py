@@ -186,7 +186,10 @@ class ShardedParamStore(ParamStore):
         n = layout.shard_numel
         src = g.master[:n]
         after = [s.free] if s.free is not None else []
-        if s.cast is not None and g.master.dtype != s.cast.dtype:
+        if g.copy is not None:  # the shard's kept copy (param_store's Note: [kept compute copy])
+            src, cast = self._from_copy(g, layer, 0, n, layer)
+            after.append(cast)
+        elif s.cast is not None and g.master.dtype != s.cast.dtype:
             # the cast buffer may still feed this slot's previous shard H2D
             src, master = s.cast[:n], g.master[:n]
             after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
@@ -196,6 +199,8 @@ class ShardedParamStore(ParamStore):
         shard = self.engine.new_device_buffer((n,), self.compute_dtype, self.device)
         h = self.engine.h2d(shard, src, after=after, tag=f"param:{layer}")
         s.prior_ready = h
+        if g.copy is not None:
+            g.copy_read = h
         self.collective_bytes["gather"] += (self.world - 1) * shard.nbytes
         with self._collective_stream():  # CUDA: a stream of its own, so compute never waits for this H2D
             h.sync_current_stream()  # the all-gather reads the landed shard (CPU: the copy thread is done)

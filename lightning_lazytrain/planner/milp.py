@@ -365,13 +365,14 @@ class ScheduleModel:
         else:
             h2d_h = self.p_s[L - 1] * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner) / h2d
         h2d_h += self.internals.h2d_seconds(L, h2d)  # behind the boundary reloads
-        if cast[L - 1]:
-            h2d_h += cast[L - 1] * (1 - m.r[L - 1])  # the fetch, and the reloads behind it, wait for its cast
+        recast = wl.recast_seconds(L - 1)  # H's fetch of layer L-1 is its second in the micro-batch
+        if recast:
+            h2d_h += recast * (1 - m.r[L - 1])  # the fetch, and the reloads behind it, wait for its cast
         nvw_h = sum(A[i] * self.off(i, L - 1, ("n",)) for i in self.inner) / nvw
         nvr_h = sum(A[i] * self.rel(i, L - 1, ("n",)) for i in self.inner) / nvr
         h_rows = [wl.head_seconds, h2d_h, nvw_h, nvr_h]
         if gth[L - 1]:  # shard: cast -> fetch -> all-gather of layer L-1
-            h_rows.append((cast[L - 1] + self.p_s[L - 1] + gth[L - 1]) * (1 - m.r[L - 1]))
+            h_rows.append((recast + self.p_s[L - 1] + gth[L - 1]) * (1 - m.r[L - 1]))
         bound(m.tH, "tH", h_rows + self.internals.hull_rows(wl.head_seconds, "B", L, h2d))
         for u in range(L):
             blocks = self.block_into(u + 1)
@@ -420,7 +421,7 @@ class ScheduleModel:
         coll = self.rs[u + 1] if self.dp == "shard" else 0.0
         runs: dict[int, float] = {}
         for j in range(s, u):
-            cast_end = max(cast_end, runs.get(j - 2, 0.0)) + lay[j].cast_seconds
+            cast_end = max(cast_end, runs.get(j - 2, 0.0)) + self.wl.recast_seconds(j)
             fetch_end = max(fetch_end, cast_end) + self.p_s[j]
             ready = fetch_end
             if self.dp == "shard":
@@ -428,7 +429,7 @@ class ScheduleModel:
                 ready = coll
             run_end = max(run_end, ready) + lay[j].fwd_seconds
             runs[j] = run_end
-        pre_cast = max(cast_end, run_end) + lay[u - 1].cast_seconds
+        pre_cast = max(cast_end, run_end) + self.wl.recast_seconds(u - 1)
         pre_fetch = max(fetch_end, pre_cast) + self.p_s[u - 1]
         pre_gather = max(coll, pre_fetch) + gth[u - 1] if self.dp == "shard" else pre_fetch
         return cast_end, fetch_end, run_end, pre_cast, pre_fetch, pre_gather
@@ -442,7 +443,7 @@ class ScheduleModel:
         At most one block ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sums below are
         exact (each coefficient is >= 0, and only nonzero ones are added)."""
         m, lay = self.m, self.lay
-        c, p = lay[u - 1].cast_seconds, self.p_s[u - 1]
+        c, p = self.wl.recast_seconds(u - 1), self.p_s[u - 1]
         fetched = (c + p) * (1 - m.r[u - 1]) if c + p else 0
         cast_end = c * (1 - m.r[u - 1]) if c else 0
         # shard: the prefetch's all-gather ends at max(its fetch, the reduce-scatter) + gather: two rows

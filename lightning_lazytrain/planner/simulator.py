@@ -117,8 +117,12 @@ def _run_window(window: Window, start: float, wl: Workload, hw: Hardware,
     cursor = {lane: start for lane in LANES}
     ends: list[float] = []
     compute = 0.0
+    refetch = window.name == "H" or window.name.startswith("B")  # a layer's second fetch in a micro-batch
     for op in window.ops:
-        seconds, nbytes = op_cost(op, wl, hw)
+        if refetch and op.kind == "cast" and op.index >= 0:
+            seconds, nbytes = wl.recast_seconds(op.index), 0.0
+        else:
+            seconds, nbytes = op_cost(op, wl, hw)
         begin = cursor[op.lane]
         if op.after >= 0:
             begin = max(begin, ends[op.after])

@@ -53,17 +53,19 @@ def host_arena_bytes(sizes: Iterable[float]) -> int:
 
 
 def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, master_bytes: int, compute_bytes: int,
-                           cast: bool, block_slots: int = PARAM_SLOTS) -> int:
+                           cast: bool, block_slots: int = PARAM_SLOTS, copies: bool = False) -> int:
     """Pinned host bytes of the engine's ``ParamStore`` (its ``host_pinned_bytes``).
 
     One arena of packed masters (per group ``numel * master_bytes``; ``numel`` counts the 64-element
     alignment of every parameter, as ``ParamStore.group_numel`` does), and one staging arena: per
     slot (``block_slots`` slots sized to the largest block, plus the non-block weights' own) a
     landing buffer for the gradient D2H and, when ``cast`` (16-bit compute copies of masters in
-    another dtype), a cast buffer for the H2D; compute dtype."""
+    another dtype), a cast buffer for the H2D; compute dtype. With ``cast`` and ``copies`` (the
+    engine's Note: [kept compute copy]) a third arena holds every group's compute copy."""
     masters = host_arena_bytes([n * master_bytes for n in block_numel] + [rest_numel * master_bytes])
     slots = [max(block_numel, default=0) * compute_bytes] * block_slots + [rest_numel * compute_bytes]
-    return masters + host_arena_bytes(slots * (2 if cast else 1))
+    kept = host_arena_bytes([n * compute_bytes for n in [*block_numel, rest_numel]]) if cast and copies else 0
+    return masters + host_arena_bytes(slots * (2 if cast else 1)) + kept
 
 
 def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware) -> tuple[float, float]:
@@ -153,6 +155,10 @@ class Workload:
     # parts] in schedule.py); the costs of part ``p`` (op index ``-1 - p``) are its share of the
     # ``nonblock_*`` figures.
     nonblock_parts: tuple[int, ...] = ()
+    # the host keeps each group's compute copy for a micro-batch (engine/param_store.py, Note: [kept
+    # compute copy]): a group's first fetch in a micro-batch casts (its forward's, or T's), the H and
+    # B windows' fetches of the same weights (backward, re-runs) do not
+    kept_copies: bool = False
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -170,6 +176,11 @@ class Workload:
         if self.nonblock_part_count == 1:
             return value
         return value * self.nonblock_parts[-1 - index] / self.nonblock_params
+
+    def recast_seconds(self, j: int) -> float:
+        """Host-lane seconds of the cast before a fetch of layer ``j`` in the H or a B window (its
+        weights were fetched in this micro-batch's forward already): 0 with ``kept_copies``."""
+        return 0.0 if self.kept_copies else self.layers[j].cast_seconds
 
     @property
     def max_param_bytes(self) -> float:

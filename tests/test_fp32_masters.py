@@ -1,0 +1,72 @@
+"""``LazyTrainStrategy(fp32_masters=True)``: fp32 master weights on the host, 16-bit compute copies
+streamed (the papers' setup), equal bit for bit to plain PyTorch with fp32 master weights and a
+bf16 model copy, written here as a LightningModule under ``strategy="auto"``: each micro-batch's
+bf16 gradients are added into the masters' fp32 gradients, the optimizer (and clipping) works on
+the masters, and the model copy is the masters rounded to bf16 after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lazytrain.strategy import LazyTrainStrategy
+from test_conformance import Net, fit, mixed_plan
+
+
+class MasterNet(Net):
+    """The reference: a bf16 model (``precision="bf16-true"``) trained through fp32 masters."""
+
+    def configure_optimizers(self):
+        params = [p for n, p in self.named_parameters() if not n.startswith("critic")]
+        self.pairs = [(p, nn.Parameter(p.detach().float())) for p in params]
+        return torch.optim.AdamW([m for _, m in self.pairs], lr=1e-2)
+
+    def on_after_backward(self):  # every micro-batch's gradients join the fp32 ones, as the host grads do
+        for p, m in self.pairs:
+            if p.grad is not None:
+                g = p.grad.float()
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                p.grad = None
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+        with torch.no_grad():
+            for p, m in self.pairs:
+                p.copy_(m)  # round to the model's bf16
+
+    def masters(self):
+        return {n: m for (n, _), (_, m) in zip(((n, p) for n, p in self.named_parameters()
+                                                if not n.startswith("critic")), self.pairs)}
+
+
+@pytest.mark.parametrize("policy", ["milp", "recompute_all", "mixed"])
+@pytest.mark.parametrize("keep", [False, True])
+def test_fp32_masters_equal_plain_master_weight_training(policy, keep, tmp_path):
+    policy = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
+    kw = dict(precision="bf16-true", accumulate_grad_batches=2, gradient_clip_val=0.05)
+    ref, want = fit("auto", MasterNet(dropout=0.1), **kw)
+    got_model, got = fit(LazyTrainStrategy(policy=policy, fp32_masters=True, keep_compute_copy=keep),
+                         Net(dropout=0.1), **kw)
+    assert got == want
+    masters = ref.masters()
+    for name, p in got_model.named_parameters():
+        if name.startswith("critic"):
+            continue
+        assert p.dtype == torch.float32, name  # the masters
+        assert torch.equal(p, masters[name]), name
+    for name, b in got_model.named_buffers():
+        assert torch.equal(b, dict(ref.named_buffers())[name]), name
+
+
+def test_fp32_masters_needs_a_16_bit_precision():
+    with pytest.raises(ValueError, match="fp32_masters=True.*bf16-true"):
+        fit(LazyTrainStrategy(fp32_masters=True), Net(), precision="32-true", steps=1)
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="fp32_masters"):
+        LazyTrainStrategy(fp32_masters="yes")
+    with pytest.raises(ValueError, match="keep_compute_copy"):
+        LazyTrainStrategy(keep_compute_copy="sometimes")
