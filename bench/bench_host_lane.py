@@ -3,6 +3,7 @@ gradient accumulation and norms after each gradient copy) on the host lane's wor
 done inline on the thread that launches compute (how the engine worked before the host lane).
 
     python bench/bench_host_lane.py [torch threads, default 1]   # ~1 minute on a 2-core machine
+    python bench/bench_host_lane.py [threads] --copies            # kept compute copies vs a cast per fetch
 
 Same process, same model and data, fp32 masters with bf16 compute copies (so every fetch casts),
 for keep_all (one fetch per layer per step) and megatrain K=4 (two fetches, re-runs). Reports the
@@ -10,6 +11,10 @@ median step time of each (after a warm-up step) in 3 alternating rounds, the rat
 lane per round and its median, and the host lane's busy seconds per step (the work moved off the
 launching thread). The simulator's host lane
 (``planner``: ``Op("host", ...)``) is what a plan counts for the same work.
+
+``--copies``: the host lane either way, a cast per fetch vs kept compute copies (engine/param_store.py,
+Note: [kept compute copy]: one cast per group and micro-batch), in the same alternating rounds; reports
+the host lane's busy seconds and casts per step and the step time ratio.
 """
 
 from __future__ import annotations
@@ -48,17 +53,18 @@ class InlineHostEngine(ThreadCopyEngine):
         return self._track(DoneHandle("host"))
 
 
-def run(base, tokens, schedule, inline: bool) -> tuple[list[float], float]:
+def run(base, tokens, schedule, inline: bool, keep: bool = False) -> tuple[list[float], float]:
     make = executor_module.make_copy_engine
     if inline:
         executor_module.make_copy_engine = lambda device, links=None: InlineHostEngine(links)
     try:
         m = copy.deepcopy(base)
-        ex = Executor(m, schedule, compute_dtype=torch.bfloat16)
+        ex = Executor(m, schedule, compute_dtype=torch.bfloat16, keep_compute_copy=keep)
     finally:
         executor_module.make_copy_engine = make
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
     times, busy = [], []
+    run.casts = 0
     try:
         for _ in range(STEPS + 1):
             t0 = time.perf_counter()
@@ -67,6 +73,7 @@ def run(base, tokens, schedule, inline: bool) -> tuple[list[float], float]:
             ex.end_microbatch()
             times.append(time.perf_counter() - t0)
             busy.append(sum(r.duration for r in ex.engine.records() if r.lane == "host"))
+            run.casts = sum(1 for r in ex.engine.records() if (r.tag or "").startswith("cast"))
             opt.step()
             opt.zero_grad()
     finally:
@@ -76,13 +83,30 @@ def run(base, tokens, schedule, inline: bool) -> tuple[list[float], float]:
 
 def main() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)  # 1: the host lane needs the other core
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    torch.set_num_threads(int(args[0]) if args else 1)  # 1: the host lane needs the other core
     base = LlamaLM(SPEC)
     tokens = torch.randint(0, SPEC.vocab, (BATCH, SEQ))
     print(f"# bench_host_lane: {SPEC.num_layers} layers, hidden {SPEC.hidden}, batch {BATCH}x{SEQ - 1}, "
           f"{SPEC.total_params / 1e6:.1f}M params, fp32 masters, bf16 compute, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
-    for name, schedule in (("keep_all", keep_all(SPEC.num_layers)), ("megatrain K=4", megatrain(SPEC.num_layers, 4))):
+    schedules = (("keep_all", keep_all(SPEC.num_layers)), ("megatrain K=4", megatrain(SPEC.num_layers, 4)))
+    if "--copies" in sys.argv:
+        for name, schedule in schedules:
+            ratios = []
+            for rnd in range(ROUNDS):
+                per_fetch, busy_fetch = run(base, tokens, schedule, inline=False)
+                casts_fetch = run.casts
+                kept, busy_kept = run(base, tokens, schedule, inline=False, keep=True)
+                a, b = statistics.median(kept), statistics.median(per_fetch)
+                ratios.append(b / a)
+                print(f"{name} round {rnd + 1}: cast per fetch {b:.3f} s/step (host lane {busy_fetch:.3f} s, "
+                      f"{casts_fetch} casts), kept copies {a:.3f} s/step (host lane {busy_kept:.3f} s, {run.casts} "
+                      f"casts): per fetch / kept = {b / a:.3f}", flush=True)
+            print(f"{name}: median per fetch / kept = {statistics.median(ratios):.3f} "
+                  f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+        return
+    for name, schedule in schedules:
         ratios = []
         for rnd in range(ROUNDS):  # alternating, so a drifting machine speed hits both sides alike
             lane, lane_busy = run(base, tokens, schedule, inline=False)

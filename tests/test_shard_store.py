@@ -64,9 +64,11 @@ def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 
     return losses, {"state": {k: v.clone() for k, v in m.state_dict().items()}, "shapes": shapes}, lane
 
 
-def bf16_grads(m: LlamaLM, tokens: torch.Tensor, shard: bool) -> dict[str, torch.Tensor]:
-    """One micro-batch with bf16 compute copies: the host (fp32) gradient of every parameter."""
-    ex = Executor(m, recompute_all(4), compute_dtype=torch.bfloat16, shard_group="world" if shard else None)
+def bf16_grads(m: LlamaLM, tokens: torch.Tensor, shard: bool, keep: bool = False) -> dict[str, torch.Tensor]:
+    """One micro-batch with bf16 compute copies: the host (fp32) gradient of every parameter
+    (``keep``: the shards' copies kept, param_store's Note: [kept compute copy])."""
+    ex = Executor(m, recompute_all(4), compute_dtype=torch.bfloat16, shard_group="world" if shard else None,
+                  keep_compute_copy=keep)
     try:
         ex.begin_microbatch()
         m.loss(tokens).backward()
@@ -110,6 +112,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             tokens = data()[2 * rank: 2 * rank + 2]
             results[name] = train(model(), tokens, schedule, shard=True, world=2)
         results["bf16_grads"] = bf16_grads(model(), data()[2 * rank: 2 * rank + 2], shard=True)
+        results["bf16_grads_kept"] = bf16_grads(model(), data()[2 * rank: 2 * rank + 2], shard=True, keep=True)
         results["in_line"] = train(model(), data()[2 * rank: 2 * rank + 2], SCHEDULES["recompute_all"], shard=True,
                                    world=2, overlap=False)
         results["rebuild"] = train(model(), data()[2 * rank: 2 * rank + 2], keep_all(4), shard=True, world=2,
@@ -225,3 +228,4 @@ def test_sharded_16_bit_gradients_are_averaged_in_fp32(two_ranks):
             want = full.reshape(spec.rows, -1)[start:stop]
             assert g.dtype == torch.float32
             assert torch.equal(g.reshape(spec.rows_per_rank, -1)[: stop - start], want), name
+            assert torch.equal(two_ranks[r]["bf16_grads_kept"][name], g), name  # the shards' kept copies
