@@ -51,7 +51,8 @@ class StageSpec:
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("equivalence", "stage_equivalence.py", 120,
               "executor == plain autograd, every schedule + MILP plan, accumulation, 3 steps + eval: fp32, "
-              "bf16-mixed vs plain autocast, GPT-2 with dropout under re-runs (CPU: bitwise)",
+              "bf16-mixed vs plain autocast, GPT-2 with dropout under re-runs, kept bf16 copies vs a cast per "
+              "fetch (CPU: bitwise)",
               env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     StageSpec("delays", "stage_delays.py", 120,
               "delay injection on copy streams and at each bind: bitwise equal to undelayed",

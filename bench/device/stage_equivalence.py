@@ -28,6 +28,14 @@ each step and the evaluation loss are compared:
   (deterministic algorithms, as the bf16 part): fp32 within ``--tol``, autocast within
   ``--bf16-tol``. A lost random state costs ~1e-3 on a loss and ~0.5 on a gradient.
 
+* ``copies``: fp32 masters with bf16 compute copies (``compute_dtype=torch.bfloat16``, what
+  ``LazyTrainStrategy(fp32_masters=True)`` runs), the copies kept on the host (engine/param_store.py,
+  Note: [kept compute copy]: one cast per group and micro-batch, pinned copies read by every later
+  fetch) against a cast per fetch, every schedule: the copies must change nothing but the host
+  work. CPU: bitwise; CUDA (deterministic algorithms): within ``--tol``. A stale copy (a master
+  updated by the step but not re-cast) costs ~1e-2 on this model; the number of casts per step of
+  each run is reported.
+
 Run under ``TORCH_CUDA_SANITIZER=1`` by the ``sanitizer`` stage (with ``--steps 1 --parts
 fp32,gpt2``): any race the CUDA sanitizer reports raises inside the run and fails that schedule.
 """
@@ -59,7 +67,7 @@ from kit import (
     tiny_spec,
 )
 
-PARTS = ("fp32", "bf16", "gpt2")
+PARTS = ("fp32", "bf16", "gpt2", "copies")
 #: GPT-2 runs: (schedule, autocast dtype or None); every schedule re-runs blocks (dropout replay).
 GPT2_RUNS = {"recompute_all": ("recompute_all", None), "megatrain_K2": ("megatrain_K2", None),
              "cpu_homes": ("cpu_homes", None), "recompute_all_bf16": ("recompute_all", torch.bfloat16)}
@@ -131,7 +139,7 @@ def run_part(st: Stage, part: str, model, schedules: dict, ref, batches, args, *
             st.fail(f"{part} {label}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             results[label] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             continue
-        limit = args.tol if autocast is None else args.bf16_tol
+        limit = args.tol if autocast is None or kw.get("compute_dtype") is not None else args.bf16_tol
         worst, problems = compare(got, want, exact=dev == "cpu", tol=limit)
         equal, total = bitwise_equal_tensors(got, want)
         results[label] = {"max_rel_err": worst, "max_abs_loss_diff": max_loss_diff(got, want),
@@ -209,6 +217,34 @@ def body(st: Stage, args: argparse.Namespace) -> None:
                                      "attn_implementation": gpt2.config._attn_implementation,
                                      "parameters": sum(p.numel() for p in gpt2.parameters())}
         st.figures["gpt2_max_rel_err"] = max((r.get("max_rel_err", 0.0) for r in res.values()), default=0.0)
+
+    if "copies" in parts:
+        bf16 = torch.bfloat16
+        fixed = {k: v for k, v in schedules.items() if k != "milp"}
+        casts: dict[str, dict[str, int]] = {}
+
+        def counting(label: str):
+            def on_stats(ex, _stats) -> None:
+                casts.setdefault(label, {})[str(ex.keep_compute_copy)] = sum(
+                    1 for r in ex.engine.records() if (r.tag or "").startswith("cast"))
+            return on_stats
+
+        res = {}
+        with deterministic(dev):
+            for name, schedule in fixed.items():
+                ref = run_executor(model, schedule, batches, dev, args.workdir, compute_dtype=bf16,
+                                   on_stats=counting(name))
+                res.update(run_part(st, "copies", model, {name: schedule}, ref, batches, args, compute_dtype=bf16,
+                                    keep_compute_copy=True, on_stats=counting(name)))
+        for name, r in res.items():
+            r["casts_per_step"] = {"per_fetch": casts.get(name, {}).get("False"),
+                                   "kept": casts.get(name, {}).get("True")}
+            n = r["casts_per_step"]
+            st.check("error" in r or (n["kept"] is not None and n["per_fetch"] is not None
+                                      and n["kept"] < n["per_fetch"]),
+                     f"copies {name}: the kept copies did not save a cast ({n})")
+        st.figures["copies"] = res
+        st.figures["copies_max_rel_err"] = max((r.get("max_rel_err", 0.0) for r in res.values()), default=0.0)
 
 
 if __name__ == "__main__":
