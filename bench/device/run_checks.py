@@ -49,7 +49,7 @@ class StageSpec:
 # In order of importance on a short device lease; timeouts are for one H200 (the whole run must
 # stay under 8 minutes: the budget below also stops stages from starting once it is spent).
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("equivalence", "stage_equivalence.py", 120,
+    StageSpec("equivalence", "stage_equivalence.py", 150,
               "executor == plain autograd, every schedule + MILP plan, accumulation, 3 steps + eval: fp32, "
               "bf16-mixed vs plain autocast, GPT-2 with dropout under re-runs, kept bf16 copies vs a cast per "
               "fetch (CPU: bitwise)",
