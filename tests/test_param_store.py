@@ -411,3 +411,40 @@ def test_widened_accumulation_is_bit_identical_to_the_mixed_dtype_add() -> None:
             assert torch.equal(got, want), dtype
     finally:
         ps.close()
+
+
+# --------------------------------------------------------------- grad write-back ordering
+def test_compute_waits_for_a_gradient_copy_only_where_it_rewrites_the_grads() -> None:
+    """Note: [grad write-back ordering]: finishing a gradient copy queues its accumulation and
+    returns; a forward-only bind of the same slot does not wait for the copy (the next micro-batch's
+    F0 after layer 0's gradients leave); a bind with grads, which zeroes the slot's grad buffer,
+    does, and the host gradient is the one the copy carried (CPU: the waits block the caller)."""
+    from lightning_lazytrain.engine.copy_engine import LinkSpec
+
+    torch.manual_seed(0)
+    m = Tiny(tied=False)
+    ref = copy.deepcopy(m.layers[0])
+    x = torch.randn(3, 7, D)
+    ref(x).square().sum().backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    engine = ThreadCopyEngine({"d2h": LinkSpec(1e12, 0.4)})  # every D2H takes 0.4 s
+    ps = ParamStore(m, copy_engine=engine)
+    try:
+        ps.stage(0, 0)
+        with ps.bind(0, 0, grads=True):
+            m.layers[0](x).square().sum().backward()
+        t0 = time.perf_counter()
+        ps.finish_grads(ps.send_grads(0, 0), wait=False)
+        with ps.bind(0, 0, grads=False), torch.no_grad():
+            m.layers[0](x)
+        fast = time.perf_counter() - t0
+        with ps.bind(0, 0, grads=True):  # zeroes the slot's grads: after the copy
+            slow = time.perf_counter() - t0
+            m.layers[0](x).sum().backward()
+        ps.wait_host()
+        assert fast < 0.3 <= slow, (fast, slow)
+        for n, p in m.layers[0].named_parameters():
+            assert torch.equal(p.grad, want[n]), n
+    finally:
+        ps.close()
+        engine.close()

@@ -50,9 +50,11 @@ Note: [slot reuse] Staging into a slot overwrites weights the previous
 
 Note: [grad write-back ordering] ``send_grads`` issues the D2H after an
     event on the current (compute) stream, so it sees the finished backward;
-    ``finish_grads`` makes the compute stream wait for the D2H (so ``bind`` may
-    zero the device grads for the next use of the slot) and accumulates into
-    the fp32 master grad once the bytes have landed.
+    ``finish_grads`` accumulates into the fp32 master grad once the bytes have
+    landed. The compute stream waits for the D2H (``_Slot.sending``) only where
+    it next writes the slot's grad buffer: ``bind`` with grads, before zeroing
+    it. So compute queued meanwhile (the next micro-batch's F0 after layer 0's
+    gradients leave, a forward-only bind) does not wait for the copy.
 
 Note: [kept compute copy] With ``keep_copies(True)`` (16-bit compute copies of masters in another
     dtype), each group also has a host copy in the compute dtype (the ``copies`` arena, pinned on
@@ -619,6 +621,8 @@ class ParamStore:
         want_grads = torch.is_grad_enabled() if grads is None else grads
         s.ready.sync_current_stream()
         if want_grads:
+            if s.sending is not None:  # Note: [grad write-back ordering]: zeroing waits for the last D2H
+                s.sending.sync_current_stream()
             self._ensure_grad_buffers(s)[: g.numel].zero_()
         s.wrappers = []
         s.touched = set()
@@ -742,8 +746,8 @@ class ParamStore:
         The accumulation (and the squared norm of the group's accumulated host grad, returned as a
         0-dim fp32 tensor, or None with ``norm=False``) runs on the host lane (Note: [host lane]);
         ``wait=False`` returns at once: the result is valid once the engine has synchronised
-        (``wait_host``). The slot's device grads may be overwritten by compute queued from here on
-        (the current stream waits for the D2H); ``bind`` zeroes them before the next use.
+        (``wait_host``). ``bind`` with grads makes compute wait for the D2H before it zeroes the
+        slot's device grads for their next use (Note: [grad write-back ordering]).
 
         With ``norm``, the host lane takes each parameter's norm (``grad_norms``: what
         ``clip_grad_norm_`` computes per tensor) and the squared group norm from those; a given
@@ -781,7 +785,6 @@ class ParamStore:
                                          nbytes=2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes)
         if out is not None and (norm if final is None else final) and self.on_final_grads is not None:
             self.on_final_grads(self, layer, s.accumulated, param_norms, out)
-        pending.handle.sync_current_stream()
         if wait:
             s.accumulated.wait()
         return out
