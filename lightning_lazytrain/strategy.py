@@ -98,8 +98,7 @@ class LazyTrainStrategy(ParallelStrategy):
             processes, replicated across the groups; engine/shard_store.py; a sharded
             checkpoint holds each rank's rows as written, nothing gathered, and resumes on any number
             of processes (8-bit states: on the same number only); a ``"full"`` one gathers every
-            tensor to rank 0 and cannot hold 8-bit states; manual optimization is refused before the
-            first step).
+            tensor to rank 0 and cannot hold 8-bit states; automatic and manual optimization).
         shard_size: ``data_parallel="shard"``: the processes that share one copy of the host state
             (default: the devices per node; the state is replicated across nodes, and each shard's
             gradient all-reduced across them: Note: [hybrid sharding] in distributed.py). Must divide
@@ -363,9 +362,6 @@ class LazyTrainStrategy(ParallelStrategy):
         self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             shard = self.is_distributed and self.data_parallel == "shard"
-            if shard and not self.lightning_module.automatic_optimization:  # before the first step
-                raise ValueError("LazyTrainStrategy(data_parallel='shard') supports automatic optimization "
-                                 "only so far: use data_parallel='replicate' with manual optimization")
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
             if shard and self._eight_bit_states() and any(  # saved full: "full", or a remote directory
                     not self._sharded_checkpoint(getattr(cb, "dirpath", None), None, warn=False)

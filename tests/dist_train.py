@@ -13,7 +13,9 @@ all-reduce overlapped the backward), union_of / epoch (one process sees, per bat
 what union_of ranks see in that epoch), overlap (LazyTrainStrategy's overlap_grad_sync, default
 true), two_forwards (the loss is the mean of two forwards, the second on the reversed sequences:
 every block runs twice before the backward), data_parallel ("replicate" or "shard": LazyTrainStrategy's),
-shard_size (LazyTrainStrategy's: processes per shard group).
+shard_size (LazyTrainStrategy's: processes per shard group), manual (manual optimization: the
+module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
+and steps; the Trainer gets neither accumulation nor a clip value).
 """
 
 from __future__ import annotations
@@ -63,6 +65,26 @@ class Net(L.LightningModule):
                 return HybridAdamW(self.parameters(), lr=1e-3, eight_bit="all", min_8bit_numel=1024)
             return HybridAdamW(self.parameters(), lr=1e-3)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class ManualNet(Net):
+    """Manual optimization: ``accum`` batches per optimizer step, clipped with ``clip_gradients``."""
+
+    def __init__(self, opts: dict):
+        super().__init__(opts)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        o, opt = self.opts, self.optimizers()
+        accum = o.get("accum", 1)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        self.manual_backward(loss / accum)
+        if (batch_idx + 1) % accum == 0:
+            if o.get("clip"):
+                self.clip_gradients(opt, gradient_clip_val=o["clip"], gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
 
 
 class RecordBytes(L.Callback):
@@ -148,7 +170,8 @@ def train(opts: dict) -> Net:
                                      shard_size=opts.get("shard_size"))
     else:
         strategy = "auto"
-    module = Net(opts)
+    manual = opts.get("manual", False)
+    module = ManualNet(opts) if manual else Net(opts)
     per_epoch = opts.get("epoch_steps", steps)
     tokens = data((batch if "union_of" in opts else devices * batch) * per_epoch * accum)
     if "union_of" in opts:  # the samples W ranks see in one step, as one batch (Lightning's
@@ -172,7 +195,8 @@ def train(opts: dict) -> Net:
     if opts.get("record_bytes"):
         callbacks.append(RecordBytes(accum))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
-                        accumulate_grad_batches=accum, gradient_clip_val=opts.get("clip"), logger=False,
+                        accumulate_grad_batches=1 if manual else accum,
+                        gradient_clip_val=None if manual else opts.get("clip"), logger=False,
                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))

@@ -270,6 +270,24 @@ def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, 
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
+def test_sharded_ranks_train_manual_optimization_as_one_rank_with_twice_the_batch(tmp_path):
+    """Manual optimization in the sharded mode: ``manual_backward`` of every batch (each a full
+    micro-batch: its gradients reduce-scattered into the host shards), manual accumulation over two
+    batches, ``clip_gradients`` (the norm summed over the shard group) and ``opt.step()`` on the
+    shards: equal to one rank with twice the batch to 1e-6."""
+    common = dict(batch=2, steps=3, accum=2, clip=0.5, optimizer="sgd", same_init=False, manual=True)
+    run = launch(tmp_path, policy="megatrain", data_parallel="shard", **common)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    losses, weights = outputs(tmp_path)
+    ref = _script().train({"devices": 1, "batch": 4, "steps": 3, "accum": 2, "clip": 0.5, "strategy": "auto",
+                           "optimizer": "sgd", "same_init": False, "union_of": 2, "manual": True})
+    assert len(ref.losses) == 6
+    torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
+
+
 def test_sharded_ranks_refuse_8_bit_states_in_a_full_checkpoint_before_the_first_step(tmp_path):
     run = launch(tmp_path, batch=2, steps=2, data_parallel="shard", optimizer="hybrid8",
                  save=str(tmp_path / "last.ckpt"), checkpoint_format="full")
