@@ -746,8 +746,7 @@ class LazyTrainStrategy(ParallelStrategy):
 
     def _watch_drift(self) -> None:
         """After a planned step: has the run drifted from the plan? (decided on rank 0 for all)"""
-        if (self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason
-                or self.data_parallel == "shard"):  # its plan does not price the sharded collectives yet
+        if self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason:
             return
         reason = None
         if self.is_global_zero:

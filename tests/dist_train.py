@@ -15,7 +15,8 @@ true), two_forwards (the loss is the mean of two forwards, the second on the rev
 every block runs twice before the backward), data_parallel ("replicate" or "shard": LazyTrainStrategy's),
 shard_size (LazyTrainStrategy's: processes per shard group), manual (manual optimization: the
 module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
-and steps; the Trainer gets neither accumulation nor a clip value).
+and steps; the Trainer gets neither accumulation nor a clip value), replan (LazyTrainStrategy's; each
+rank writes replans_rank{r}.json when it re-planned).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def train(opts: dict) -> Net:
                                      checkpoint_format=opts.get("checkpoint_format", "sharded"),
                                      overlap_grad_sync=opts.get("overlap", True),
                                      data_parallel=opts.get("data_parallel", "replicate"),
-                                     shard_size=opts.get("shard_size"))
+                                     shard_size=opts.get("shard_size"), replan=opts.get("replan", True))
     else:
         strategy = "auto"
     manual = opts.get("manual", False)
@@ -201,6 +202,7 @@ def train(opts: dict) -> Net:
                         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))
     module.byte_rows = next((cb.rows for cb in callbacks if isinstance(cb, RecordBytes)), None)
+    module.replans = list(getattr(trainer.strategy, "replans", []))
     return module
 
 
@@ -211,6 +213,9 @@ def main() -> None:
     rank = module.global_rank
     with open(os.path.join(out, f"losses_rank{rank}.json"), "w") as f:
         json.dump(module.losses, f)
+    if module.replans:
+        with open(os.path.join(out, f"replans_rank{rank}.json"), "w") as f:
+            json.dump(module.replans, f)
     if module.byte_rows is not None:
         with open(os.path.join(out, f"bytes_rank{rank}.json"), "w") as f:
             json.dump(module.byte_rows, f)

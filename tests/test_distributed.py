@@ -288,6 +288,31 @@ def test_sharded_ranks_train_manual_optimization_as_one_rank_with_twice_the_batc
         assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
 
 
+def test_sharded_ranks_replan_on_drift_together_and_stay_exact(tmp_path):
+    """Drift re-planning in the sharded mode: rank 0 decides and re-plans for all (its collectives
+    priced in line in the re-profiled step), both ranks record the same re-plan, every step's bytes
+    per lane still equal the simulator's for the schedule it ran, and training equals one rank with
+    twice the batch to 1e-6. (A threshold of ~0 makes the first planned steps' noise the drift.)"""
+    steps = 6
+    common = dict(batch=2, steps=steps, optimizer="sgd", same_init=False)
+    run = launch(tmp_path, policy="milp", data_parallel="shard", record_bytes=True,
+                 replan={"threshold": 1e-9, "patience": 1, "max_replans": 1, "min_gain": 0.0}, **common)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    replans = [json.loads((tmp_path / f"replans_rank{r}.json").read_text()) for r in range(2)]
+    assert len(replans[0]) == 1 and replans[0] == replans[1], replans
+    for r in range(2):
+        for row in json.loads((tmp_path / f"bytes_rank{r}.json").read_text()):
+            for lane in ("h2d", "d2h", "collective"):
+                assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), (r, row)
+    losses, weights = outputs(tmp_path)
+    ref = _script().train({"devices": 1, "batch": 4, "steps": steps, "strategy": "auto", "optimizer": "sgd",
+                           "same_init": False, "union_of": 2})
+    torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
+
+
 def test_sharded_ranks_refuse_8_bit_states_in_a_full_checkpoint_before_the_first_step(tmp_path):
     run = launch(tmp_path, batch=2, steps=2, data_parallel="shard", optimizer="hybrid8",
                  save=str(tmp_path / "last.ckpt"), checkpoint_format="full")
