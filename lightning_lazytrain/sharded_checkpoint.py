@@ -408,14 +408,15 @@ def check_sharded_integrity(path: Any, *, group: Any = None) -> None:
 
 
 def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = None,
-                 verify: bool = True, shard: tuple[int, int] | None = None) -> dict[str, Any]:
+                 verify: bool = True, shard: tuple[int, int] | None = None,
+                 model_rows: bool = False) -> dict[str, Any]:
     """The checkpoint dict saved by ``save_sharded`` at ``path``, on any number of processes: every rank
     of ``group`` calls it (``group=None``: this process alone, no process group needed). Per-process
     entries are read for ``shard = (rank, world)`` (default: this rank in ``group``). With ``shard``
     (a sharded run resuming), row-chunked optimizer states are read as that rank's rows only
     (``(k, *rest)``, padding zero, as the rank's shard holds them): a rank never materialises the
-    whole optimizer state. The model's tensors come whole (Lightning loads them into the whole
-    module before the strategy shards it)."""
+    whole optimizer state; with ``model_rows`` too, so are the model's row-chunked tensors (the
+    strategy restores after its setup, into the shards). Without, the model's tensors come whole."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -429,8 +430,9 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     if shard is not None:
         rank, world = shard
+    prefixes = ("optimizer_states/", "state_dict/") if model_rows else ("optimizer_states/",)
     own = {m[MARKER]: _own_rows(m, shard) for m in markers(skeleton)
-           if shard is not None and "shape" in m and m[MARKER].startswith("optimizer_states/")}
+           if shard is not None and "shape" in m and m[MARKER].startswith(prefixes)}
     wanted: list[str] = []
     for marker in markers(skeleton):
         if marker.get("per_rank") and marker["world"] != world:

@@ -543,6 +543,25 @@ class LazyTrainStrategy(ParallelStrategy):
         params = self.executor.params if self.executor is not None else None
         return params if params is not None and hasattr(params, "whole_module_state") else None
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded data parallel: restore a checkpoint after setup, into the shards, so a resume reads
+        each process's rows of the model (``load_sharded(model_rows=True)``), not the whole model on
+        every process. Unless a user ``on_fit_start`` (module or callback; it runs between setup and
+        a late restore) could look at the weights: then before setup, whole, as Lightning does."""
+        if not (self.is_distributed and self.data_parallel == "shard"):
+            return False
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if module is None or trainer is None or is_overridden("on_fit_start", module):
+            return False
+        return not any(is_overridden("on_fit_start", cb, parent=Callback)
+                       and not type(cb).__module__.startswith(("lightning.", "lightning_lazytrain."))
+                       for cb in trainer.callbacks)
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         store = self._shard_store()
@@ -599,8 +618,11 @@ class LazyTrainStrategy(ParallelStrategy):
             group = sync.group if sync is not None else None
             # per-process entries (8-bit states of a sharded run) are this rank's in its shard group
             shard = (sync.shard_rank, sync.shard_size) if sync is not None and self.data_parallel == "shard" else None
+            # after setup (restore_checkpoint_after_setup) the module's parameters are shards: read
+            # only this rank's rows of the model too
             return load_sharded(checkpoint_path, group=group, weights_only=weights_only,
-                                verify=self._verify_checkpoints, shard=shard)
+                                verify=self._verify_checkpoints, shard=shard,
+                                model_rows=self._shard_store() is not None)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override

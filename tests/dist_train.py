@@ -16,7 +16,8 @@ every block runs twice before the backward), data_parallel ("replicate" or "shar
 shard_size (LazyTrainStrategy's: processes per shard group), manual (manual optimization: the
 module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
 and steps; the Trainer gets neither accumulation nor a clip value), replan (LazyTrainStrategy's; each
-rank writes replans_rank{r}.json when it re-planned).
+rank writes replans_rank{r}.json when it re-planned). A resuming rank writes loaded_shapes_rank{r}.json:
+the shapes of the model tensors its checkpoint load returned.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class Net(L.LightningModule):
         if os.environ.get("DIST_DEBUG"):
             print("DEBUG", self.global_rank, batch_idx, batch[:, 0].tolist(), loss.item(), flush=True)
         return loss
+
+    def on_load_checkpoint(self, checkpoint):  # what a resume read: whole tensors or this rank's rows
+        self.loaded_shapes = {k: list(v.shape) for k, v in checkpoint["state_dict"].items()}
 
     def configure_optimizers(self):
         if self.opts.get("optimizer", "sgd") in ("hybrid", "hybrid8"):
@@ -213,6 +217,9 @@ def main() -> None:
     rank = module.global_rank
     with open(os.path.join(out, f"losses_rank{rank}.json"), "w") as f:
         json.dump(module.losses, f)
+    if getattr(module, "loaded_shapes", None) is not None:
+        with open(os.path.join(out, f"loaded_shapes_rank{rank}.json"), "w") as f:
+            json.dump(module.loaded_shapes, f)
     if module.replans:
         with open(os.path.join(out, f"replans_rank{rank}.json"), "w") as f:
             json.dump(module.replans, f)

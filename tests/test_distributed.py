@@ -355,6 +355,13 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, fmt,
             saved = load_sharded(ckpt)
     if optimizer != "hybrid8":
         assert {k: v.shape for k, v in saved["state_dict"].items()} == ref_shapes  # whole tensors
+    # the sharded resume read each rank's rows of the model (restored after setup, into the shards),
+    # not the whole model on every process; a full file is read whole
+    for r in range(2):
+        loaded = json.loads((tmp_path / "second" / f"loaded_shapes_rank{r}.json").read_text())
+        name = "model.model.layers.0.mlp.gate_proj.weight"
+        rows = ref_shapes[name][0]
+        assert loaded[name] == ([-(-rows // 2), *ref_shapes[name][1:]] if fmt == "sharded" else list(ref_shapes[name]))
     opts = {"devices": 1, "batch": 2 * b, "steps": 4, "epoch_steps": 2, "strategy": "lazytrain", "policy": "milp",
             "same_init": False, "union_of": 2, "epoch": 1, "resume": str(ckpt), "optimizer": optimizer}
     if optimizer == "hybrid8":
