@@ -116,12 +116,14 @@ class LazyTrainStrategy(ParallelStrategy):
             bytes of ``bf16-mixed``, which streams the fp32 weights autocast reads). The same
             training as plain PyTorch with fp32 master weights and a 16-bit model copy; not the
             same as ``strategy="auto"`` with bf16-true, whose optimizer updates bf16 weights.
-            The masters are cast per weight fetch on the host lane, or once per step and kept
-            (``keep_compute_copy``).
+            The masters are cast per weight fetch on the host lane, or once per micro-batch and
+            kept (``keep_compute_copy``).
         keep_compute_copy: with ``fp32_masters``: keep each group's 16-bit copy in host memory
             (2 bytes per parameter, pinned on CUDA), cast from the masters at its first fetch of a
-            step and reused by the step's later fetches (backward, re-runs, further micro-batches),
-            instead of a cast per fetch. ``"auto"`` (default): when the plan's host memory has room.
+            micro-batch and reused by that micro-batch's later fetches (backward, re-runs), instead
+            of a cast per fetch. Re-cast at every micro-batch, so a master changed in between (by
+            the optimizer or by user code, even through ``.data``) is never stale. ``"auto"``
+            (default): when the host has room for them.
     """
 
     strategy_name = "lazytrain"

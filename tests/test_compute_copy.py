@@ -115,9 +115,12 @@ def test_kept_copies_host_bytes_equal_the_planner_formula(reference):
         want = param_store_host_bytes(blocks, store.group_numel(REST), master_bytes=4, compute_bytes=2, cast=True,
                                       block_slots=store.num_slots, copies=True)
         assert store.host_pinned_bytes == want
+        # the copies replace the slots' cast buffers: no pinned memory for both
         assert [a["name"] for a in store.host_arenas()] == ["masters", "staging", "copies"]
+        assert all(s.cast is None for s in store._slots)
         assert not ex.set_keep_compute_copy(False) and store.host_pinned_bytes == param_store_host_bytes(
             blocks, store.group_numel(REST), master_bytes=4, compute_bytes=2, cast=True, block_slots=store.num_slots)
+        assert [a["name"] for a in store.host_arenas()] == ["masters", "staging", "cast"]
     finally:
         ex.close()
 

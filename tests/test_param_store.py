@@ -374,9 +374,12 @@ def test_host_pinned_bytes_equal_the_planner_formula(case: str) -> None:
     want = param_store_host_bytes(blocks, rest, master_bytes=master_bytes, compute_bytes=e, cast=cast,
                                   block_slots=slots)
     assert ps.host_pinned_bytes == want
-    masters, staging = ps.host_arenas()
-    assert masters["reserved_bytes"] == host_arena_bytes([n * master_bytes for n in [*blocks, rest]])
-    assert staging["reserved_bytes"] == want - masters["reserved_bytes"]
+    arenas = {a["name"]: a["reserved_bytes"] for a in ps.host_arenas()}
+    assert set(arenas) == {"masters", "staging"} | ({"cast"} if cast else set())
+    assert arenas["masters"] == host_arena_bytes([n * master_bytes for n in [*blocks, rest]])
+    slot_bytes = [max(blocks) * e] * slots + [rest * e]
+    assert arenas["staging"] == host_arena_bytes(slot_bytes)  # the gradient landing buffers
+    assert arenas.get("cast", 0) == (host_arena_bytes(slot_bytes) if cast else 0)
     assert ps.host_grad_bytes == (sum(blocks) + rest) * master_bytes
     for slot in ps._slots:  # staging slices are aligned like the masters
         assert slot.grad_host.data_ptr() % HOST_ARENA_ALIGN == 0
@@ -390,7 +393,7 @@ def test_host_pinned_bytes_equal_the_planner_formula(case: str) -> None:
     import gc
 
     gc.collect()
-    assert ps.host_pinned_bytes == masters["reserved_bytes"]  # staging gone; the masters are the module's
+    assert ps.host_pinned_bytes == arenas["masters"]  # staging and cast buffers gone; the masters are the module's
     assert all(p.data_ptr() for p in m.parameters())
 
 

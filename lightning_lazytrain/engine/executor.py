@@ -204,16 +204,17 @@ class Executor:
             # them (lazy slots: allocated by stage, given back by evict).
             if self.shard_group is None:
                 self.params = ParamStore(self.module, self.stack, self.device, self.compute_dtype, self.engine,
-                                         num_slots=slots, lazy_slots=range(2, slots))
+                                         num_slots=slots, lazy_slots=range(2, slots),
+                                         keep_copies=self.keep_compute_copy)
             else:
                 from lightning_lazytrain.engine.shard_store import ShardedParamStore
 
                 group = None if self.shard_group == "world" else self.shard_group
                 self.params = ShardedParamStore(self.module, self.stack, self.device, self.compute_dtype,
                                                 self.engine, num_slots=slots, lazy_slots=range(2, slots),
-                                                group=group, replica_group=self.replica_group)
+                                                group=group, replica_group=self.replica_group,
+                                                keep_copies=self.keep_compute_copy)
             self.params.on_final_grads = hook
-            self.params.keep_copies(self.keep_compute_copy)
             if self.rest_parts:
                 self.params.set_rest_parts(self.rest_parts)
         uses_nvme = "nvme" in schedule.homes

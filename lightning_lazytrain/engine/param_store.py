@@ -11,10 +11,11 @@ Layout
     masters' ``.grad`` are views into it and accumulate across micro-batches.
 
 Host memory (``host_pinned_bytes``)
-    Pinned on CUDA, in two ``HostArena``s (``host_arena.py``: exact sizes, no
-    power-of-two rounding): the packed masters of all groups, and the staging
-    of every slot: the landing buffer of its gradient D2H and, when masters and
-    16-bit compute copies differ in dtype, the cast buffer of its H2D.
+    Pinned on CUDA, in ``HostArena``s (``host_arena.py``: exact sizes, no
+    power-of-two rounding): the packed masters of all groups; the staging of
+    every slot (the landing buffer of its gradient D2H); and, when masters and
+    16-bit compute copies differ in dtype, either the slots' cast buffers for
+    their H2Ds or, instead, the kept copies (Note: [kept compute copy]).
     ``planner.workload.param_store_host_bytes`` predicts the figure.
 
 Compute copies
@@ -141,6 +142,7 @@ class _Slot:
     prior_ready: CopyHandle | None = None
     prior_accumulated: CopyHandle | None = None
     lazy: bool = False  # device buffers exist only from stage() to evict()
+    host_numel: int = 0  # elements of its host staging (landing buffer, cast buffer)
     bound: bool = False
     wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
     touched: set = field(default_factory=set)  # ids of the _Params a gradient reached since the bind
@@ -171,6 +173,7 @@ class ParamStore:
         num_slots: int = 2,
         pin_memory: bool | None = None,
         lazy_slots: Iterable[int] = (),
+        keep_copies: bool = False,
     ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -214,17 +217,19 @@ class ParamStore:
         # reduce-scatter averages in the masters' dtype: _landing_dtype)
         land = [self._landing_dtype(k < num_slots) for k in range(len(host_sizes))]
         le = [torch.empty((), dtype=dt).element_size() for dt in land]
-        self._staging_arena = HostArena.for_sizes([n * x for n, x in zip(host_sizes, le)]
-                                                  + ([n * e for n in host_sizes] if cast else []), pin=pin,
-                                                  name="staging")
+        self._staging_arena = HostArena.for_sizes([n * x for n, x in zip(host_sizes, le)], pin=pin, name="staging")
         lazy = set(lazy_slots)
         if not lazy <= set(range(num_slots)):
             raise ValueError(f"lazy_slots must be in 0..{num_slots - 1}, got {sorted(lazy)}")
-        self._slots = [self._new_slot(n, cast, lazy=k in lazy, host_numel=h, landing=land[k])
+        self._slots = [self._new_slot(n, lazy=k in lazy, host_numel=h, landing=land[k])
                        for k, (n, h) in enumerate(zip(sizes, host_sizes))]
         self._pin = pin
-        self._copies: HostArena | None = None  # Note: [kept compute copy]
+        # The cast buffers of the slots' H2Ds (an arena of their own), or the kept copies instead
+        # (Note: [kept compute copy]); neither when no master needs a cast.
+        self._cast_arena: HostArena | None = None
+        self._copies: HostArena | None = None
         self._copy_cast: dict[tuple[int, int, int], CopyHandle] = {}  # (layer, lo, hi) -> its cast this micro-batch
+        self.keep_copies(keep_copies)
 
     # ---- construction ----------------------------------------------------
     def _build_groups(self) -> dict[int, _Group]:
@@ -323,16 +328,17 @@ class ParamStore:
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, cast: bool, *, lazy: bool = False, host_numel: int | None = None,
+    def _new_slot(self, numel: int, *, lazy: bool = False, host_numel: int | None = None,
                   landing: torch.dtype | None = None) -> _Slot:
         # Device gradient buffers are allocated at the first bind with grads: a slot used only for
         # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
-        # staging comes from the staging arena, so no pinned allocation happens mid-step.
+        # staging comes from the staging arena (its cast buffer from the cast arena: keep_copies), so
+        # no pinned allocation happens mid-step.
         dt, arena = self.compute_dtype, self._staging_arena
         host_numel = numel if host_numel is None else host_numel
         grad_host = arena.take(host_numel, landing or dt)
-        s = _Slot(numel=numel, weights=None, grads=None, cast=arena.take(host_numel, dt) if cast else None,
-                  grad_host=grad_host, lazy=lazy)
+        s = _Slot(numel=numel, weights=None, grads=None, cast=None, grad_host=grad_host, lazy=lazy)
+        s.host_numel = host_numel
         if not lazy:
             self._allocate(s)
         return s
@@ -449,14 +455,14 @@ class ParamStore:
 
     @property
     def host_pinned_bytes(self) -> int:
-        """Host bytes of the store's arenas (pinned on CUDA; the same layout on CPU): packed masters
-        plus slot staging, plus the kept compute copies (Note: [kept compute copy]). Equals
+        """Host bytes of the store's arenas (pinned on CUDA; the same layout on CPU): packed masters,
+        slot staging, and the slots' cast buffers or the kept compute copies. Equals
         ``planner.workload.param_store_host_bytes`` for this store; a closed store still counts its
         masters while the module's parameters live in them."""
         return sum(a.reserved_bytes for a in self._arenas())
 
     def _arenas(self) -> list[HostArena]:
-        return [self._masters_arena, self._staging_arena] + ([self._copies] if self._copies is not None else [])
+        return [self._masters_arena, self._staging_arena] + [a for a in (self._cast_arena, self._copies) if a is not None]
 
     @property
     def host_grad_bytes(self) -> int:
@@ -557,23 +563,35 @@ class ParamStore:
         return self.compute_dtype != torch.float32 and g.master.dtype != self.compute_dtype
 
     def keep_copies(self, on: bool) -> bool:
-        """Keep (``on``) or drop each group's host compute-dtype copy; returns whether copies are
-        kept (never when no master needs a cast)."""
+        """Keep (``on``) each group's host compute-dtype copy, or cast per fetch through the slots'
+        cast buffers; returns whether copies are kept (never when no master needs a cast). Either
+        way only one of the two arenas exists (``host_pinned_bytes``)."""
         groups = [g for g in self._groups.values() if self._needs_cast(g)]
-        self.wait_host()
+        if getattr(self, "_slots", None) and any(s.bound for s in self._slots):
+            raise RuntimeError("keep_copies() inside bind()")
+        self.engine.synchronize()  # no H2D or cast still reads the buffers that go
         for g in self._groups.values():
             g.copy, g.copy_read = None, None
+        for s in self._slots:
+            s.cast = None
         self._copy_cast = {}
-        if self._copies is not None:
-            self._copies.release()
-            self._copies = None
-        if not (on and groups):
+        for arena in (self._copies, self._cast_arena):
+            if arena is not None:
+                arena.release()
+        self._copies = self._cast_arena = None
+        if not groups:
             return False
-        e = torch.empty((), dtype=self.compute_dtype).element_size()
-        self._copies = HostArena.for_sizes([self._host_numel(g) * e for g in groups], pin=self._pin, name="copies")
-        for g in groups:
-            g.copy = self._copies.take(self._host_numel(g), self.compute_dtype)
-        return True
+        dt = self.compute_dtype
+        e = torch.empty((), dtype=dt).element_size()
+        if on:
+            self._copies = HostArena.for_sizes([self._host_numel(g) * e for g in groups], pin=self._pin, name="copies")
+            for g in groups:
+                g.copy = self._copies.take(self._host_numel(g), dt)
+            return True
+        self._cast_arena = HostArena.for_sizes([s.host_numel * e for s in self._slots], pin=self._pin, name="cast")
+        for s in self._slots:
+            s.cast = self._cast_arena.take(s.host_numel, dt)
+        return False
 
     @property
     def keeps_copies(self) -> bool:
@@ -866,9 +884,10 @@ class ParamStore:
             self._staging_arena.release()  # its memory goes with the last slot view
             for g in self._groups.values():
                 g.copy, g.copy_read = None, None
-            if self._copies is not None:
-                self._copies.release()
-                self._copies = None
+            for arena in (self._copies, self._cast_arena):
+                if arena is not None:
+                    arena.release()
+            self._copies = self._cast_arena = None
             for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)
                 if m._buffers.get(name) is not None:
                     m._buffers[name] = m._buffers[name].to(device)

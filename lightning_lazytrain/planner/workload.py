@@ -59,13 +59,18 @@ def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, maste
     One arena of packed masters (per group ``numel * master_bytes``; ``numel`` counts the 64-element
     alignment of every parameter, as ``ParamStore.group_numel`` does), and one staging arena: per
     slot (``block_slots`` slots sized to the largest block, plus the non-block weights' own) a
-    landing buffer for the gradient D2H and, when ``cast`` (16-bit compute copies of masters in
-    another dtype), a cast buffer for the H2D; compute dtype. With ``cast`` and ``copies`` (the
-    engine's Note: [kept compute copy]) a third arena holds every group's compute copy."""
+    landing buffer for the gradient D2H; compute dtype. When ``cast`` (16-bit compute copies of
+    masters in another dtype) a third arena: a cast buffer per slot for its H2D, or, with ``copies``
+    (the engine's Note: [kept compute copy]), every group's compute copy instead."""
     masters = host_arena_bytes([n * master_bytes for n in block_numel] + [rest_numel * master_bytes])
     slots = [max(block_numel, default=0) * compute_bytes] * block_slots + [rest_numel * compute_bytes]
-    kept = host_arena_bytes([n * compute_bytes for n in [*block_numel, rest_numel]]) if cast and copies else 0
-    return masters + host_arena_bytes(slots * (2 if cast else 1)) + kept
+    if not cast:
+        third = 0
+    elif copies:
+        third = host_arena_bytes([n * compute_bytes for n in [*block_numel, rest_numel]])
+    else:
+        third = host_arena_bytes(slots)
+    return masters + host_arena_bytes(slots) + third
 
 
 def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware) -> tuple[float, float]:
