@@ -34,18 +34,19 @@ from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyReg
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero as _rank_zero
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload, validate_options
+from lightning_lazytrain.autoplan import AutoPlan, measure_hardware, validate_options
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.engine.param_store import upcast_parameters
-from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
 from lightning_lazytrain.precision import LazyTrainPrecision, with_lazytrain_precision
+from lightning_lazytrain.strategy_checkpoints import StrategyCheckpoints
+from lightning_lazytrain.strategy_planning import StrategyPlanning, artifact_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ _COMPUTE_DTYPE = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": t
                   "bf16-true": torch.bfloat16, "16-mixed": torch.float32, "16-true": torch.float16}
 
 
-class LazyTrainStrategy(ParallelStrategy):
+class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy):
     """Train with weights streamed from host memory and a planned activation schedule, on one device
     or data parallel on several (one process per device; see ``distributed.py``).
 
@@ -422,18 +423,6 @@ class LazyTrainStrategy(ParallelStrategy):
             for _, g in grads:
                 g.mul_(coef)
 
-    _SHARD_NO_CHECKPOINTS = (
-        "LazyTrainStrategy(data_parallel='shard', checkpoint_format='full') cannot write 8-bit optimizer states "
-        "(they are blockwise over each process's shard, with no whole form): use checkpoint_format='sharded' "
-        "(the default: each process writes its own), 32-bit states (HybridAdamW(eight_bit='none')), "
-        "Trainer(enable_checkpointing=False), or data_parallel='replicate'")
-
-    def _eight_bit_states(self) -> bool:
-        from lightning_lazytrain.optim import HybridAdamW
-
-        return any(isinstance(inner := getattr(o, "optimizer", o), HybridAdamW) and 8 in inner.assignment.values()
-                   for o in self.optimizers)
-
     def _plan_pipelined_steps(self) -> None:
         """With a HybridAdamW whose layers follow the blocks, the plan's ``pipelined`` optimizer runs
         as a layer-pipelined update in forward order (``precision.LazyTrainPrecision.optimizer_step``);
@@ -532,111 +521,6 @@ class LazyTrainStrategy(ParallelStrategy):
         for pipe, _, _ in getattr(self, "_pending_steps", []):
             pipe.wait_all()
         self._pending_steps = []
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._finish_optimizer_steps()  # the host masters may still be being updated
-        # data_parallel="shard": each rank's rows of the sharded parameters, as they are (no gather);
-        # save_checkpoint writes them as rows of a sharded checkpoint, or gathers them for one file
-        return super().lightning_module_state_dict()
-
-    def _shard_store(self) -> Any:
-        """The executor's ShardedParamStore (data_parallel="shard" with several processes), or None."""
-        params = self.executor.params if self.executor is not None else None
-        return params if params is not None and hasattr(params, "whole_module_state") else None
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Sharded data parallel: restore a checkpoint after setup, into the shards, so a resume reads
-        each process's rows of the model (``load_sharded(model_rows=True)``), not the whole model on
-        every process. Unless a user ``on_fit_start`` (module or callback; it runs between setup and
-        a late restore) could look at the weights: then before setup, whole, as Lightning does."""
-        if not (self.is_distributed and self.data_parallel == "shard"):
-            return False
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None)
-        if module is None or trainer is None or is_overridden("on_fit_start", module):
-            return False
-        return not any(is_overridden("on_fit_start", cb, parent=Callback)
-                       and not type(cb).__module__.startswith(("lightning.", "lightning_lazytrain."))
-                       for cb in trainer.callbacks)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        store = self._shard_store()
-        if store is not None:  # this rank's rows of every sharded parameter
-            checkpoint = {**checkpoint, "state_dict": store.shard_module_state(checkpoint["state_dict"],
-                                                                               self.lightning_module)}
-        super().load_model_state_dict(checkpoint, strict=strict)
-
-    # ---- checkpoints --------------------------------------------------------------------------
-    def _sharded_checkpoint(self, filepath: Any, storage_options: Any, *, warn: bool = True) -> bool:
-        """Save ``filepath`` as a sharded directory (several processes, ``checkpoint_format="sharded"``)."""
-        if self.checkpoint_format != "sharded" or not self.is_distributed or self.grad_sync is None:
-            return False
-        if storage_options is not None or "://" in str(filepath):
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-            if warn:
-                rank_zero_warn(f"lazytrain: {filepath} is saved as one full checkpoint from rank 0: sharded "
-                               "checkpoints are written to local (or shared) directories without storage_options")
-            return False
-        return True
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Several processes (``checkpoint_format="sharded"``): every rank writes its share of one
-        directory through DCP, atomically (``sharded_checkpoint.py``). Otherwise rank 0 writes the
-        whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
-        self._finish_optimizer_steps()
-        store = self._shard_store()
-        if self._sharded_checkpoint(filepath, storage_options):
-            from lightning_lazytrain.sharded_checkpoint import save_sharded
-
-            # data_parallel="shard": each rank writes its rows (and its own 8-bit states); none gathers
-            layout = store.checkpoint_layout(checkpoint, self.lightning_module, self.optimizers) if store else None
-            save_sharded(checkpoint, filepath, group=self.grad_sync.group, layout=layout)
-            return
-        if store is not None:  # one file: every sharded tensor gathered whole first (collective)
-            checkpoint = {**checkpoint, "state_dict": store.whole_module_state(checkpoint["state_dict"],
-                                                                               self.lightning_module)}
-            if "optimizer_states" in checkpoint:
-                checkpoint["optimizer_states"] = [store.whole_optimizer_state(getattr(o, "optimizer", o), st)
-                                                  for o, st in zip(self.optimizers, checkpoint["optimizer_states"])]
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded directory (any world size, one process included) or a single file (every rank
-        reads it through ``checkpoint_io``)."""
-        from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
-
-        if is_sharded_checkpoint(checkpoint_path):
-            sync = self.grad_sync
-            group = sync.group if sync is not None else None
-            # per-process entries (8-bit states of a sharded run) are this rank's in its shard group
-            shard = (sync.shard_rank, sync.shard_size) if sync is not None and self.data_parallel == "shard" else None
-            # after setup (restore_checkpoint_after_setup) the module's parameters are shards: read
-            # only this rank's rows of the model too
-            return load_sharded(checkpoint_path, group=group, weights_only=weights_only,
-                                verify=self._verify_checkpoints, shard=shard,
-                                model_rows=self._shard_store() is not None)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """As Lightning's, but the states stay where the optimizer's parameters are -- on the host --
-        instead of moving to the root device (``load_state_dict`` places them, HybridAdamW keeps
-        8-bit dtypes; optim/checkpoint.py)."""
-        store = self._shard_store()
-        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if store is not None:  # this rank's rows of every sharded parameter's states
-                opt_state = store.shard_optimizer_state(getattr(optimizer, "optimizer", optimizer), opt_state)
-            optimizer.load_state_dict(opt_state)
 
     # ---- training -----------------------------------------------------------------------------
     def _last_microbatch(self) -> bool:
@@ -763,153 +647,6 @@ class LazyTrainStrategy(ParallelStrategy):
                     norms = dict(zip(norms, torch._foreach_mul(list(norms.values()), inv_scale)))
             inner.set_grad_norms(norms)
 
-    def _predicted_seconds(self) -> float:
-        if self._predicted is not None:
-            return self._predicted
-        return self.plan.result.sim.iteration_seconds if self.plan else float("nan")
-
-    def _watch_drift(self) -> None:
-        """After a planned step: has the run drifted from the plan? (decided on rank 0 for all)"""
-        if self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason:
-            return
-        reason = None
-        if self.is_global_zero:
-            reason = self._drift.observe(self._pending_metrics.get("lazytrain/step_seconds", float("nan")),
-                                         self._predicted_seconds())
-        if self.is_distributed:
-            reason = self.broadcast(reason)
-        if reason is not None:
-            self._replan_reason = reason
-            rank_zero_debug(f"lazytrain: {reason}; re-profiling the next step to re-plan")
-
-    def _make_plan(self, stats: StepStats, micro_batches: int, replan: str | None = None) -> None:
-        """Plan from the profiled step, and switch the executor to the plan (before the step's
-        optimizer update; an impossible budget raises here). ``replan``: why this is a re-plan;
-        the links are then measured from the step's copies, and the schedule switches only if the
-        new plan beats the current schedule by ``replan.min_gain`` on the new profile."""
-        ex, module = self.executor, self.lightning_module
-        assert ex is not None and module is not None
-        trainer = module.trainer
-        plan: AutoPlan | None = None
-        failure: str | None = None
-        current_s: float | None = None  # the current schedule, re-simulated (re-plans only)
-        if self.is_global_zero:  # with several processes rank 0 plans for all (one plan, not N)
-            try:
-                t0 = time.perf_counter()
-                hardware = self._hardware()
-                if replan is not None:
-                    from lightning_lazytrain.replan import measured_link_rates
-
-                    rates = measured_link_rates(stats.segments)
-                    hardware = hardware.replace(h2d_bytes_per_s=rates.get("h2d", hardware.h2d_bytes_per_s),
-                                                d2h_bytes_per_s=rates.get("d2h", hardware.d2h_bytes_per_s))
-                t_hw = time.perf_counter() - t0
-                wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
-                                         grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
-                                         opt_params_per_s=hardware.cpu_adam_params_per_s)
-                wl = self._rank_workload(wl)
-                plan = plan_from_workload(wl, hardware, policy=self.policy,
-                                          start=ex.schedule if replan is not None else None)
-                plan.timings["hardware"] = t_hw
-                plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
-                if replan is not None:
-                    from lightning_lazytrain.planner import simulate
-
-                    try:
-                        current_s = simulate(ex.schedule, wl, hardware).iteration_seconds
-                    except Exception:  # the current schedule no longer fits: switch
-                        current_s = float("inf")
-            except BaseException as err:
-                if not self.is_distributed:
-                    raise
-                failure = f"{type(err).__name__}: {err}"
-                self.broadcast((None, failure, None))
-                raise
-        if self.is_distributed:
-            plan, failure, current_s = self.broadcast((plan, failure, current_s))
-            if plan is None:
-                raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
-        assert plan is not None
-        if replan is not None:
-            assert current_s is not None
-            new_s = plan.result.sim.iteration_seconds
-            gain = 1.0 - new_s / current_s if current_s > 0 else 0.0
-            switch = gain >= self.replan.min_gain
-            self.replans.append({"step": trainer.global_step, "reason": replan, "current_predicted_s": current_s,
-                                 "new_predicted_s": new_s, "gain": gain, "switched": switch,
-                                 "warm_start": plan.result.solver.get("seed")})
-            # a switch is news; a kept schedule (usually a noisy machine) is a debug line and a row of
-            # ``replans`` (the training app sums them up in its summary)
-            (rank_zero_info if switch else rank_zero_debug)(
-                f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule {current_s:.3f} s, "
-                f"new plan {new_s:.3f} s ({gain:+.1%}): {'switching' if switch else 'keeping the current schedule'}")
-            self._drift.reset()
-            if not switch:
-                self._predicted = current_s
-                return
-        self._predicted = None
-        nvme = int(plan.result.sim.nvme_bytes)
-        if nvme:
-            check_nvme_dir(self.nvme_dir, nvme)  # before the first real step
-            ex._nvme_required = nvme
-        t0 = time.perf_counter()
-        ex.set_schedule(plan.schedule)
-        plan.timings["executor"] = time.perf_counter() - t0
-        self.plan = plan
-        self._plan_pipelined_steps()  # the plan decides: serial or pipelined optimizer
-        from lightning_lazytrain.report import format_table
-
-        rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
-                       f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
-        out = _artifact_dir(trainer)
-        if out and trainer.is_global_zero:
-            plan.write(out)
-
-    def _rank_workload(self, wl: Any) -> Any:
-        """With several processes: the plan is one rank's, with the host all-reduce of every group
-        at the bandwidth the profiled step measured (``replicate_overlap`` with
-        ``overlap_grad_sync``, else ``replicate``: the windows they run in)."""
-        sync = self.grad_sync
-        if not self.is_distributed or sync is None:
-            return wl
-        from lightning_lazytrain.planner.multi import measured_rank_workload, measured_shard_workload
-
-        store = self._shard_store()
-        if store is not None:  # every group sharded: fetches of shards, all-gathers, reduce-scatters
-            bandwidth = getattr(self, "_shard_bytes_per_s", None)
-            if bandwidth is None:
-                return wl
-            e = torch.empty((), dtype=store.compute_dtype).element_size()
-            land = store.slot(0).grad_host.element_size()
-            return measured_shard_workload(
-                wl, store.world, max(1, self.world_size // self.num_nodes),
-                [store.shard_numel(j) for j in range(store.num_layers)], store.shard_numel(REST_GROUP),
-                bandwidth, gather_element_bytes=e, reduce_element_bytes=land, replicas=store.replicas)
-
-        bandwidth = sync.bytes_per_s()
-        if bandwidth is None:  # no gradient crossed (a frozen model): nothing to price
-            return wl
-        # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
-        # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
-        mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
-        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
-
-    def _hardware(self) -> Hardware:
-        """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
-        gets no NVMe tier (there is nowhere to spill). With several processes on a node, each holds
-        its own masters and optimizer states: a process plans with its share of host memory."""
-        if self.hardware == "measure":
-            if self._hardware_measured is None:
-                self._hardware_measured = measure_hardware(
-                    self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb, nvme_dir=self.nvme_dir,
-                    link_gb_per_s=self.emulate_link_gb_per_s)
-            hw = self._hardware_measured
-        else:
-            hw = given_hardware(self.hardware, self.gpu_memory_budget_gb, self.nvme_dir)
-        if self.num_processes > 1:
-            hw = hw.replace(cpu_memory_bytes=hw.cpu_memory_bytes / self.num_processes)
-        return hw
-
     # ---- evaluation ---------------------------------------------------------------------------
     def _begin_inference(self) -> None:
         self._finish_optimizer_steps()
@@ -957,7 +694,7 @@ class LazyTrainStrategy(ParallelStrategy):
             module = self.lightning_module
             if (self.last_stats is not None and module is not None and getattr(module, "_trainer", None) is not None
                     and self.is_global_zero):
-                _write_measured_timeline(self.last_stats, _artifact_dir(module.trainer))
+                _write_measured_timeline(self.last_stats, artifact_dir(module.trainer))
             self.executor.close()
             self.executor = None
         self.plan = None
@@ -981,15 +718,6 @@ class LazyTrainStrategy(ParallelStrategy):
                                    override=True)
         strategy_registry.register("lazytrain_megatrain", cls, description="layer streaming, MegaTrain's policy",
                                    policy="megatrain", override=True)
-
-
-def _artifact_dir(trainer: Any) -> str | None:
-    """The logger's directory; None without a real logger (no files in the working directory)."""
-    from lightning.pytorch.loggers.logger import DummyLogger
-
-    if not trainer.loggers or all(isinstance(lg, DummyLogger) for lg in trainer.loggers):
-        return None
-    return trainer.log_dir
 
 
 def _count_tokens(batch: Any) -> int:

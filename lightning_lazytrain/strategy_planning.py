@@ -1,0 +1,182 @@
+"""Planning of ``LazyTrainStrategy`` (a mixin of it, strategy.py): the plan made from the profiled
+first step (rank 0 solves for every process), the machine it is made for, one rank's workload with
+several processes, and drift re-planning (``replan.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
+
+from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload
+from lightning_lazytrain.engine.executor import StepStats
+from lightning_lazytrain.engine.nvme import check_nvme_dir
+from lightning_lazytrain.engine.param_store import REST as REST_GROUP
+from lightning_lazytrain.engine.profiler import workload_from_stats
+from lightning_lazytrain.planner import Hardware
+
+__all__ = ["StrategyPlanning", "artifact_dir"]
+
+
+class StrategyPlanning:
+    """Planning methods of ``LazyTrainStrategy`` (it provides ``executor``, ``plan``, ``replan``,
+    ``grad_sync``, the options and the rest of Lightning's strategy)."""
+
+    def _predicted_seconds(self) -> float:
+        if self._predicted is not None:
+            return self._predicted
+        return self.plan.result.sim.iteration_seconds if self.plan else float("nan")
+
+    def _watch_drift(self) -> None:
+        """After a planned step: has the run drifted from the plan? (decided on rank 0 for all)"""
+        if self.plan is None or self.policy != "milp" or not self.replan.enabled or self._replan_reason:
+            return
+        reason = None
+        if self.is_global_zero:
+            reason = self._drift.observe(self._pending_metrics.get("lazytrain/step_seconds", float("nan")),
+                                         self._predicted_seconds())
+        if self.is_distributed:
+            reason = self.broadcast(reason)
+        if reason is not None:
+            self._replan_reason = reason
+            rank_zero_debug(f"lazytrain: {reason}; re-profiling the next step to re-plan")
+
+    def _make_plan(self, stats: StepStats, micro_batches: int, replan: str | None = None) -> None:
+        """Plan from the profiled step, and switch the executor to the plan (before the step's
+        optimizer update; an impossible budget raises here). ``replan``: why this is a re-plan;
+        the links are then measured from the step's copies, and the schedule switches only if the
+        new plan beats the current schedule by ``replan.min_gain`` on the new profile."""
+        ex, module = self.executor, self.lightning_module
+        assert ex is not None and module is not None
+        trainer = module.trainer
+        plan: AutoPlan | None = None
+        failure: str | None = None
+        current_s: float | None = None  # the current schedule, re-simulated (re-plans only)
+        if self.is_global_zero:  # with several processes rank 0 plans for all (one plan, not N)
+            try:
+                t0 = time.perf_counter()
+                hardware = self._hardware()
+                if replan is not None:
+                    from lightning_lazytrain.replan import measured_link_rates
+
+                    rates = measured_link_rates(stats.segments)
+                    hardware = hardware.replace(h2d_bytes_per_s=rates.get("h2d", hardware.h2d_bytes_per_s),
+                                                d2h_bytes_per_s=rates.get("d2h", hardware.d2h_bytes_per_s))
+                t_hw = time.perf_counter() - t0
+                wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
+                                         grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
+                                         opt_params_per_s=hardware.cpu_adam_params_per_s)
+                wl = self._rank_workload(wl)
+                plan = plan_from_workload(wl, hardware, policy=self.policy,
+                                          start=ex.schedule if replan is not None else None)
+                plan.timings["hardware"] = t_hw
+                plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
+                if replan is not None:
+                    from lightning_lazytrain.planner import simulate
+
+                    try:
+                        current_s = simulate(ex.schedule, wl, hardware).iteration_seconds
+                    except Exception:  # the current schedule no longer fits: switch
+                        current_s = float("inf")
+            except BaseException as err:
+                if not self.is_distributed:
+                    raise
+                failure = f"{type(err).__name__}: {err}"
+                self.broadcast((None, failure, None))
+                raise
+        if self.is_distributed:
+            plan, failure, current_s = self.broadcast((plan, failure, current_s))
+            if plan is None:
+                raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
+        assert plan is not None
+        if replan is not None:
+            assert current_s is not None
+            new_s = plan.result.sim.iteration_seconds
+            gain = 1.0 - new_s / current_s if current_s > 0 else 0.0
+            switch = gain >= self.replan.min_gain
+            self.replans.append({"step": trainer.global_step, "reason": replan, "current_predicted_s": current_s,
+                                 "new_predicted_s": new_s, "gain": gain, "switched": switch,
+                                 "warm_start": plan.result.solver.get("seed")})
+            # a switch is news; a kept schedule (usually a noisy machine) is a debug line and a row of
+            # ``replans`` (the training app sums them up in its summary)
+            (rank_zero_info if switch else rank_zero_debug)(
+                f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule {current_s:.3f} s, "
+                f"new plan {new_s:.3f} s ({gain:+.1%}): {'switching' if switch else 'keeping the current schedule'}")
+            self._drift.reset()
+            if not switch:
+                self._predicted = current_s
+                return
+        self._predicted = None
+        nvme = int(plan.result.sim.nvme_bytes)
+        if nvme:
+            check_nvme_dir(self.nvme_dir, nvme)  # before the first real step
+            ex._nvme_required = nvme
+        t0 = time.perf_counter()
+        ex.set_schedule(plan.schedule)
+        plan.timings["executor"] = time.perf_counter() - t0
+        self.plan = plan
+        self._plan_pipelined_steps()  # the plan decides: serial or pipelined optimizer
+        from lightning_lazytrain.report import format_table
+
+        rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
+                       f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
+        out = artifact_dir(trainer)
+        if out and trainer.is_global_zero:
+            plan.write(out)
+
+    def _rank_workload(self, wl: Any) -> Any:
+        """With several processes: the plan is one rank's, with the host all-reduce of every group
+        at the bandwidth the profiled step measured (``replicate_overlap`` with
+        ``overlap_grad_sync``, else ``replicate``: the windows they run in)."""
+        sync = self.grad_sync
+        if not self.is_distributed or sync is None:
+            return wl
+        from lightning_lazytrain.planner.multi import measured_rank_workload, measured_shard_workload
+
+        store = self._shard_store()
+        if store is not None:  # every group sharded: fetches of shards, all-gathers, reduce-scatters
+            bandwidth = getattr(self, "_shard_bytes_per_s", None)
+            if bandwidth is None:
+                return wl
+            e = torch.empty((), dtype=store.compute_dtype).element_size()
+            land = store.slot(0).grad_host.element_size()
+            return measured_shard_workload(
+                wl, store.world, max(1, self.world_size // self.num_nodes),
+                [store.shard_numel(j) for j in range(store.num_layers)], store.shard_numel(REST_GROUP),
+                bandwidth, gather_element_bytes=e, reduce_element_bytes=land, replicas=store.replicas)
+
+        bandwidth = sync.bytes_per_s()
+        if bandwidth is None:  # no gradient crossed (a frozen model): nothing to price
+            return wl
+        # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
+        # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
+        mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
+        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
+
+    def _hardware(self) -> Hardware:
+        """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
+        gets no NVMe tier (there is nowhere to spill). With several processes on a node, each holds
+        its own masters and optimizer states: a process plans with its share of host memory."""
+        if self.hardware == "measure":
+            if self._hardware_measured is None:
+                self._hardware_measured = measure_hardware(
+                    self.root_device, gpu_memory_budget_gb=self.gpu_memory_budget_gb, nvme_dir=self.nvme_dir,
+                    link_gb_per_s=self.emulate_link_gb_per_s)
+            hw = self._hardware_measured
+        else:
+            hw = given_hardware(self.hardware, self.gpu_memory_budget_gb, self.nvme_dir)
+        if self.num_processes > 1:
+            hw = hw.replace(cpu_memory_bytes=hw.cpu_memory_bytes / self.num_processes)
+        return hw
+
+
+def artifact_dir(trainer: Any) -> str | None:
+    """The logger's directory; None without a real logger (no files in the working directory)."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    if not trainer.loggers or all(isinstance(lg, DummyLogger) for lg in trainer.loggers):
+        return None
+    return trainer.log_dir
