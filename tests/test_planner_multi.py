@@ -14,7 +14,7 @@ from lightning_lazytrain.planner import (
 )
 from lightning_lazytrain.planner.milp import MilpOptions, ScheduleModel
 from lightning_lazytrain.planner.multi import MODES, plan_cluster, rank_hardware, rank_workload
-from planner_helpers import G, milp_space
+from planner_helpers import milp_space
 from test_planner_host_lane import random_instance
 
 TINY = ModelSpec(name="tiny", num_layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, head_dim=16, vocab=256)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_lazytrain.planner import Schedule, recompute_all, simulate, solve
+from lightning_lazytrain.planner import recompute_all, simulate, solve
 from planner_helpers import G, hardware, workload
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lightning_lazytrain.engine.executor import Executor
-from lightning_lazytrain.engine.param_store import REST
 from lightning_lazytrain.models import LlamaLM
 from lightning_lazytrain.planner import ModelSpec, keep_all, megatrain, recompute_all
 

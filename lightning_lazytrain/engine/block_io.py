@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["BlockCall", "BlockOutput", "CacheReplay", "ForwardState", "HookCapture", "UnsupportedBlockPattern"]
+__all__ = ["BlockCall", "BlockOutput", "CacheReplay", "ForwardState", "HookCapture", "UnsupportedBlockPattern",
+           "rerun_call"]
 
 
 class UnsupportedBlockPattern(RuntimeError):
@@ -283,3 +285,38 @@ class ForwardState:
                 for m, name, buf, value in snapshot:
                     m._buffers[name] = buf
                     buf.copy_(value)
+
+
+# Keyword arguments through which a block appends to a KV cache (Hugging Face: ``cache`` in
+# transformers 5, ``past_key_values`` / ``past_key_value`` before, GPT-2's ``layer_past``). A
+# re-run of a block must not append to the real cache a second time (``block_io.CacheReplay``).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def rerun_call(signature: inspect.Signature | None, args: tuple, kwargs: dict, j: int = 0) -> tuple[tuple, dict]:
+    """The arguments (after the hidden state) for re-running block ``j``: every KV cache, passed by
+    keyword or by position (GPT-2 passes it second), replaced by a ``CacheReplay`` of its state
+    before the block ran; a cache of an unknown kind by None, with ``use_cache`` False."""
+    def replace(value: Any) -> Any:
+        return None if value is None else CacheReplay.capture(value, j)
+
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(None, *args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            changed, dropped = False, False
+            for name in list(bound.arguments):
+                if name in _CACHE_KWARGS and bound.arguments[name] is not None:
+                    bound.arguments[name] = replace(bound.arguments[name])
+                    changed, dropped = True, dropped or bound.arguments[name] is None
+            if dropped and bound.arguments.get("use_cache"):
+                bound.arguments["use_cache"] = False
+            if changed:
+                return tuple(bound.args[1:]), dict(bound.kwargs)
+            return args, kwargs
+    out = {k: (replace(v) if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in out and any(k in _CACHE_KWARGS and out[k] is None and kwargs[k] is not None for k in out):
+        out["use_cache"] = False
+    return args, out

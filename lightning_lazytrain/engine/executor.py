@@ -37,7 +37,6 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,100 +46,20 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks
-from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, CacheReplay, ForwardState, HookCapture,
-                                                 UnsupportedBlockPattern)
+from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, ForwardState, HookCapture,
+                                                 UnsupportedBlockPattern, rerun_call)
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
 from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import DeviceBytes, reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks, PartialForward
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
+from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.planner.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
 RECOMPUTE_SLOT = 2
-# Keyword arguments through which a block appends to a KV cache (Hugging Face: ``cache`` in
-# transformers 5, ``past_key_values`` / ``past_key_value`` before, GPT-2's ``layer_past``). A
-# re-run of a block must not append to the real cache a second time (``block_io.CacheReplay``).
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def rerun_call(signature: inspect.Signature | None, args: tuple, kwargs: dict, j: int = 0) -> tuple[tuple, dict]:
-    """The arguments (after the hidden state) for re-running block ``j``: every KV cache, passed by
-    keyword or by position (GPT-2 passes it second), replaced by a ``CacheReplay`` of its state
-    before the block ran; a cache of an unknown kind by None, with ``use_cache`` False."""
-    def replace(value: Any) -> Any:
-        return None if value is None else CacheReplay.capture(value, j)
-
-    if signature is not None:
-        try:
-            bound = signature.bind_partial(None, *args, **kwargs)
-        except TypeError:
-            bound = None
-        if bound is not None:
-            changed, dropped = False, False
-            for name in list(bound.arguments):
-                if name in _CACHE_KWARGS and bound.arguments[name] is not None:
-                    bound.arguments[name] = replace(bound.arguments[name])
-                    changed, dropped = True, dropped or bound.arguments[name] is None
-            if dropped and bound.arguments.get("use_cache"):
-                bound.arguments["use_cache"] = False
-            if changed:
-                return tuple(bound.args[1:]), dict(bound.kwargs)
-            return args, kwargs
-    out = {k: (replace(v) if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
-    if "use_cache" in out and any(k in _CACHE_KWARGS and out[k] is None and kwargs[k] is not None for k in out):
-        out["use_cache"] = False
-    return args, out
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step did (filled by the executor, read by tests and loggers)."""
-
-    lane_bytes: dict[str, int] = field(default_factory=dict)
-    recomputed_forwards: dict[int, int] = field(default_factory=dict)  # layer -> re-runs (block + local)
-    peak_tracked_bytes: int = 0
-    layer_sq_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # REST = -1 included
-    # per layer (REST included), each parameter with a grad and that grad's norm as clip_grad_norm_
-    # takes it (ParamStore.grad_norms): what exact fused clipping is fed with
-    grad_norms: dict[int, dict[nn.Parameter, torch.Tensor]] = field(default_factory=dict)
-    segments: list = field(default_factory=list)  # measured timeline (planner Segments)
-    boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
-    internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
-    max_memory_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
-    # With ``Executor.measure_memory`` (always while profiling): real device bytes, not bookkeeping
-    # (``live_bytes``): per window, the transient working set (its real growth beyond what the
-    # executor tracks); over the step, the real peak.
-    window_work: dict[str, int] = field(default_factory=dict)
-    window_peak_bytes: dict[str, int] = field(default_factory=dict)
-    real_peak_bytes: int = 0
-    # Device bytes of the tensors the block calls receive besides the hidden state (rotary tables,
-    # masks, encoder states; each storage once), kept for the re-runs until the block's backward.
-    call_bytes: int = 0
-    # Note: [partial keep] (engine/partial_keep.py): per partially keeping layer, the matmul outputs it
-    # stored; per locally re-run layer of a profiled step, what a partial keep would store, re-materialise
-    # and spend on its elementwise ops (the profile's measurement)
-    partial_bytes: dict[int, int] = field(default_factory=dict)
-    partial_recompute_bytes: dict[int, int] = field(default_factory=dict)
-    partial_seconds: dict[int, float] = field(default_factory=dict)
-
-    def metrics(self, seconds: float, predicted_seconds: float) -> dict[str, float]:
-        """The ``lazytrain/*`` figures of a step that took ``seconds`` (what the Trainer's strategy
-        logs and the Fabric strategy exposes as ``metrics``)."""
-        compute = sum(s.end - s.start for s in self.segments if s.lane == "compute")
-        out = {
-            "lazytrain/step_seconds": seconds,
-            "lazytrain/predicted_step_seconds": predicted_seconds,
-            "lazytrain/stall_seconds": max(0.0, seconds - compute),
-            "lazytrain/peak_tracked_gb": self.peak_tracked_bytes / 1e9,
-        }
-        for lane, nbytes in self.lane_bytes.items():
-            out[f"lazytrain/{lane}_gb"] = nbytes / 1e9
-        if self.max_memory_allocated is not None:
-            out["lazytrain/max_memory_allocated_gb"] = self.max_memory_allocated / 1e9
-        return out
 
 
 class Executor:

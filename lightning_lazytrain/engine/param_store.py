@@ -209,10 +209,6 @@ class ParamStore:
         sizes = [max_block] * num_slots + [self._groups[REST].numel]  # REST has its own slot, last
         host_block = max(self._host_numel(self._groups[i]) for i in range(len(self.blocks)))
         host_sizes = [host_block] * num_slots + [self._host_numel(self._groups[REST])]
-        # Cast staging only where a master's dtype differs from a 16-bit compute dtype (fp32 compute
-        # copies are filled straight from the masters).
-        cast = compute_dtype != torch.float32 and any(g.dtype != compute_dtype for g in groups)
-        e = esize[compute_dtype]
         # the gradient landing buffers: compute dtype, except a sharded store's block slots (its
         # reduce-scatter averages in the masters' dtype: _landing_dtype)
         land = [self._landing_dtype(k < num_slots) for k in range(len(host_sizes))]
@@ -711,7 +707,7 @@ class ParamStore:
     def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
         """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``.
         ``part`` (REST only): that part's range (send parts 0, 1, ... in order)."""
-        g, s = self._group(layer), self._slot(layer, slot)
+        s = self._slot(layer, slot)
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
         lo, hi, infos, index = self._range(layer, part)

@@ -442,7 +442,7 @@ class ScheduleModel:
         (1 - r[u-1])``. With block ``(s, u+1)`` (``x[s,u+1] = 1``): the constants of ``block_chain``.
         At most one block ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sums below are
         exact (each coefficient is >= 0, and only nonzero ones are added)."""
-        m, lay = self.m, self.lay
+        m = self.m
         c, p = self.wl.recast_seconds(u - 1), self.p_s[u - 1]
         fetched = (c + p) * (1 - m.r[u - 1]) if c + p else 0
         cast_end = c * (1 - m.r[u - 1]) if c else 0

@@ -1,0 +1,60 @@
+"""``StepStats``: what one optimizer step of the executor did -- bytes per lane, re-runs, norms, the
+measured timeline and real device bytes -- read by the strategies (their ``lazytrain/*`` metrics),
+the profiler (the plan's workload) and the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did (filled by the executor, read by tests and loggers)."""
+
+    lane_bytes: dict[str, int] = field(default_factory=dict)
+    recomputed_forwards: dict[int, int] = field(default_factory=dict)  # layer -> re-runs (block + local)
+    peak_tracked_bytes: int = 0
+    layer_sq_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # REST = -1 included
+    # per layer (REST included), each parameter with a grad and that grad's norm as clip_grad_norm_
+    # takes it (ParamStore.grad_norms): what exact fused clipping is fed with
+    grad_norms: dict[int, dict[nn.Parameter, torch.Tensor]] = field(default_factory=dict)
+    segments: list = field(default_factory=list)  # measured timeline (planner Segments)
+    boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
+    internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
+    max_memory_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
+    # With ``Executor.measure_memory`` (always while profiling): real device bytes, not bookkeeping
+    # (``live_bytes``): per window, the transient working set (its real growth beyond what the
+    # executor tracks); over the step, the real peak.
+    window_work: dict[str, int] = field(default_factory=dict)
+    window_peak_bytes: dict[str, int] = field(default_factory=dict)
+    real_peak_bytes: int = 0
+    # Device bytes of the tensors the block calls receive besides the hidden state (rotary tables,
+    # masks, encoder states; each storage once), kept for the re-runs until the block's backward.
+    call_bytes: int = 0
+    # Note: [partial keep] (engine/partial_keep.py): per partially keeping layer, the matmul outputs it
+    # stored; per locally re-run layer of a profiled step, what a partial keep would store, re-materialise
+    # and spend on its elementwise ops (the profile's measurement)
+    partial_bytes: dict[int, int] = field(default_factory=dict)
+    partial_recompute_bytes: dict[int, int] = field(default_factory=dict)
+    partial_seconds: dict[int, float] = field(default_factory=dict)
+
+    def metrics(self, seconds: float, predicted_seconds: float) -> dict[str, float]:
+        """The ``lazytrain/*`` figures of a step that took ``seconds`` (what the Trainer's strategy
+        logs and the Fabric strategy exposes as ``metrics``)."""
+        compute = sum(s.end - s.start for s in self.segments if s.lane == "compute")
+        out = {
+            "lazytrain/step_seconds": seconds,
+            "lazytrain/predicted_step_seconds": predicted_seconds,
+            "lazytrain/stall_seconds": max(0.0, seconds - compute),
+            "lazytrain/peak_tracked_gb": self.peak_tracked_bytes / 1e9,
+        }
+        for lane, nbytes in self.lane_bytes.items():
+            out[f"lazytrain/{lane}_gb"] = nbytes / 1e9
+        if self.max_memory_allocated is not None:
+            out["lazytrain/max_memory_allocated_gb"] = self.max_memory_allocated / 1e9
+        return out
