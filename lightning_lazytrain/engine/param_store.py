@@ -91,16 +91,15 @@ from torch import nn
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
+from lightning_lazytrain.engine.grad_writeback import REST, WIDEN_CHUNK, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
 
-__all__ = ["REST", "ParamStore", "PendingGrads", "upcast_parameters"]
+__all__ = ["REST", "WIDEN_CHUNK", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 
-REST: Final[int] = -1  # group id of the non-block parameters
 # Every parameter starts at a multiple of ALIGN elements of its packed buffer (256 B in fp32, 128 B
 # in bf16), as a tensor of its own would: CPU GEMM and reduction kernels round differently on
 # misaligned operands, and the streamed training must compute what plain autograd computes.
 ALIGN: Final[int] = 64
-WIDEN_CHUNK: Final[int] = 1 << 20  # elements of the fp32 scratch that widens 16-bit grads (4 MiB)
 
 
 @dataclass(eq=False)
@@ -148,18 +147,7 @@ class _Slot:
     touched: set = field(default_factory=set)  # ids of the _Params a gradient reached since the bind
 
 
-@dataclass(eq=False)
-class PendingGrads:
-    """A gradient D2H in flight (``ParamStore.send_grads``); ``finish_grads`` completes it."""
-
-    layer: int
-    slot: _Slot
-    handle: CopyHandle
-    touched: frozenset = frozenset()  # ids of the _Params that received a gradient
-    part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
-
-
-class ParamStore:
+class ParamStore(GradWriteBack):
     """Host fp32 masters + double-buffered device compute copies of a model's blocks."""
 
     def __init__(
@@ -672,201 +660,6 @@ class ParamStore:
             s.bound = False
             s.free = self.engine.record_compute()
 
-    # ---- gradients -------------------------------------------------------
-    def _ensure_host_grads(self, g: _Group, touched: frozenset | set = frozenset()) -> None:
-        # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
-        # without a host grad gets one (a zeroed view) only when a gradient reached it; the flat
-        # buffer stays zero where no parameter has a grad, so norms of the flat buffer are right.
-        for info in g.params:
-            view, cur = self._host_view(g.grad, info), info.param.grad
-            if cur is None:
-                view.zero_()
-                if id(info) in touched and info.param.requires_grad:
-                    info.param.grad = view
-            elif cur.data_ptr() != view.data_ptr():
-                view.copy_(cur)
-                info.param.grad = view
-
-    def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
-                         param_norms: dict[nn.Parameter, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """D2H the slot's grads, add them into the host fp32 ``.grad`` of the masters.
-
-        Returns the group's squared grad norm (0-dim fp32, of the accumulated
-        host grad) for global-norm clipping, or None with ``norm=False``;
-        ``param_norms`` as in ``finish_grads``.
-        """
-        if layer == REST and len(self._rest_parts) > 1:  # Note: [non-block parts]: part p's
-            # accumulation overlaps part p+1's D2H; the norms come with the last part (every part in)
-            last = len(self._rest_parts) - 1
-            pending = [self.send_grads(layer, slot, part=p) for p in range(last + 1)]
-            for p in range(last):
-                self.finish_grads(pending[p], norm=False, wait=False)
-            return self.finish_grads(pending[last], norm=norm, final=norm, param_norms=param_norms)
-        return self.finish_grads(self.send_grads(layer, slot), norm=norm, param_norms=param_norms)
-
-    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
-        """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``.
-        ``part`` (REST only): that part's range (send parts 0, 1, ... in order)."""
-        s = self._slot(layer, slot)
-        if s.gid != layer:
-            raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
-        lo, hi, infos, index = self._range(layer, part)
-        if not part:
-            grads = self._collect_grads(s)
-            s.prior_accumulated = s.accumulated
-        else:
-            grads = self._ensure_grad_buffers(s)
-        # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
-        # of this slot's previous D2H.
-        h = self.engine.d2h(s.grad_host[lo:hi], grads[lo:hi],
-                            after=[s.prior_accumulated] if s.prior_accumulated else [], tag=f"grad:{index}")
-        s.sending = h
-        touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
-        return PendingGrads(layer, s, h, touched, part)
-
-    def _collect_grads(self, s: _Slot) -> torch.Tensor:
-        """The slot's flat grad buffer with every wrapper's gradient in it."""
-        grads = self._ensure_grad_buffers(s)
-        with torch.no_grad():
-            for info, w in s.wrappers:
-                # Grads that did not land in place: create_graph=True makes
-                # AccumulateGrad replace .grad by (old + new); user code may
-                # have set it to None (= zero).
-                view = self._view(grads, info)
-                if not w.requires_grad or (w.grad is not None and w.grad.data_ptr() == view.data_ptr()):
-                    continue
-                if w.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(w.grad)
-                w.grad = view
-        return grads
-
-    def take_grads(self, pending: PendingGrads) -> tuple[torch.Tensor, frozenset]:
-        """Wait for a ``send_grads`` copy and return it (host, compute dtype) instead of accumulating
-        it, with the parameters it touched; the device grads are zeroed. See ``finish_grads(extra=)``."""
-        g, s = self._group(pending.layer), pending.slot
-        pending.handle.wait()
-        assert s.grads is not None
-        with torch.no_grad():
-            s.grads[: g.numel].zero_()
-            return s.grad_host[: self._host_numel(g)].clone(), pending.touched
-
-    def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
-                     extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True,
-                     param_norms: dict[nn.Parameter, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Accumulate a ``send_grads`` copy into the host fp32 grads once it has landed.
-
-        The accumulation (and the squared norm of the group's accumulated host grad, returned as a
-        0-dim fp32 tensor, or None with ``norm=False``) runs on the host lane (Note: [host lane]);
-        ``wait=False`` returns at once: the result is valid once the engine has synchronised
-        (``wait_host``). ``bind`` with grads makes compute wait for the D2H before it zeroes the
-        slot's device grads for their next use (Note: [grad write-back ordering]).
-
-        With ``norm``, the host lane takes each parameter's norm (``grad_norms``: what
-        ``clip_grad_norm_`` computes per tensor) and the squared group norm from those; a given
-        ``param_norms`` dict is filled with them (replacing its contents) for exact clipping.
-
-        ``final`` (default: ``norm``): the step's last accumulation of this group, handed to
-        ``on_final_grads``.
-
-        ``extra`` (from ``take_grads``): gradients of further uses of the same weights in this
-        backward, summed with these *before* they join the host grad, as autograd sums every use of
-        a leaf before accumulating into its ``.grad``."""
-        g, s = self._group(pending.layer), pending.slot
-        n, layer = self._host_numel(g), pending.layer
-        lo, hi, _, index = self._range(layer, pending.part)
-        if pending.part is None:
-            lo, hi = 0, n  # host coordinates (a sharded group's host buffers hold its shard)
-        if pending.part is not None and extra is not None:
-            raise ValueError("extra gradients join a whole group's D2H, not a part's")
-        touched = pending.touched | (extra[1] if extra is not None else frozenset())
-        out = torch.zeros((), dtype=torch.float32) if norm else None
-
-        def accumulate() -> None:
-            landed = s.grad_host[:n]
-            if extra is not None:
-                landed.add_(extra[0])
-            self.accumulate_host(layer, landed, touched)  # a part's touched holds only its parameters
-            if out is not None:
-                norms = self.grad_norms(layer)
-                out.copy_(sq_sum(norms.values()))
-                if param_norms is not None:
-                    param_norms.clear()
-                    param_norms.update(norms)
-
-        s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
-                                         nbytes=2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes)
-        if out is not None and (norm if final is None else final) and self.on_final_grads is not None:
-            self.on_final_grads(self, layer, s.accumulated, param_norms, out)
-        if wait:
-            s.accumulated.wait()
-        return out
-
-    def grad_norms(self, layer: int) -> dict[nn.Parameter, torch.Tensor]:
-        """Each of the group's parameters that has a ``.grad``, with that gradient's L2 norm exactly
-        as ``clip_grad_norm_`` computes it per tensor (``torch._foreach_norm``, the grad's dtype).
-        Reads the host grads as they are now (call on the host lane or after ``wait_host``)."""
-        g = self._group(layer)
-        params = [info.param for info in g.params if info.param.grad is not None]
-        if not params:
-            return {}
-        with torch.no_grad():
-            return dict(zip(params, torch._foreach_norm([p.grad for p in params], 2.0)))
-
-    def flat_host_grads(self, layer: int, *, wait: bool = True
-                        ) -> tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]:
-        """The group's flat host grad holding every parameter's current ``.grad`` (one set elsewhere
-        is copied in; zero where a parameter has none), and each parameter with its view in it.
-        For whole-group operations such as a gradient all-reduce; after the host lane is done with
-        the group (``wait``: with every group; without, the caller waited for the group's own work)."""
-        g = self._group(layer)
-        if wait:
-            self.wait_host()
-        with torch.no_grad():
-            self._ensure_host_grads(g, {id(i) for i in g.params if i.param.grad is not None})
-        return g.grad, [(i.param, self._host_view(g.grad, i)) for i in g.params]
-
-    def wait_host(self) -> None:
-        """Wait for the host lane's work on every slot (casts, gradient accumulation)."""
-        for s in self._slots:
-            if s.accumulated is not None:
-                s.accumulated.wait()
-
-    def accumulate_host(self, layer: int, grads: torch.Tensor, touched: frozenset | set) -> None:
-        """Add a group's flat gradients (host) into the host ``.grad`` of the parameters ``touched``."""
-        g = self._group(layer)
-        with torch.no_grad():
-            self._ensure_host_grads(g, touched)
-            receiving = [i for i in g.params if id(i) in touched and i.param.requires_grad]
-            if len(receiving) == len(g.params):
-                self._add(g.grad, grads)
-            else:  # only parameters a gradient reached (and that still want one) accumulate
-                for info in receiving:
-                    self._add(self._host_view(g.grad, info), self._host_view(grads, info))
-
-    def _add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst += src``. A 16-bit ``src`` into an fp32 ``dst`` is widened chunk by chunk into a
-        small fp32 scratch first: the same sums bit for bit (widening is exact), ~3x faster on the
-        host than the mixed-dtype kernel."""
-        if src.dtype == dst.dtype:
-            dst.add_(src)
-            return
-        if self._scratch is None or self._scratch.dtype != dst.dtype:
-            self._scratch = torch.empty(WIDEN_CHUNK, dtype=dst.dtype)
-        d, s_ = dst.reshape(-1), src.reshape(-1)
-        for i in range(0, d.numel(), WIDEN_CHUNK):
-            n = min(WIDEN_CHUNK, d.numel() - i)
-            tmp = self._scratch[:n]
-            tmp.copy_(s_[i:i + n])
-            d[i:i + n].add_(tmp)
-
-    def zero_grad(self) -> None:
-        self.wait_host()
-        for g in self._groups.values():
-            g.grad.zero_()
-            self._ensure_host_grads(g)
-
     def close(self) -> None:
         """Finish copies and drop the device buffers; the module keeps its host masters."""
         if any(s.bound for s in self._slots):
@@ -906,12 +699,6 @@ def upcast_parameters(module: nn.Module) -> int:
                     p.grad = p.grad.float()
                 changed += 1
     return changed
-
-
-def sq_sum(norms: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of 0-d norms, in fp32 (0 for none)."""
-    parts = [n.float() for n in norms]
-    return torch.stack(parts).square().sum() if parts else torch.zeros((), dtype=torch.float32)
 
 
 def _follower(pairs: list) -> Any:
