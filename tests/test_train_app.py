@@ -48,6 +48,16 @@ def test_defaults_are_the_main_job():
     assert gpu.trainer.accelerator == "gpu" and gpu.trainer.precision == "bf16-mixed"
 
 
+@pytest.mark.skipif(not HAVE_STRATEGY, reason="lightning_lazytrain.strategy is not importable")
+def test_fp32_masters_reach_the_strategy():
+    from lightning_lazytrain.cli.train import build_strategy
+
+    plain = build_strategy(compose_cfg())
+    assert plain.fp32_masters is False and plain.keep_compute_copy == "auto"
+    s = build_strategy(compose_cfg("strategy.fp32_masters=true", "strategy.keep_compute_copy=false"))
+    assert s.fp32_masters is True and s.keep_compute_copy is False
+
+
 def test_misspelt_key_fails_at_composition():
     with pytest.raises(Exception, match="trainer.max_stepz|max_stepz"):
         compose_cfg("trainer.max_stepz=3")

@@ -123,6 +123,8 @@ class StrategyConfig:
     nvme_dir: Optional[str] = None
     blocks: Optional[str] = None
     emulate_link_gb_per_s: Optional[float] = None
+    fp32_masters: bool = False  # with trainer.precision=bf16-true: fp32 masters, bf16 copies streamed
+    keep_compute_copy: Optional[bool] = None  # fp32_masters: keep the bf16 copies on the host (None: auto)
 
 
 @dataclass
@@ -418,9 +420,11 @@ def build_strategy(cfg: Any) -> Any:
     kwargs["hardware"] = hardware
     if s.policy != "milp" or "policy" not in kwargs:  # keep a registered alias's own policy unless asked
         kwargs["policy"] = s.policy
-    for key in ("gpu_memory_budget_gb", "nvme_dir", "blocks", "emulate_link_gb_per_s"):
+    for key in ("gpu_memory_budget_gb", "nvme_dir", "blocks", "emulate_link_gb_per_s", "keep_compute_copy"):
         if s[key] is not None:
             kwargs[key] = s[key]
+    if s.fp32_masters:
+        kwargs["fp32_masters"] = True
     return entry["strategy"](**kwargs)
 
 
