@@ -477,7 +477,7 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             need = store.host_pinned_bytes + store.host_grad_bytes + 8 * numel + 2 * numel
             want = need <= self._hardware().cpu_memory_bytes
             rank_zero_info(f"lazytrain: 16-bit weight copies {'kept on the host' if want else 'cast per fetch'} "
-                           f"(keep_compute_copy='auto': the host needs ~{need / 1e9:.2f} GB with them)")
+                           f"(keep_compute_copy='auto': the host needs ~{need / 1e9:.3g} GB with them)")
         ex.set_keep_compute_copy(bool(want))
 
     def _set_rest_parts(self) -> None:
