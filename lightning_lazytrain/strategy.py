@@ -360,6 +360,11 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self.fp32_masters and trainer.ckpt_path is not None and not self.restore_checkpoint_after_setup:
+            raise ValueError("LazyTrainStrategy(fp32_masters=True) cannot resume a checkpoint while an on_fit_start "
+                             "hook (of the module or of a callback) is overridden: the checkpoint's fp32 masters "
+                             "would be loaded before setup and rounded by the bf16 conversion. Move that hook's "
+                             "work to on_train_start, or resume without fp32_masters")
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.model = self._setup_model(self.model)

@@ -47,8 +47,10 @@ class StrategyCheckpoints:
         """Sharded data parallel: restore a checkpoint after setup, into the shards, so a resume reads
         each process's rows of the model (``load_sharded(model_rows=True)``), not the whole model on
         every process. Unless a user ``on_fit_start`` (module or callback; it runs between setup and
-        a late restore) could look at the weights: then before setup, whole, as Lightning does."""
-        if not (self.is_distributed and self.data_parallel == "shard"):
+        a late restore) could look at the weights: then before setup, whole, as Lightning does.
+        ``fp32_masters`` too: restored before setup, the fp32 masters would go through the precision
+        plugin's bf16 conversion (``setup`` refuses that case, the weights-reading hook, by name)."""
+        if not ((self.is_distributed and self.data_parallel == "shard") or self.fp32_masters):
             return False
         from lightning.pytorch.utilities.model_helpers import is_overridden
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.strategy import LazyTrainStrategy
-from test_conformance import Net, fit, mixed_plan
+from test_conformance import Net, data, fit, mixed_plan
 
 
 class MasterNet(Net):
@@ -70,3 +70,45 @@ def test_bad_options_are_named():
         LazyTrainStrategy(fp32_masters="yes")
     with pytest.raises(ValueError, match="keep_compute_copy"):
         LazyTrainStrategy(keep_compute_copy="sometimes")
+
+
+def test_fp32_masters_resume_exactly(tmp_path):
+    """A checkpoint holds the fp32 masters; a resume restores them after setup (before it, Lightning's
+    bf16-true conversion would round them): the restored masters are the saved ones, bit for bit."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    first, _ = fit(LazyTrainStrategy(policy="recompute_all", fp32_masters=True), Net(), steps=2,
+                   precision="bf16-true", callbacks_extra=[ckpt], enable_checkpointing=True)
+    path = next(tmp_path.glob("*.ckpt"))
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    # the saved masters carry bits a bf16 round trip would lose
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values() if v.dtype == torch.float32)
+    module = Net()
+    trainer = L.Trainer(strategy=LazyTrainStrategy(policy="recompute_all", fp32_masters=True), accelerator="cpu",
+                        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, precision="bf16-true")
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data(), batch_size=None), ckpt_path=str(path))
+    for (n, p), q in zip(module.named_parameters(), first.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q) and torch.equal(p, saved[n]), n
+
+
+def test_fp32_masters_refuse_a_resume_an_on_fit_start_hook_could_see(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1)
+    fit(LazyTrainStrategy(policy="recompute_all", fp32_masters=True), Net(), steps=1, precision="bf16-true",
+        callbacks_extra=[ckpt], enable_checkpointing=True)
+
+    class Hooked(Net):
+        def on_fit_start(self):
+            pass
+
+    import lightning as L
+
+    trainer = L.Trainer(strategy=LazyTrainStrategy(fp32_masters=True), accelerator="cpu", max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, precision="bf16-true")
+    with pytest.raises(ValueError, match="on_fit_start"):
+        trainer.fit(Hooked(), train_dataloaders=torch.utils.data.DataLoader(
+            [torch.randn(3, 5, 6)] * 4, batch_size=None), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))

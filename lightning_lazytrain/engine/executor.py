@@ -467,6 +467,8 @@ class Executor:
         stream through the recompute slot instead."""
         assert self.params is not None
         if self._micro is not None:
+            if self.schedule.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
+                self.wait_updated(j)  # the pipelined step may still be updating layer j's masters
             self.params.stage(j, RECOMPUTE_SLOT)
             try:
                 with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
