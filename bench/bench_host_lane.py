@@ -53,7 +53,9 @@ class InlineHostEngine(ThreadCopyEngine):
         return self._track(DoneHandle("host"))
 
 
-def run(base, tokens, schedule, inline: bool, keep: bool = False) -> tuple[list[float], float]:
+def run(base, tokens, schedule, inline: bool, keep: bool = False) -> tuple[list[float], float, int]:
+    """Step times (after a warm-up step), the host lane's median busy seconds per step and the casts
+    of the last step."""
     make = executor_module.make_copy_engine
     if inline:
         executor_module.make_copy_engine = lambda device, links=None: InlineHostEngine(links)
@@ -63,8 +65,7 @@ def run(base, tokens, schedule, inline: bool, keep: bool = False) -> tuple[list[
     finally:
         executor_module.make_copy_engine = make
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    times, busy = [], []
-    run.casts = 0
+    times, busy, casts = [], [], 0
     try:
         for _ in range(STEPS + 1):
             t0 = time.perf_counter()
@@ -73,12 +74,28 @@ def run(base, tokens, schedule, inline: bool, keep: bool = False) -> tuple[list[
             ex.end_microbatch()
             times.append(time.perf_counter() - t0)
             busy.append(sum(r.duration for r in ex.engine.records() if r.lane == "host"))
-            run.casts = sum(1 for r in ex.engine.records() if (r.tag or "").startswith("cast"))
+            casts = sum(1 for r in ex.engine.records() if (r.tag or "").startswith("cast"))
             opt.step()
             opt.zero_grad()
     finally:
         ex.close()
-    return times[1:], statistics.median(busy[1:])
+    return times[1:], statistics.median(busy[1:]), casts
+
+
+def compare(name: str, base, tokens, schedule, sides: dict[str, dict], describe) -> None:
+    """Alternating rounds (a drifting machine speed hits both sides alike) of two ``run`` settings
+    (``sides``: label -> keyword arguments, the first the numerator of the ratio)."""
+    (num, num_kw), (den, den_kw) = sides.items()
+    ratios = []
+    for rnd in range(ROUNDS):
+        a = run(base, tokens, schedule, **num_kw)
+        b = run(base, tokens, schedule, **den_kw)
+        ratio = statistics.median(a[0]) / statistics.median(b[0])
+        ratios.append(ratio)
+        print(f"{name} round {rnd + 1}: {describe(num, a)}, {describe(den, b)}: {num} / {den} = {ratio:.3f}",
+              flush=True)
+    print(f"{name}: median {num} / {den} = {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 def main() -> None:
@@ -91,34 +108,15 @@ def main() -> None:
           f"{SPEC.total_params / 1e6:.1f}M params, fp32 masters, bf16 compute, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
     schedules = (("keep_all", keep_all(SPEC.num_layers)), ("megatrain K=4", megatrain(SPEC.num_layers, 4)))
-    if "--copies" in sys.argv:
-        for name, schedule in schedules:
-            ratios = []
-            for rnd in range(ROUNDS):
-                per_fetch, busy_fetch = run(base, tokens, schedule, inline=False)
-                casts_fetch = run.casts
-                kept, busy_kept = run(base, tokens, schedule, inline=False, keep=True)
-                a, b = statistics.median(kept), statistics.median(per_fetch)
-                ratios.append(b / a)
-                print(f"{name} round {rnd + 1}: cast per fetch {b:.3f} s/step (host lane {busy_fetch:.3f} s, "
-                      f"{casts_fetch} casts), kept copies {a:.3f} s/step (host lane {busy_kept:.3f} s, {run.casts} "
-                      f"casts): per fetch / kept = {b / a:.3f}", flush=True)
-            print(f"{name}: median per fetch / kept = {statistics.median(ratios):.3f} "
-                  f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
-        return
     for name, schedule in schedules:
-        ratios = []
-        for rnd in range(ROUNDS):  # alternating, so a drifting machine speed hits both sides alike
-            lane, lane_busy = run(base, tokens, schedule, inline=False)
-            inline, inline_busy = run(base, tokens, schedule, inline=True)
-            a, b = statistics.median(lane), statistics.median(inline)
-            ratios.append(b / a)
-            print(f"{name} round {rnd + 1}: host lane {a:.3f} s/step (host work {lane_busy:.3f} s on its thread), "
-                  f"inline {b:.3f} s/step (host work {inline_busy:.3f} s in the launching thread): "
-                  f"inline / host lane = {b / a:.3f}", flush=True)
-        print(f"{name}: median inline / host lane = {statistics.median(ratios):.3f} "
-              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
-
+        if "--copies" in sys.argv:
+            compare(name, base, tokens, schedule, {"cast per fetch": dict(inline=False),
+                                                   "kept copies": dict(inline=False, keep=True)},
+                    lambda label, r: f"{label} {statistics.median(r[0]):.3f} s/step (host lane {r[1]:.3f} s, "
+                                     f"{r[2]} casts)")
+        else:
+            compare(name, base, tokens, schedule, {"inline": dict(inline=True), "host lane": dict(inline=False)},
+                    lambda label, r: f"{label} {statistics.median(r[0]):.3f} s/step (host work {r[1]:.3f} s)")
 
 if __name__ == "__main__":
     main()

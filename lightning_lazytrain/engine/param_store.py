@@ -529,16 +529,15 @@ class ParamStore(GradWriteBack):
         if g.copy is not None:  # Note: [kept compute copy]
             src, cast = self._from_copy(g, layer, lo, hi, index)
             after.append(cast)
-            s.ready = g.copy_read = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}")
-            s.gid = layer
-            return s.ready
-        if s.cast is not None and g.master.dtype != s.cast.dtype:
+        elif s.cast is not None and g.master.dtype != s.cast.dtype:
             # Cast on the host so only compute-dtype bytes cross the link, on the host lane (Note:
             # [host lane]); the cast buffer may still feed this slot's previous H2D.
             src, master = s.cast[lo:hi], g.master[lo:hi]
             after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
                                           tag=f"cast:{index}", nbytes=master.nbytes + src.nbytes))
         s.ready = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}")
+        if g.copy is not None:
+            g.copy_read = s.ready
         s.gid = layer
         return s.ready
 
@@ -554,15 +553,7 @@ class ParamStore(GradWriteBack):
         if getattr(self, "_slots", None) and any(s.bound for s in self._slots):
             raise RuntimeError("keep_copies() inside bind()")
         self.engine.synchronize()  # no H2D or cast still reads the buffers that go
-        for g in self._groups.values():
-            g.copy, g.copy_read = None, None
-        for s in self._slots:
-            s.cast = None
-        self._copy_cast = {}
-        for arena in (self._copies, self._cast_arena):
-            if arena is not None:
-                arena.release()
-        self._copies = self._cast_arena = None
+        self._release_cast_buffers()
         if not groups:
             return False
         dt = self.compute_dtype
@@ -576,6 +567,18 @@ class ParamStore(GradWriteBack):
         for s in self._slots:
             s.cast = self._cast_arena.take(s.host_numel, dt)
         return False
+
+    def _release_cast_buffers(self) -> None:
+        """Drop the kept copies and the slots' cast buffers (their memory goes with the last view)."""
+        for g in self._groups.values():
+            g.copy, g.copy_read = None, None
+        for s in self._slots:
+            s.cast = None
+        self._copy_cast = {}
+        for arena in (self._copies, self._cast_arena):
+            if arena is not None:
+                arena.release()
+        self._copies = self._cast_arena = None
 
     @property
     def keeps_copies(self) -> bool:
@@ -667,16 +670,11 @@ class ParamStore(GradWriteBack):
         try:
             self.engine.synchronize()
         finally:
+            self._release_cast_buffers()
             for s in self._slots:
                 s.gid, s.ready, s.free, s.sending, s.accumulated, s.wrappers = None, None, None, None, None, []
             self._slots = []
             self._staging_arena.release()  # its memory goes with the last slot view
-            for g in self._groups.values():
-                g.copy, g.copy_read = None, None
-            for arena in (self._copies, self._cast_arena):
-                if arena is not None:
-                    arena.release()
-            self._copies = self._cast_arena = None
             for m, name, device in self._moved_buffers:  # with what training did to them (BatchNorm)
                 if m._buffers.get(name) is not None:
                     m._buffers[name] = m._buffers[name].to(device)
