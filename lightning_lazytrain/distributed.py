@@ -42,6 +42,17 @@ Note: [overlapped all-reduce]
     forwards before one backward); the first job of a step therefore agrees over the ranks whether
     any rank did, and if so every group of that step is averaged at the end instead.
 
+Note: [one sync per step]
+    When every micro-batch writes all of its gradients back to the host (``fp32_masters``, or an
+    ``on_after_backward`` hook: the strategy's full micro-batches), the executor ends a "step" per
+    micro-batch, but with gradient accumulation the replicas' gradients are still averaged once per
+    optimizer step, after its last micro-batch: the strategy sets ``hold`` for the others (no group
+    is handed to the collective thread, ``average_grads`` is not called). That is DDP's ``no_sync``
+    accumulation, as Lightning runs it: each rank sums its micro-batches, then one all-reduce, so
+    a hook sees the rank's own gradients until the last micro-batch and the average after it, as under
+    DDP, and the collective lane moves a step's bytes once, not once per micro-batch. (The sharded
+    mode reduce-scatters every micro-batch, as FSDP does: a rank holds only its shard of the sum.)
+
 Note: [collective bytes]
     ``GradSync.average_grads`` returns (and keeps in ``step_bytes``) what the step's collectives
     moved, per rank, in the planner's unit (``planner.multi.host_allreduce_bytes``): an all-reduce
@@ -96,6 +107,7 @@ class GradSync:
         self.shard_host_group: Any = self.group  # gloo: shard norms, over the ranks of one shard group
         self.shard_device_group: Any = "world"  # the store's all-gathers and reduce-scatters
         self.replica_device_group: Any = None  # the all-reduce of a shard across the shard groups
+        self.shard_grad_group: Any = None  # gloo: the store's overlapped reduce-scatters (engine/shard_grads.py)
         # what the last average_grads moved, per rank (Note: [collective bytes])
         self.step_bytes: dict[str, float] = {"collective": 0.0, "flags": 0.0}
         self.step_seconds = 0.0
@@ -103,6 +115,7 @@ class GradSync:
         self.overlap = False
         self.adhoc_probe: Callable[[], bool] = lambda: False
         self.overlapped: list[int] = []  # groups the last step averaged during its backward
+        self.hold = False  # Note: [one sync per step]: a micro-batch whose gradients are not averaged
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._step_reset()
@@ -126,15 +139,18 @@ class GradSync:
                              "devices per node (the default), or a divisor of devices x num_nodes")
         rank = dist.get_rank()
         self.shard_size, self.shard_rank = shard_size, rank % shard_size
-        if shard_size == world:
-            return
         kw: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+        if shard_size == world:
+            self.shard_grad_group = dist.new_group(backend="gloo", **kw)
+            return
         for start in range(0, world, shard_size):  # shard groups: consecutive ranks
             ranks = list(range(start, start + shard_size))
             device_group = dist.new_group(ranks, **kw)
             host_group = dist.new_group(ranks, backend="gloo", **kw)
+            grad_group = dist.new_group(ranks, backend="gloo", **kw)
             if rank in ranks:
                 self.shard_device_group, self.shard_host_group = device_group, host_group
+                self.shard_grad_group = grad_group
         for r in range(shard_size):  # replica groups: the ranks that own shard r
             ranks = list(range(r, world, shard_size))
             group = dist.new_group(ranks, **kw)
@@ -175,8 +191,8 @@ class GradSync:
 
     def _submit(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
         assert self._queue is not None
-        if params.sharded(layer):  # averaged by its reduce-scatter (engine/shard_store.py)
-            return
+        if params.sharded(layer) or self.hold:  # averaged by its reduce-scatter (engine/shard_store.py),
+            return  # or later in the step (Note: [one sync per step])
         with self._lock:
             self._jobs += 1
             self._idle.clear()

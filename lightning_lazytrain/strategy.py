@@ -343,7 +343,8 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         self.executor = Executor(module, provisional, blocks=stack, device=device,
                                  compute_dtype=compute_dtype, nvme_dir=self.nvme_dir,
                                  links=links, shard_group=self.grad_sync.shard_device_group if shard else None,
-                                 replica_group=self.grad_sync.replica_device_group if shard else None)
+                                 replica_group=self.grad_sync.replica_device_group if shard else None,
+                                 grad_group=self.grad_sync.shard_grad_group if shard else None)
         if hasattr(module, "_device"):  # LightningModule.device: where its computation runs
             module._device = device
         if self.grad_sync is not None:
@@ -549,6 +550,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             store = self._shard_store()
             if store is not None:  # a profiled step's collectives run in line: their times price the plan
                 store.overlap = self.overlap_grad_sync and not ex.profiling  # Note: [overlapped all-gather]
+            if self.grad_sync is not None:  # distributed.py, Note: [one sync per step]
+                self.grad_sync.hold = (self._full_microbatches and self.data_parallel != "shard"
+                                       and not self._last_microbatch())
         if self.lightning_module.automatic_optimization:
             ex.begin_microbatch(first=first, last=last)
         else:
@@ -597,7 +601,8 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             return
         micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
-        if self.grad_sync is not None:  # before the plan, clipping and the optimizer see them
+        if self.grad_sync is not None and not self.grad_sync.hold:  # before the plan, clipping and the
+            # optimizer see them (held: averaged after the step's last micro-batch, Note: [one sync per step])
             assert ex.params is not None
             # the collective lane's bytes, in the planner's unit (distributed.py, Note: [collective bytes])
             stats.lane_bytes["collective"] = self.grad_sync.average_grads(ex.params, stats.grad_norms,

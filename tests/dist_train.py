@@ -16,7 +16,8 @@ every block runs twice before the backward), data_parallel ("replicate" or "shar
 shard_size (LazyTrainStrategy's: processes per shard group), manual (manual optimization: the
 module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
 and steps; the Trainer gets neither accumulation nor a clip value), replan (LazyTrainStrategy's; each
-rank writes replans_rank{r}.json when it re-planned). A resuming rank writes loaded_shapes_rank{r}.json:
+rank writes replans_rank{r}.json when it re-planned), grad_probe (each rank writes probe_rank{r}.json: per
+backward, the gradient norms an ``on_after_backward`` hook saw). A resuming rank writes loaded_shapes_rank{r}.json:
 the shapes of the model tensors its checkpoint load returned.
 """
 
@@ -116,6 +117,19 @@ class RecordBytes(L.Callback):
                           "predicted": predicted_lane_bytes(strategy, self._schedule, trainer.world_size)})
 
 
+class GradProbe(L.Callback):
+    """After every backward (so under lazytrain every micro-batch's gradients reach the host): the
+    norms of a block weight's and the head's gradients as the hook sees them."""
+
+    def __init__(self):
+        self.rows: list[list[float]] = []
+
+    def on_after_backward(self, trainer, pl_module):
+        model = pl_module.model
+        self.rows.append([model.model.layers[1].mlp.down_proj.weight.grad.double().norm().item(),
+                          model.lm_head.weight.grad.double().norm().item()])
+
+
 def predicted_lane_bytes(strategy, schedule, world: int) -> dict[str, float]:
     """The simulator's bytes per lane for one rank: the plan's measured workload and hardware as a
     node of ``world`` ranks in replicate mode (``planner.multi``), ``schedule`` in that mode (shard
@@ -199,6 +213,8 @@ def train(opts: dict) -> Net:
         inject_save_failure(opts["fail_save_rank"], opts["fail_save_at"])
     if opts.get("record_bytes"):
         callbacks.append(RecordBytes(accum))
+    if opts.get("grad_probe"):
+        callbacks.append(GradProbe())
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
                         accumulate_grad_batches=1 if manual else accum,
                         gradient_clip_val=None if manual else opts.get("clip"), logger=False,
@@ -207,6 +223,7 @@ def train(opts: dict) -> Net:
     trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))
     module.byte_rows = next((cb.rows for cb in callbacks if isinstance(cb, RecordBytes)), None)
     module.replans = list(getattr(trainer.strategy, "replans", []))
+    module.probe = next((cb.rows for cb in callbacks if isinstance(cb, GradProbe)), None)
     return module
 
 
@@ -223,6 +240,9 @@ def main() -> None:
     if module.replans:
         with open(os.path.join(out, f"replans_rank{rank}.json"), "w") as f:
             json.dump(module.replans, f)
+    if module.probe is not None:
+        with open(os.path.join(out, f"probe_rank{rank}.json"), "w") as f:
+            json.dump(module.probe, f)
     if module.byte_rows is not None:
         with open(os.path.join(out, f"bytes_rank{rank}.json"), "w") as f:
             json.dump(module.byte_rows, f)

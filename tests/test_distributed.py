@@ -97,6 +97,32 @@ def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, p
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
+def test_a_hook_after_backward_sees_what_it_sees_under_ddp(tmp_path):
+    """distributed.py, Note: [one sync per step]: an ``on_after_backward`` hook makes every micro-batch
+    write its gradients back; with accumulation 2 the hook still sees each rank's own gradients after
+    the first micro-batch and their average after the last, as under DDP (``no_sync``), and the run
+    is DDP's bit for bit."""
+    common = dict(batch=2, steps=2, accum=2, clip=0.5, same_init=False, grad_probe=True)
+    (tmp_path / "lazy").mkdir()
+    (tmp_path / "ddp").mkdir()
+    for run in (launch(tmp_path / "lazy", policy="megatrain", **common),
+                launch(tmp_path / "ddp", strategy="auto", **common)):
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    probes = {k: [json.loads((tmp_path / k / f"probe_rank{r}.json").read_text()) for r in range(2)]
+              for k in ("lazy", "ddp")}
+    for r in range(2):
+        assert len(probes["lazy"][r]) == 4
+        torch.testing.assert_close(torch.tensor(probes["lazy"][r]), torch.tensor(probes["ddp"][r]),
+                                   rtol=1e-6, atol=0.0)
+    assert probes["ddp"][0][0] != probes["ddp"][1][0]  # first micro-batch: each rank's own
+    assert probes["ddp"][0][1] == probes["ddp"][1][1]  # last: the average
+    losses, weights = outputs(tmp_path / "lazy")
+    ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    assert losses == ddp_losses
+    for name, value in ddp_weights.items():
+        assert torch.equal(weights[name], value), name
+
+
 def test_a_second_pass_through_the_blocks_averages_after_the_backward(tmp_path):
     """Two forwards before one backward (every block runs an ad-hoc second pass, whose gradients
     reach the host after its planned ones): the overlapped all-reduce would miss them, so the ranks

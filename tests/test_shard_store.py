@@ -99,6 +99,55 @@ def tied_checkpoint(rank: int, out: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in m.state_dict().items()}
 
 
+RS_DELAY = 0.25  # seconds each reduce-scatter is held back in the overlap scenarios
+
+
+def reduce_scatter_held_back(overlap: bool, fail: bool = False) -> dict:
+    """One micro-batch whose every reduce-scatter first sleeps ``RS_DELAY`` (``fail``: raises instead):
+    the seconds the launching thread spent in ``send_grads``, how many it made, and the error if any
+    (Note: [overlapped reduce-scatter])."""
+    import time
+
+    import torch.distributed as dist
+
+    real = dist.reduce_scatter_tensor
+
+    def held_back(*args, **kwargs):
+        if fail:
+            raise RuntimeError("injected reduce-scatter failure")
+        time.sleep(RS_DELAY)
+        return real(*args, **kwargs)
+
+    m = model()
+    ex = Executor(m, recompute_all(4), shard_group="world")
+    ex.params.overlap = overlap
+    store_send, spent = ex.params.send_grads, []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return store_send(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    ex.params.send_grads = timed
+    dist.reduce_scatter_tensor = held_back
+    error = None
+    try:
+        ex.begin_microbatch()
+        m.loss(data()[:2]).backward()
+        ex.end_microbatch()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        dist.reduce_scatter_tensor = real
+    if error is None:
+        ex.close()
+    else:
+        dist.barrier()  # both ranks failed alike; nothing more to gather
+    return {"seconds": sum(spent), "calls": len(spent), "error": error}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -117,6 +166,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         results["rebuild"] = train(model(), data()[2 * rank: 2 * rank + 2], keep_all(4), shard=True, world=2,
                                    switch_to=RESIDENT)
         results["tied_checkpoint"] = tied_checkpoint(rank, out)
+        results["held_back"] = {o: reduce_scatter_held_back(o) for o in (True, False)}
+        results["rs_failed"] = reduce_scatter_held_back(True, fail=True)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -168,6 +219,26 @@ def test_the_overlapped_all_gather_is_bit_identical_to_the_in_line_one(two_ranks
         assert overlapped == in_line
         assert all(torch.equal(v, w_line["state"][k]) for k, v in w_over["state"].items())
         assert bytes_over == bytes_line
+
+
+def test_the_launching_thread_does_not_wait_for_the_reduce_scatters(two_ranks):
+    """Note: [overlapped reduce-scatter]: with every reduce-scatter held back RS_DELAY, the backward's
+    send_grads calls return at once (the collectives run on the store's gradient lane); in line (a
+    profiled step) each waits for its collective."""
+    for r in range(2):
+        over, line = two_ranks[r]["held_back"][True], two_ranks[r]["held_back"][False]
+        assert over["error"] is None and line["error"] is None
+        assert over["calls"] == line["calls"] == 5  # four blocks and the non-block group
+        assert line["seconds"] >= 5 * RS_DELAY
+        assert over["seconds"] < RS_DELAY, over
+
+
+def test_a_failed_reduce_scatter_fails_the_step_with_its_cause(two_ranks):
+    """An error in an overlapped collective reaches the launching thread when the step ends (no hang,
+    no silent zero gradient), naming its cause."""
+    for r in range(2):
+        error = two_ranks[r]["rs_failed"]["error"]
+        assert error is not None and "injected reduce-scatter failure" in error, error
 
 
 @pytest.mark.parametrize("name", [*SCHEDULES, "rebuild"])

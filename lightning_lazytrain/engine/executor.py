@@ -67,7 +67,8 @@ class Executor:
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
                  wait_updated: Callable[[int], None] | None = None, nvme_required_bytes: int = 0,
-                 shard_group: Any = None, replica_group: Any = None, keep_compute_copy: bool = False) -> None:
+                 shard_group: Any = None, replica_group: Any = None, grad_group: Any = None,
+                 keep_compute_copy: bool = False) -> None:
         self.module = module
         # 16-bit compute copies of fp32 masters cast once per micro-batch and kept on the host
         # (param_store's Note: [kept compute copy]); kept across set_schedule
@@ -99,6 +100,13 @@ class Executor:
         # block's host state ("world": the default group); None: this process holds all of it
         self.shard_group = shard_group
         self.replica_group = replica_group  # Note: [hybrid sharding] (distributed.py)
+        # gloo, over the shard group's ranks: the overlapped reduce-scatters' (shard_grads.py); with
+        # the "world" group on CPU devices made here, once, by every rank, when not given
+        self.grad_group = grad_group
+        if shard_group == "world" and grad_group is None and self.device.type != "cuda":
+            import torch.distributed as dist
+
+            self.grad_group = dist.new_group(backend="gloo")
         self.set_schedule(schedule)
         self._install()
 
@@ -132,6 +140,7 @@ class Executor:
                 self.params = ShardedParamStore(self.module, self.stack, self.device, self.compute_dtype,
                                                 self.engine, num_slots=slots, lazy_slots=range(2, slots),
                                                 group=group, replica_group=self.replica_group,
+                                                grad_group=self.grad_group,
                                                 keep_copies=self.keep_compute_copy)
             self.params.on_final_grads = hook
             if self.rest_parts:

@@ -7,7 +7,7 @@ param_store.py), with each parameter's norm for exact clipping; ad-hoc passes' g
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -34,6 +34,13 @@ class PendingGrads:
     handle: CopyHandle
     touched: frozenset = frozenset()  # ids of the _Params that received a gradient
     part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
+    # or, when that is known only once the copy is in (a sharded group: the union over the ranks,
+    # shard_grads.py), a function giving it, called after ``handle`` is done
+    resolve: Callable[[], frozenset] | None = None
+
+    def touched_ids(self) -> frozenset:
+        """``touched`` (after ``handle`` is done when ``resolve`` is set)."""
+        return self.resolve() if self.resolve is not None else self.touched
 
 
 class GradWriteBack:
@@ -116,7 +123,7 @@ class GradWriteBack:
         assert s.grads is not None
         with torch.no_grad():
             s.grads[: g.numel].zero_()
-            return s.grad_host[: self._host_numel(g)].clone(), pending.touched
+            return s.grad_host[: self._host_numel(g)].clone(), pending.touched_ids()
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
                      extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True,
@@ -146,10 +153,10 @@ class GradWriteBack:
             lo, hi = 0, n  # host coordinates (a sharded group's host buffers hold its shard)
         if pending.part is not None and extra is not None:
             raise ValueError("extra gradients join a whole group's D2H, not a part's")
-        touched = pending.touched | (extra[1] if extra is not None else frozenset())
         out = torch.zeros((), dtype=torch.float32) if norm else None
 
         def accumulate() -> None:
+            touched = pending.touched_ids() | (extra[1] if extra is not None else frozenset())
             landed = s.grad_host[:n]
             if extra is not None:
                 landed.add_(extra[0])

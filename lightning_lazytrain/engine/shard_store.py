@@ -12,7 +12,9 @@ the ranks' shards on the devices into a rank-major buffer, and a copy-out into t
 ``send_grads`` (any group): the slot's gradients copied into rank-major order, a reduce-scatter (sum),
 divided by the world size (DDP's average), one D2H of this rank's shard; ``finish_grads`` then
 accumulates it into the shard's host ``.grad`` on the host lane as for any group. Which parameters a
-gradient reached is the union over the ranks (one small all-reduce of flags), as under DDP.
+gradient reached is the union over the ranks (one small all-reduce of flags), as under DDP. These
+collectives run off the launching thread, and the D2H waits for them (Note: [overlapped
+reduce-scatter] in shard_grads.py); in line with ``overlap=False``.
 
 Note: [overlapped all-gather]
     The collectives are issued on the calling thread in program order (every rank stages and sends
@@ -25,8 +27,9 @@ Note: [overlapped all-gather]
     prefetch (stage layer j+1, compute layer j) overlaps the all-gather with compute, as the plan's
     collective lane has it. With ``overlap=False`` (the strategy sets it for a profiled step, whose
     collective times price the plan's collective lane) the all-gather runs to completion in
-    ``stage``. Either way the same collective fills the slot: bit-identical. The reduce-scatter still
-    runs in line (its D2H needs its result).
+    ``stage``. Either way the same collective fills the slot: bit-identical. The all-gathers are the
+    only collectives the launching thread issues on gloo during a step: the gradients' run on a group
+    of their own (shard_grads.py).
 
 Clip norms from ``grad_norms`` are per shard; the strategy sums their squares over the shard group
 (``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``). With a ``replica_group`` (Note:
@@ -46,6 +49,7 @@ import torch.distributed as dist
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads, _Param
+from lightning_lazytrain.engine.shard_grads import ShardGradLane
 from lightning_lazytrain.engine.shard_layout import ShardLayout
 
 __all__ = ["ShardedParamStore"]
@@ -99,7 +103,8 @@ class _Gathered(CopyHandle):
 class ShardedParamStore(ParamStore):
     """``ParamStore`` with every block's host state sharded over ``group`` (default: the world)."""
 
-    def __init__(self, *args: Any, group: Any = None, replica_group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any = None, replica_group: Any = None, grad_group: Any = None,
+                 **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedParamStore needs an initialised torch.distributed process group")
         self.group = group
@@ -114,6 +119,8 @@ class ShardedParamStore(ParamStore):
         self._stream: Any = None  # CUDA: the all-gathers' stream (_collective_stream)
         self._since = (0, 0.0)  # take_collective's last reading
         super().__init__(*args, **kwargs)
+        # Note: [overlapped reduce-scatter] (shard_grads.py); ``grad_group``: gloo, over the ranks of ``group``
+        self._grad_lane = ShardGradLane(self.device, group, grad_group, replica_group, self.world * self.replicas)
 
     def _device_sync(self) -> None:
         """CUDA, collectives in line (``overlap`` off: a profiled step, whose collective times price the
@@ -234,30 +241,38 @@ class ShardedParamStore(ParamStore):
             rank_major = torch.empty(layout.gathered_numel, dtype=dt, device=grads.device)
             layout.scatter_into(grads[: g.numel], rank_major)
             mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
-            self._device_sync()  # (CUDA, in line) what is queued before is not the collective's time
-            t0 = time.perf_counter()
-            dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
-            if self.replica_group is not None:  # the same shard's sum over the other shard groups
-                dist.all_reduce(mine, group=self.replica_group)
-            self._device_sync()
-            self.collective_seconds += time.perf_counter() - t0
-            mine.div_(self.world * self.replicas)  # DDP's average over every rank
+        flags = torch.tensor([id(info) in s.touched for info in g.params], dtype=torch.int32)
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
         # a ring all-reduce sends 2 (R-1)/R of the buffer (Note: [collective bytes] in distributed.py)
         self.collective_bytes["replica"] += 2 * (self.replicas - 1) / self.replicas * mine.nbytes
-        touched = self._touched_anywhere(g, s.touched)
-        h = self.engine.d2h(s.grad_host[: layout.shard_numel], mine,
-                            after=[s.accumulated] if s.accumulated else [], tag=f"grad:{layer}")
+        after = [s.accumulated] if s.accumulated else []
+        if self.overlap:  # Note: [overlapped reduce-scatter]: the launching thread goes on at once
+            reduced, read_flags = self._grad_lane.submit(rank_major, mine, flags)
+            after.append(reduced)
+        else:  # in line (a profiled step): its time is the collectives' own
+            self._reduce_in_line(rank_major, mine, flags)
+            read_flags = flags.tolist
+        h = self.engine.d2h(s.grad_host[: layout.shard_numel], mine, after=after, tag=f"grad:{layer}")
         s.sending = h
-        return PendingGrads(layer, s, h, touched)
+        params = g.params
+        return PendingGrads(layer, s, h, resolve=lambda: frozenset(id(i) for i, f in zip(params, read_flags()) if f))
 
-    def _touched_anywhere(self, g: Any, touched: set) -> frozenset:
-        """The parameters of ``g`` a gradient reached on any rank (DDP averages every rank's)."""
-        flags = torch.tensor([id(info) in touched for info in g.params], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flags, group=self.group)
-        if self.replica_group is not None:
-            dist.all_reduce(flags, group=self.replica_group)
-        return frozenset(id(info) for info, f in zip(g.params, flags.tolist()) if f)
+    def _reduce_in_line(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor) -> None:
+        """The gradient collectives of ``send_grads`` on the launching thread (they price the plan's
+        collective lane in a profiled step); the arithmetic of Note: [overlapped reduce-scatter]."""
+        with torch.no_grad():
+            flags_dev = flags.to(self.device)
+            self._device_sync()  # (CUDA) what is queued before is not the collective's time
+            t0 = time.perf_counter()
+            dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
+            dist.all_reduce(flags_dev, group=self.group)
+            if self.replica_group is not None:  # the same shard's sum over the other shard groups
+                dist.all_reduce(mine, group=self.replica_group)
+                dist.all_reduce(flags_dev, group=self.replica_group)
+            self._device_sync()
+            self.collective_seconds += time.perf_counter() - t0
+            mine.div_(self.world * self.replicas)  # DDP's average over every rank
+            flags.copy_(flags_dev)
 
     # ---- end ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -268,7 +283,8 @@ class ShardedParamStore(ParamStore):
             for s in self._slots:  # all-gathers still in flight (staged, not bound)
                 if isinstance(s.ready, _Gathered):
                     s.ready.wait()
-            self.engine.synchronize()
+            self.engine.synchronize()  # every gradient D2H, so every reduce-scatter, is done
+            self._grad_lane.close()
             with torch.no_grad():
                 for gid, layout in self._layouts.items():
                     g = self._group(gid)
@@ -278,6 +294,7 @@ class ShardedParamStore(ParamStore):
                     for info, has in zip(g.params, had_grad):
                         info.param.data = self._view(full, info)
                         info.param.grad = self._view(grads, info) if has and grads is not None else None
+        self._grad_lane.close()
         super().close()
 
     def _gather_full(self, shard_flat: torch.Tensor, layout: ShardLayout, numel: int) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""The gradient collectives of a sharded store (engine/shard_store.py), off the launching thread.
+
+Note: [overlapped reduce-scatter]
+    A sharded block's gradients are summed over the ranks by a reduce-scatter (and, with hybrid
+    sharding, an all-reduce of the shard over the replica group), divided by the world size, and the
+    ranks' "a gradient reached this parameter" flags are OR-ed; only then can the shard's D2H start.
+    The plan prices these on the collective lane beside compute, so the launching thread must not
+    wait for them. ``ShardGradLane.submit`` starts them and returns a handle the shard's D2H takes as
+    ``after=`` and a function that reads the flags (called on the host lane, once the D2H is in).
+
+    Every rank must issue the collectives of one group in the same order, and NCCL asks the same of
+    operations on different communicators (they may deadlock otherwise). Hence, per backend:
+
+    - gloo (CPU devices): a collective blocks its caller, so a FIFO thread of the lane's own runs
+      the jobs in submission order -- the schedule's order, the same on every rank -- on a gloo group
+      of their own (``grad_group``: the launching thread's all-gathers on the store's group never
+      interleave with them) and on the replica group, which only this thread uses then. A failed
+      job fails every later one at once (no rank waits out a timeout per layer) and its error
+      reaches the D2H, the accumulation and ``wait_host``.
+    - NCCL (CUDA): collectives do not block the host, so they are issued from the launching thread,
+      in program order, like the all-gathers: the reduce-scatter while compute is the current stream
+      (NCCL orders it after the layer's backward), the rest on a side stream that waits for it (so
+      compute never waits for a collective); the flags come back through a pinned buffer and an
+      event. Not yet run on a GPU (the device kit's ``distributed`` stage runs it at world size 1).
+
+    Per element the arithmetic is the in-line path's (the same collectives on the same buffers, one
+    division), so an overlapped step is bit-identical to an in-line one (tested).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_lazytrain.engine.copy_engine import CopyHandle, ThreadHandle
+
+__all__ = ["ShardGradLane"]
+
+
+class ShardGradLane:
+    """Issues a sharded store's gradient collectives so the launching thread never waits for them."""
+
+    def __init__(self, device: torch.device, group: Any, grad_group: Any, replica_group: Any, divisor: int) -> None:
+        self.device, self.group, self.grad_group, self.replica_group = device, group, grad_group, replica_group
+        self.divisor = divisor  # every rank (shard group x replicas): DDP's average
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._side: Any = None  # CUDA: the stream the replica all-reduce, division and flags run on
+
+    def submit(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor
+               ) -> tuple[CopyHandle, Callable[[], list[int]]]:
+        """Reduce-scatter ``rank_major`` into ``mine`` (summed over every rank, divided by their
+        number) and OR ``flags`` (int32, one per parameter) over the ranks. Returns the handle the
+        D2H of ``mine`` waits for, and a function giving the combined flags once that handle is done."""
+        if self.device.type == "cuda":
+            return self._issue_cuda(rank_major, mine, flags)
+        if self.grad_group is None:
+            raise RuntimeError("an overlapped reduce-scatter on gloo needs a process group of its own (grad_group)")
+        handle = ThreadHandle("d2h", mine.nbytes)
+        out: list[list[int]] = []
+
+        def job() -> None:
+            dist.reduce_scatter_tensor(mine, rank_major, group=self.grad_group)
+            dist.all_reduce(flags, group=self.grad_group)
+            if self.replica_group is not None:  # the same shard's sum over the other shard groups
+                dist.all_reduce(mine, group=self.replica_group)
+                dist.all_reduce(flags, group=self.replica_group)
+            mine.div_(self.divisor)
+            out.append(flags.tolist())
+
+        self._start()
+        assert self._queue is not None
+        self._queue.put((handle, job))
+        return handle, lambda: out[0]
+
+    def _issue_cuda(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor
+                    ) -> tuple[CopyHandle, Callable[[], list[int]]]:
+        from lightning_lazytrain.engine.copy_cuda import CudaHandle
+
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        flags_dev = flags.to(self.device, non_blocking=True)
+        # issued with compute current: NCCL orders the reduce-scatter after this layer's backward
+        work = dist.reduce_scatter_tensor(mine, rank_major, group=self.group, async_op=True)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))  # the flags' copy above
+        with torch.cuda.stream(self._side):
+            work.wait()  # the side stream (not compute) waits for the reduce-scatter
+            flag_work = dist.all_reduce(flags_dev, group=self.group, async_op=True)
+            if self.replica_group is not None:
+                dist.all_reduce(mine, group=self.replica_group, async_op=True).wait()
+            flag_work.wait()
+            if self.replica_group is not None:
+                dist.all_reduce(flags_dev, group=self.replica_group, async_op=True).wait()
+            mine.div_(self.divisor)
+            host.copy_(flags_dev, non_blocking=True)
+            for t in (mine, rank_major, flags_dev):
+                t.record_stream(self._side)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        handle = CudaHandle("d2h", mine.nbytes, (), consumer=None, tag="reduce")
+        handle._set_dispatched(None, done)
+
+        def read() -> list[int]:
+            done.synchronize()
+            return host.tolist()
+
+        return handle, read
+
+    # ---- the gloo thread ------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="lazytrain-reduce", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, job = item
+            del item
+            if self._error is not None:  # a rank failed: later jobs fail at once, no collective waits
+                handle._finish(self._error)
+                continue
+            try:
+                with torch.no_grad():
+                    job()
+            except BaseException as err:  # noqa: BLE001 - delivered through the handle
+                self._error = err
+                handle._finish(err)
+            else:
+                handle._finish()
+            del handle, job
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the thread (a daemon: a failed rank never waits for it)."""
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+        self._thread, self._queue = None, None
