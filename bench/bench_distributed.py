@@ -9,8 +9,9 @@ SGD with momentum, the MILP plan. Each configuration runs in its own processes: 
 (each group's host gradients averaged on a collective thread as soon as the backward finished them; the
 plan is made for the planner's ``replicate_overlap`` mode), ``False`` (every group after the backward:
 ``replicate``), and ``data_parallel="shard"`` (each rank holds half of every group's host state; the plan
-is the ``shard`` mode's) with each block's all-gather overlapping the previous block's compute
-(``shard``) or in line (``shard_in_line``: ``overlap_grad_sync=False``); the reduce-scatters run in line. Also per rank: the host
+is the ``shard`` mode's) with each block's all-gather overlapping the previous block's compute and its
+reduce-scatter off the launching thread (``shard``), or both in line (``shard_in_line``:
+``overlap_grad_sync=False``). Also per rank: the host
 bytes of the parameter store (masters, staging, gradients) and of the optimizer's states. Per configuration: the median step time of rank 0 over the steps after the planned one,
 and the plan's prediction (the rank's measured workload with every group's all-reduce at the bandwidth
 the profiled step's all-reduces achieved). Both ranks share the machine's two cores, so compute, copy
@@ -130,7 +131,7 @@ def main() -> None:
     predicted = ", ".join(f"{b['replicate'] / b['replicate_overlap']:.3f}x" for b in both)
     print(f"measured speed-up of the overlap: {med['serial'] / med['overlap']:.3f}x; predicted from one run's "
           f"workload and bandwidth: {predicted}")
-    print(f"shard: overlapped all-gather vs in line {med['shard_in_line'] / med['shard']:.3f}x")
+    print(f"shard: overlapped all-gathers and reduce-scatters vs in line {med['shard_in_line'] / med['shard']:.3f}x")
     print(f"shard / overlapped replicate: step time {med['shard'] / med['overlap']:.3f}x, host state per rank "
           f"{(rows['shard']['host_bytes'] + rows['shard']['opt_bytes']) / (rows['overlap']['host_bytes'] + rows['overlap']['opt_bytes']):.3f}x"
           f"  ({time.time() - t0:.0f} s)")
