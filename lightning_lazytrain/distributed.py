@@ -64,9 +64,10 @@ Note: [collective bytes]
     group's numel), so ``step_bytes["collective"]`` -- one all-reduce per group, the schedule's
     ``collective allreduce`` ops in T -- equals the simulator's ``lane_bytes["collective"]`` for the
     rank's workload (``multi.rank_workload(wl, hw, "replicate")``) exactly, with fp32 masters
-    (``32-true`` and the mixed precisions). With 16-bit masters (``bf16-true``) the gradient is
-    16-bit and the planner, which prices host gradients in fp32 (``HOST_GRAD_BYTES``), counts twice
-    the bytes. Not counted on the collective lane (``step_bytes["flags"]``): the exchange of
+    (``32-true``, the mixed precisions, ``fp32_masters``). With 16-bit masters (``bf16-true``) the host
+    gradient is 16-bit: the analytic planner prices host gradients in fp32 (``HOST_GRAD_BYTES``), the
+    running job's plan (``multi.measured_rank_workload(grad_element_bytes=)``) in the host
+    gradients' own dtype. Not counted on the collective lane (``step_bytes["flags"]``): the exchange of
     "has a gradient" flags before each group's all-reduce (one int32 per parameter tensor, MAX), control data of
     O(tensors), not O(parameters), which the planner does not model.
 """

@@ -154,7 +154,11 @@ class StrategyPlanning:
         # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
         # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
         mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
-        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode)
+        ex = self.executor
+        assert ex is not None and ex.params is not None
+        host_grad = ex.params.grad_flat(REST_GROUP).element_size()  # the host gradients' dtype (the masters')
+        return measured_rank_workload(wl, self.world_size, max(1, self.world_size // self.num_nodes), bandwidth, mode,
+                                      grad_element_bytes=host_grad)
 
     def _hardware(self) -> Hardware:
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan

@@ -16,7 +16,7 @@ every block runs twice before the backward), data_parallel ("replicate" or "shar
 shard_size (LazyTrainStrategy's: processes per shard group), manual (manual optimization: the
 module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
 and steps; the Trainer gets neither accumulation nor a clip value), replan (LazyTrainStrategy's; each
-rank writes replans_rank{r}.json when it re-planned), grad_probe (each rank writes probe_rank{r}.json: per
+rank writes replans_rank{r}.json when it re-planned), precision (the Trainer's), fp32_masters (LazyTrainStrategy's), grad_probe (each rank writes probe_rank{r}.json: per
 backward, the gradient norms an ``on_after_backward`` hook saw). A resuming rank writes loaded_shapes_rank{r}.json:
 the shapes of the model tensors its checkpoint load returned.
 """
@@ -186,7 +186,8 @@ def train(opts: dict) -> Net:
                                      checkpoint_format=opts.get("checkpoint_format", "sharded"),
                                      overlap_grad_sync=opts.get("overlap", True),
                                      data_parallel=opts.get("data_parallel", "replicate"),
-                                     shard_size=opts.get("shard_size"), replan=opts.get("replan", True))
+                                     shard_size=opts.get("shard_size"), replan=opts.get("replan", True),
+                                     fp32_masters=opts.get("fp32_masters", False))
     else:
         strategy = "auto"
     manual = opts.get("manual", False)
@@ -219,7 +220,8 @@ def train(opts: dict) -> Net:
                         accumulate_grad_batches=1 if manual else accum,
                         gradient_clip_val=None if manual else opts.get("clip"), logger=False,
                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
+                        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+                        precision=opts.get("precision", "32-true"))
     trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))
     module.byte_rows = next((cb.rows for cb in callbacks if isinstance(cb, RecordBytes)), None)
     module.replans = list(getattr(trainer.strategy, "replans", []))

@@ -296,6 +296,26 @@ def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, 
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
+def test_sharded_16_bit_compute_moves_the_bytes_the_plan_predicts(tmp_path):
+    """``bf16-true`` with ``fp32_masters`` in the sharded mode: bf16 shards cross the links and are
+    all-gathered, the gradients are widened to fp32 before the reduce-scatter and land as fp32
+    shards; each rank's bytes per lane equal the simulator's for the plan's workload (the landed
+    gradients priced at 4 bytes: ``LayerWork.grad_widen``), and the run trains."""
+    run = launch(tmp_path, batch=2, steps=3, policy="milp", data_parallel="shard", record_bytes=True,
+                 precision="bf16-true", fp32_masters=True, same_init=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    for r in range(2):
+        rows = json.loads((tmp_path / f"bytes_rank{r}.json").read_text())
+        assert len(rows) == 3
+        for row in rows:
+            for lane in ("h2d", "d2h", "collective"):
+                assert row["measured"].get(lane, 0.0) > 0, (r, row["step"], lane)
+                assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), \
+                    (r, row["step"], lane, row)
+    losses = outputs(tmp_path)[0]
+    assert all(torch.isfinite(torch.tensor(x)).all() for x in losses)
+
+
 def test_sharded_ranks_train_manual_optimization_as_one_rank_with_twice_the_batch(tmp_path):
     """Manual optimization in the sharded mode: ``manual_backward`` of every batch (each a full
     micro-batch: its gradients reduce-scattered into the host shards), manual accumulation over two

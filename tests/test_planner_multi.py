@@ -262,3 +262,48 @@ def test_a_running_jobs_rank_workload_prices_the_measured_all_reduce():
     assert measured_rank_workload(wl, 1, 1, 2e9) is wl
     with pytest.raises(InvalidInput):
         measured_rank_workload(wl, 2, 2, 2e9, "shard")
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_widened_shard_gradients_are_priced_alike_by_the_milp_and_the_simulator(seed):
+    """A sharded run with 16-bit compute lands its gradients widened to the masters' dtype
+    (``measured_shard_workload(reduce_element_bytes=4)`` of a 2-byte measured workload: ``grad_widen``
+    2): each gradient copy moves twice the bytes of a 2-byte landing, in the simulator and in the
+    MILP's window times on every schedule."""
+    import pyomo.environ as pyo
+
+    from lightning_lazytrain.planner.multi import measured_shard_workload
+
+    rng = random.Random(seed)
+    wl, hw, nvme = random_instance(rng, 3)
+    wl = replace(wl, nonblock_parts=())
+    shard = [-(-layer.params // 2) for layer in wl.layers]
+    args = (wl, 2, 2, shard, -(-wl.nonblock_params // 2), hw.h2d_bytes_per_s)
+    narrow = measured_shard_workload(*args, gather_element_bytes=2, reduce_element_bytes=2)
+    wide = measured_shard_workload(*args, gather_element_bytes=2, reduce_element_bytes=4)
+    assert {layer.grad_widen for layer in wide.layers} == {2.0} and wide.nonblock_grad_widen == 2.0
+    plain = replace(recompute_all(3), data_parallel="shard")  # nothing else crosses d2h
+    assert simulate(plain, wide, hw, check=False).lane_bytes["d2h"] == pytest.approx(
+        2 * simulate(plain, narrow, hw, check=False).lane_bytes["d2h"], rel=1e-12)
+    model = ScheduleModel(wide, hw, MilpOptions())
+    n = 0
+    for s in milp_space(wide.num_layers, nvme=nvme, pipelined=None):
+        s = replace(s, data_parallel="shard")
+        model.seed_from(s)
+        sim = simulate(s, wide, hw, check=False)
+        assert pyo.value(model.iteration_time()) == pytest.approx(sim.iteration_seconds, rel=1e-9), s
+        n += 1
+    assert n > 10
+
+
+def test_a_running_jobs_16_bit_host_gradients_are_all_reduced_at_their_size():
+    """``measured_rank_workload(grad_element_bytes=2)`` (16-bit masters): each group's all-reduce
+    moves half the bytes of fp32 host gradients."""
+    from lightning_lazytrain.planner.multi import host_allreduce_bytes, measured_rank_workload
+
+    wl, _, _ = _multi_instance(0, "replicate")
+    wl = replace(wl, data_parallel="none", ranks=1, ranks_per_node=1)
+    half = measured_rank_workload(wl, 4, 4, 2e9, grad_element_bytes=2)
+    for mine, theirs in zip(half.layers, wl.layers):
+        assert mine.allreduce_bytes == host_allreduce_bytes(theirs.params * 2, 4)
+    assert half.nonblock_allreduce_bytes == host_allreduce_bytes(wl.nonblock_params * 2, 4)

@@ -113,7 +113,7 @@ class ScheduleModel:
         # per layer: seconds over this rank's host link (link_fraction of the bytes; 1 on one GPU), and the
         # collective lane's all-gather / reduce-scatter / host all-reduce (0 on one GPU); index L: none
         self.p_s = [l.param_bytes * l.link_fraction / hw.h2d_bytes_per_s for l in wl.layers] + [0.0]
-        self.g_s = [l.grad_bytes * l.link_fraction / hw.d2h_bytes_per_s for l in wl.layers] + [0.0]
+        self.g_s = [l.grad_bytes * l.link_fraction * l.grad_widen / hw.d2h_bytes_per_s for l in wl.layers] + [0.0]
         shard, overlap = self.dp == "shard", self.dp == "replicate_overlap"
         self.gth = [l.gather_seconds if shard else 0.0 for l in wl.layers] + [0.0]
         self.rs = [l.reduce_seconds if shard else 0.0 for l in wl.layers] + [0.0]

@@ -80,9 +80,11 @@ def host_allreduce_bytes(nbytes: float, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * nbytes
 
 
-def _host_allreduce(params: int, world_size: int, bytes_per_s: float) -> tuple[float, float]:
-    """(seconds, bytes) of one group's host all-reduce: its fp32 gradient over ``world_size`` ranks."""
-    nbytes = host_allreduce_bytes(params * HOST_GRAD_BYTES, world_size)
+def _host_allreduce(params: int, world_size: int, bytes_per_s: float,
+                    element_bytes: float = HOST_GRAD_BYTES) -> tuple[float, float]:
+    """(seconds, bytes) of one group's host all-reduce: its host gradient (fp32 unless told) over
+    ``world_size`` ranks."""
+    nbytes = host_allreduce_bytes(params * element_bytes, world_size)
     return nbytes / bytes_per_s, nbytes
 
 
@@ -162,11 +164,12 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
 
 
 def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, host_collective_bytes_per_s: float,
-                           mode: str = "replicate") -> Workload:
+                           mode: str = "replicate", grad_element_bytes: float = HOST_GRAD_BYTES) -> Workload:
     """One rank's workload of a running ``replicate``/``replicate_overlap`` job, from the workload that
     rank measured (its host-lane and optimizer times were taken while every rank of its node worked,
     so they are not rescaled as ``rank_workload`` rescales a one-GPU workload): every group gets its
-    host all-reduce (``host_allreduce_bytes`` of its fp32 gradient, at the measured bandwidth)."""
+    host all-reduce (``host_allreduce_bytes`` of its host gradient, ``grad_element_bytes`` per element:
+    the masters' dtype, 2 with 16-bit masters; at the measured bandwidth)."""
     if mode not in ("replicate", "replicate_overlap"):
         raise InvalidInput("mode", mode, "a running job averages host gradients: 'replicate' or 'replicate_overlap'")
     if world_size <= 1:
@@ -176,9 +179,9 @@ def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, h
 
     layers = []
     for layer in wl.layers:
-        sec, nbytes = _host_allreduce(layer.params, world_size, host_collective_bytes_per_s)
+        sec, nbytes = _host_allreduce(layer.params, world_size, host_collective_bytes_per_s, grad_element_bytes)
         layers.append(replace(layer, allreduce_seconds=sec, allreduce_bytes=nbytes))
-    sec, nbytes = _host_allreduce(wl.nonblock_params, world_size, host_collective_bytes_per_s)
+    sec, nbytes = _host_allreduce(wl.nonblock_params, world_size, host_collective_bytes_per_s, grad_element_bytes)
     return replace(wl, layers=tuple(layers), data_parallel=mode, ranks=world_size, ranks_per_node=ranks_per_node,
                    nonblock_allreduce_seconds=sec, nonblock_allreduce_bytes=nbytes,
                    name=f"{wl.name}/{mode}x{world_size}").validate()
@@ -191,8 +194,9 @@ def measured_shard_workload(wl: Workload, world_size: int, ranks_per_node: int, 
     engine/shard_store.py), from the workload that rank measured: each layer's fetch moves its shard
     (``shard_numel[j]`` of the group's ``params`` elements: ``link_fraction``), followed by an
     all-gather of ``(W-1)`` shards of ``gather_element_bytes`` each (the compute dtype), and its
-    gradient copy moves the shard after a reduce-scatter of ``(W-1)`` shards of
-    ``reduce_element_bytes`` (the masters' dtype); the non-block group likewise. The collectives are
+    gradient copy moves the shard, in the masters' dtype (``reduce_element_bytes``: 16-bit gradients
+    are widened before the reduce-scatter, ``grad_widen``), after a reduce-scatter of ``(W-1)`` shards
+    of those; the non-block group likewise. The collectives are
     priced at the bandwidth the profiled step's achieved. Bytes in the engine's unit
     (``ShardedParamStore.collective_bytes``: what this rank sends), so they compare exactly.
     ``world_size`` is the shard group's size; with ``replicas`` shard groups (hybrid sharding) each
@@ -203,20 +207,20 @@ def measured_shard_workload(wl: Workload, world_size: int, ranks_per_node: int, 
         raise InvalidInput("collective_bytes_per_s", collective_bytes_per_s, "must be > 0")
     if len(shard_numel) != wl.num_layers:
         raise InvalidInput("shard_numel", len(shard_numel), f"need {wl.num_layers} entries (one per layer)")
-    W, bw = world_size, collective_bytes_per_s
-
-    R = replicas
+    W, bw, R = world_size, collective_bytes_per_s, replicas
+    widen = reduce_element_bytes / gather_element_bytes  # the landed gradient's bytes per measured one
 
     def costs(params: int, shard: int) -> dict:
         gather = (W - 1) * shard * gather_element_bytes
         reduce = ((W - 1) + 2 * (R - 1) / R) * shard * reduce_element_bytes
         return dict(link_fraction=shard / params if params else 1.0, gather_seconds=gather / bw, gather_bytes=gather,
-                    reduce_seconds=reduce / bw, reduce_bytes=reduce)
+                    reduce_seconds=reduce / bw, reduce_bytes=reduce, grad_widen=widen)
 
     layers = tuple(replace(layer, **costs(layer.params, n)) for layer, n in zip(wl.layers, shard_numel))
     nb = costs(wl.nonblock_params, nonblock_shard_numel)
     return replace(wl, layers=layers, data_parallel="shard", ranks=W * R, ranks_per_node=ranks_per_node,
                    nonblock_link_fraction=nb["link_fraction"], nonblock_gather_seconds=nb["gather_seconds"],
+                   nonblock_grad_widen=widen,
                    nonblock_gather_bytes=nb["gather_bytes"], nonblock_reduce_seconds=nb["reduce_seconds"],
                    nonblock_reduce_bytes=nb["reduce_bytes"], name=f"{wl.name}/shard-measuredx{W}" + (f"x{R}" if R > 1 else "")).validate()
 

@@ -98,8 +98,9 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
         nbytes = (nb(wl.nonblock_param_bytes * wl.nonblock_link_fraction, op.index) if op.index < 0
                   else layers[op.index].param_bytes * layers[op.index].link_fraction)
     elif op.kind == "grads":
-        nbytes = (nb(wl.nonblock_grad_bytes * wl.nonblock_link_fraction, op.index) if op.index < 0
-                  else layers[op.index].grad_bytes * layers[op.index].link_fraction)
+        nbytes = (nb(wl.nonblock_grad_bytes * wl.nonblock_link_fraction * wl.nonblock_grad_widen, op.index)
+                  if op.index < 0 else
+                  layers[op.index].grad_bytes * layers[op.index].link_fraction * layers[op.index].grad_widen)
     elif op.kind in ("offload_internals", "reload_internals"):  # a layer's saved tensors but its input
         nbytes = layers[op.index].internal_bytes - A[op.index]
     else:  # offload / reload / nvme legs move a boundary

@@ -108,6 +108,10 @@ class LayerWork:
     # all-reduce of the shard) before the gradient D2H; the host all-reduce of the fp32 host gradient
     # (replicate modes)
     link_fraction: float = 1.0
+    # bytes the gradient copy moves per byte of grad_bytes (before link_fraction): 1, or the masters'
+    # over the compute dtype's element size where the gradients land widened (the sharded mode
+    # averages 16-bit gradients in fp32 before its D2H: 2)
+    grad_widen: float = 1.0
     gather_seconds: float = 0.0
     gather_bytes: float = 0.0
     reduce_seconds: float = 0.0
@@ -149,6 +153,7 @@ class Workload:
     ranks: int = 1
     ranks_per_node: int = 1
     nonblock_link_fraction: float = 1.0
+    nonblock_grad_widen: float = 1.0  # as LayerWork.grad_widen
     nonblock_gather_seconds: float = 0.0
     nonblock_gather_bytes: float = 0.0
     nonblock_reduce_seconds: float = 0.0
@@ -224,7 +229,7 @@ class Workload:
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
         if self.grad_accum < 1:
             raise InvalidInput("workload.grad_accum", self.grad_accum, "must be >= 1")
-        for key in ("nonblock_link_fraction", "nonblock_gather_seconds", "nonblock_gather_bytes",
+        for key in ("nonblock_link_fraction", "nonblock_grad_widen", "nonblock_gather_seconds", "nonblock_gather_bytes",
                     "nonblock_reduce_seconds", "nonblock_reduce_bytes", "nonblock_allreduce_seconds",
                     "nonblock_allreduce_bytes"):
             value = getattr(self, key)
