@@ -66,8 +66,11 @@ class StrategyPlanning:
                     hardware = hardware.replace(h2d_bytes_per_s=rates.get("h2d", hardware.h2d_bytes_per_s),
                                                 d2h_bytes_per_s=rates.get("d2h", hardware.d2h_bytes_per_s))
                 t_hw = time.perf_counter() - t0
+                # full micro-batches (every one writes all of its gradients back: the executor's step is the
+                # micro-batch, strategy._begin_microbatch) are planned as such, one by one
+                accum = 1 if self._full_microbatches else trainer.accumulate_grad_batches
                 wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
-                                         grad_accum=trainer.accumulate_grad_batches, micro_batches=micro_batches,
+                                         grad_accum=accum, micro_batches=micro_batches,
                                          opt_params_per_s=hardware.cpu_adam_params_per_s)
                 wl = self._rank_workload(wl)
                 plan = plan_from_workload(wl, hardware, policy=self.policy,

@@ -103,8 +103,9 @@ class RecordBytes(L.Callback):
         self._schedule = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx % self.accum == 0:
-            self._schedule = trainer.strategy.executor.schedule  # switched at a step's end, never inside
+        # the schedule of the batch whose stats are recorded: a step's (switched at a step's end) or,
+        # with full micro-batches (the executor's step is the micro-batch, planned as one), the last one's
+        self._schedule = trainer.strategy.executor.schedule
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % self.accum:

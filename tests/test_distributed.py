@@ -301,7 +301,7 @@ def test_sharded_16_bit_compute_moves_the_bytes_the_plan_predicts(tmp_path):
     all-gathered, the gradients are widened to fp32 before the reduce-scatter and land as fp32
     shards; each rank's bytes per lane equal the simulator's for the plan's workload (the landed
     gradients priced at 4 bytes: ``LayerWork.grad_widen``), and the run trains."""
-    run = launch(tmp_path, batch=2, steps=3, policy="milp", data_parallel="shard", record_bytes=True,
+    run = launch(tmp_path, batch=2, steps=3, accum=2, policy="milp", data_parallel="shard", record_bytes=True,
                  precision="bf16-true", fp32_masters=True, same_init=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     for r in range(2):
