@@ -52,6 +52,10 @@ Note: [one sync per step]
     a hook sees the rank's own gradients until the last micro-batch and the average after it, as under
     DDP, and the collective lane moves a step's bytes once, not once per micro-batch. (The sharded
     mode reduce-scatters every micro-batch, as FSDP does: a rank holds only its shard of the sum.)
+    Such micro-batches are planned one by one (the executor's step), each with its group's all-reduce:
+    the plan over-counts the collective lane of the held ones (hidden under the backward with
+    ``overlap_grad_sync``). A held micro-batch that is a profile times a scratch all-reduce of the
+    gradients (``time_all_reduce``), so the plan prices the all-reduces at this run's bandwidth.
 
 Note: [collective bytes]
     ``GradSync.average_grads`` returns (and keeps in ``step_bytes``) what the step's collectives
@@ -121,7 +125,7 @@ class GradSync:
         self._thread: threading.Thread | None = None
         self._step_reset()
 
-    def make_shard_groups(self, shard_size: int) -> None:
+    def make_shard_groups(self, shard_size: int, gloo_reduce: bool = True) -> None:
         """Note: [hybrid sharding]
             ``data_parallel="shard"`` shards the host state over groups of ``shard_size`` consecutive
             ranks (by default one node's ranks: Lightning numbers them ``node * devices + local``)
@@ -132,8 +136,10 @@ class GradSync:
             per replica group: the network), before the division by the world size. Each node's host
             holds one copy of the state; the clip norms' squares are summed inside the shard group
             only (the replicas hold the same shard). ``shard_size`` equal to the world: one shard
-            group (the default group), no replica all-reduce. Every rank creates every subgroup, in
-            the same order, as torch.distributed requires."""
+            group (the default group), no replica all-reduce. ``gloo_reduce`` (CPU devices): also a
+            gloo group per shard group for the store's gradient collectives (engine/shard_grads.py;
+            NCCL needs none). Every rank creates every subgroup, in the same order, as
+            torch.distributed requires."""
         world = self.world_size
         if shard_size < 1 or world % shard_size:
             raise ValueError(f"shard_size={shard_size} must divide the number of processes ({world}): use the "
@@ -142,13 +148,14 @@ class GradSync:
         self.shard_size, self.shard_rank = shard_size, rank % shard_size
         kw: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
         if shard_size == world:
-            self.shard_grad_group = dist.new_group(backend="gloo", **kw)
+            if gloo_reduce:
+                self.shard_grad_group = dist.new_group(backend="gloo", **kw)
             return
         for start in range(0, world, shard_size):  # shard groups: consecutive ranks
             ranks = list(range(start, start + shard_size))
             device_group = dist.new_group(ranks, **kw)
             host_group = dist.new_group(ranks, backend="gloo", **kw)
-            grad_group = dist.new_group(ranks, backend="gloo", **kw)
+            grad_group = dist.new_group(ranks, backend="gloo", **kw) if gloo_reduce else None
             if rank in ranks:
                 self.shard_device_group, self.shard_host_group = device_group, host_group
                 self.shard_grad_group = grad_group
@@ -342,6 +349,23 @@ class GradSync:
         self.step_seconds = self._seconds
         self._step_reset()
         return self.step_bytes["collective"]
+
+    def time_all_reduce(self, params: ParamStore) -> None:
+        """Note: [one sync per step]: a held micro-batch that is a profile averages nothing, yet the plan
+        prices every group's all-reduce at the bandwidth this run achieves: all-reduce a copy of each
+        group's flat host gradient (the bytes of the step's average; the gradients are untouched) and
+        keep the bytes and seconds for ``bytes_per_s``. Every rank profiles the same micro-batch."""
+        params.wait_host()
+        nbytes = seconds = 0.0
+        with torch.no_grad():
+            for j in self._layers(params):
+                scratch = params.grad_flat(j).clone()
+                if scratch.numel():
+                    t0 = time.perf_counter()
+                    dist.all_reduce(scratch, op=dist.ReduceOp.SUM, group=self.group)
+                    seconds += time.perf_counter() - t0
+                    nbytes += host_allreduce_bytes(scratch.numel() * scratch.element_size(), self.world_size)
+        self.step_bytes, self.step_seconds = {"collective": nbytes, "flags": 0.0}, seconds
 
     def bytes_per_s(self) -> float | None:
         """The host all-reduce bandwidth the last step saw (planner unit, per rank: bytes over the

@@ -270,7 +270,8 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
 
             self.grad_sync = GradSync(self._timeout)
             if self.data_parallel == "shard":  # Note: [hybrid sharding]: within a node by default
-                self.grad_sync.make_shard_groups(self.shard_size or self.num_processes)
+                self.grad_sync.make_shard_groups(self.shard_size or self.num_processes,
+                                                 gloo_reduce=self.root_device.type != "cuda")
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -601,6 +602,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             return
         micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
+        if self.grad_sync is not None and self.grad_sync.hold and ex.profiling:
+            assert ex.params is not None  # the plan prices the all-reduces this micro-batch does not run
+            self.grad_sync.time_all_reduce(ex.params)  # (distributed.py, Note: [one sync per step])
         if self.grad_sync is not None and not self.grad_sync.hold:  # before the plan, clipping and the
             # optimizer see them (held: averaged after the step's last micro-batch, Note: [one sync per step])
             assert ex.params is not None

@@ -17,7 +17,7 @@ shard_size (LazyTrainStrategy's: processes per shard group), manual (manual opti
 module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
 and steps; the Trainer gets neither accumulation nor a clip value), replan (LazyTrainStrategy's; each
 rank writes replans_rank{r}.json when it re-planned), precision (the Trainer's), fp32_masters (LazyTrainStrategy's), grad_probe (each rank writes probe_rank{r}.json: per
-backward, the gradient norms an ``on_after_backward`` hook saw). A resuming rank writes loaded_shapes_rank{r}.json:
+backward, the gradient norms an ``on_after_backward`` hook saw, and the all-reduce bytes the plan priced). A resuming rank writes loaded_shapes_rank{r}.json:
 the shapes of the model tensors its checkpoint load returned.
 """
 
@@ -124,6 +124,13 @@ class GradProbe(L.Callback):
 
     def __init__(self):
         self.rows: list[list[float]] = []
+        self.plan_allreduce_bytes = 0.0  # what the plan priced on the collective lane (lazytrain)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is not None:
+            wl = plan.result.workload
+            self.plan_allreduce_bytes = sum(x.allreduce_bytes for x in wl.layers) + wl.nonblock_allreduce_bytes
 
     def on_after_backward(self, trainer, pl_module):
         model = pl_module.model
@@ -226,7 +233,9 @@ def train(opts: dict) -> Net:
     trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.get("resume"))
     module.byte_rows = next((cb.rows for cb in callbacks if isinstance(cb, RecordBytes)), None)
     module.replans = list(getattr(trainer.strategy, "replans", []))
-    module.probe = next((cb.rows for cb in callbacks if isinstance(cb, GradProbe)), None)
+    probe = next((cb for cb in callbacks if isinstance(cb, GradProbe)), None)
+    module.probe = probe.rows if probe is not None else None
+    module.plan_allreduce_bytes = probe.plan_allreduce_bytes if probe is not None else 0.0
     return module
 
 
@@ -245,7 +254,7 @@ def main() -> None:
             json.dump(module.replans, f)
     if module.probe is not None:
         with open(os.path.join(out, f"probe_rank{rank}.json"), "w") as f:
-            json.dump(module.probe, f)
+            json.dump({"rows": module.probe, "plan_allreduce_bytes": module.plan_allreduce_bytes}, f)
     if module.byte_rows is not None:
         with open(os.path.join(out, f"bytes_rank{rank}.json"), "w") as f:
             json.dump(module.byte_rows, f)

@@ -4,9 +4,11 @@ Note: [overlapped reduce-scatter]
     A sharded block's gradients are summed over the ranks by a reduce-scatter (and, with hybrid
     sharding, an all-reduce of the shard over the replica group), divided by the world size, and the
     ranks' "a gradient reached this parameter" flags are OR-ed; only then can the shard's D2H start.
-    The plan prices these on the collective lane beside compute, so the launching thread must not
-    wait for them. ``ShardGradLane.submit`` starts them and returns a handle the shard's D2H takes as
-    ``after=`` and a function that reads the flags (called on the host lane, once the D2H is in).
+    The plan prices these on the collective lane beside compute, so handing a block's gradients over
+    must not wait for them. ``ShardGradLane.submit`` starts them and returns a handle the shard's D2H
+    takes as ``after=`` and a function that reads the flags (called on the host lane, once the D2H is
+    in). The slot's next gradient use waits for that D2H (``bind`` with grads, as for any group), so
+    at most one reduction per slot is in flight: the slots bound what the lane holds.
 
     Every rank must issue the collectives of one group in the same order, and NCCL asks the same of
     operations on different communicators (they may deadlock otherwise). Hence, per backend:
@@ -29,6 +31,7 @@ Note: [overlapped reduce-scatter]
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -40,6 +43,8 @@ import torch.distributed as dist
 from lightning_lazytrain.engine.copy_engine import CopyHandle, ThreadHandle
 
 __all__ = ["ShardGradLane"]
+
+log = logging.getLogger(__name__)
 
 
 class ShardGradLane:
@@ -146,4 +151,7 @@ class ShardGradLane:
         if self._thread is not None and self._queue is not None:
             self._queue.put(None)
             self._thread.join(timeout=60)
-        self._thread, self._queue = None, None
+            if self._thread.is_alive():  # still inside a collective: never start a second thread beside it
+                log.warning("the reduce-scatter thread did not finish within 60 s; leaving it")
+                return
+        self._thread, self._queue, self._error = None, None, None

@@ -27,9 +27,9 @@ Note: [overlapped all-gather]
     prefetch (stage layer j+1, compute layer j) overlaps the all-gather with compute, as the plan's
     collective lane has it. With ``overlap=False`` (the strategy sets it for a profiled step, whose
     collective times price the plan's collective lane) the all-gather runs to completion in
-    ``stage``. Either way the same collective fills the slot: bit-identical. The all-gathers are the
-    only collectives the launching thread issues on gloo during a step: the gradients' run on a group
-    of their own (shard_grads.py).
+    ``stage``. Either way the same collective fills the slot: bit-identical. During the backward the
+    all-gathers are the only collectives the launching thread issues on gloo: the gradients' run on a
+    group of their own (shard_grads.py).
 
 Clip norms from ``grad_norms`` are per shard; the strategy sums their squares over the shard group
 (``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``). With a ``replica_group`` (Note:
@@ -265,12 +265,13 @@ class ShardedParamStore(ParamStore):
             self._device_sync()  # (CUDA) what is queued before is not the collective's time
             t0 = time.perf_counter()
             dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
-            dist.all_reduce(flags_dev, group=self.group)
             if self.replica_group is not None:  # the same shard's sum over the other shard groups
                 dist.all_reduce(mine, group=self.replica_group)
-                dist.all_reduce(flags_dev, group=self.replica_group)
             self._device_sync()
-            self.collective_seconds += time.perf_counter() - t0
+            self.collective_seconds += time.perf_counter() - t0  # (the flags' bytes are not counted: nor their time)
+            dist.all_reduce(flags_dev, group=self.group)
+            if self.replica_group is not None:
+                dist.all_reduce(flags_dev, group=self.replica_group)
             mine.div_(self.world * self.replicas)  # DDP's average over every rank
             flags.copy_(flags_dev)
 
@@ -283,8 +284,10 @@ class ShardedParamStore(ParamStore):
             for s in self._slots:  # all-gathers still in flight (staged, not bound)
                 if isinstance(s.ready, _Gathered):
                     s.ready.wait()
-            self.engine.synchronize()  # every gradient D2H, so every reduce-scatter, is done
-            self._grad_lane.close()
+            try:
+                self.engine.synchronize()  # every gradient D2H, so every reduce-scatter, is done
+            finally:
+                self._grad_lane.close()
             with torch.no_grad():
                 for gid, layout in self._layouts.items():
                     g = self._group(gid)
