@@ -19,6 +19,14 @@ if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 SCRIPT = Path(__file__).with_name("dist_train.py")
+
+
+def mixed_plan(path: Path) -> str:
+    """A plan file for dist_train's 4 blocks: boundary 1 in host memory, boundary 2 recomputed,
+    layer 0's internals kept and parked in host memory from F2 to B3 (test_conformance's plan)."""
+    from test_conformance import mixed_plan as write
+
+    return write(path)
 pytestmark = pytest.mark.slow
 
 
@@ -45,6 +53,7 @@ def outputs(path: Path, ranks: int = 2) -> tuple[list[list[float]], dict[str, to
     ("milp", 2, 0.5, "sgd", True),  # planned as replicate (the MILP's overlap is for grad_accum 1)
     ("recompute_all", 2, 0.5, "hybrid", True),
     ("megatrain", 2, 0.5, "sgd", False),  # every group averaged after the backward
+    ("mixed", 2, 0.5, "sgd", True),  # a host home, a recomputed boundary, internals kept on the host
 ])
 def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer,
                                                                      overlap):
@@ -57,7 +66,8 @@ def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, p
                   same_init=False)  # ranks start differently: rank 0's weights are broadcast, as DDP does
     (tmp_path / "lazy").mkdir()
     (tmp_path / "ddp").mkdir()
-    for run in (launch(tmp_path / "lazy", policy=policy, overlap=overlap, record_bytes=True, **common),
+    plan = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
+    for run in (launch(tmp_path / "lazy", policy=plan, overlap=overlap, record_bytes=True, **common),
                 launch(tmp_path / "ddp", strategy="auto", **common)):  # Lightning's DDP
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     losses, weights = outputs(tmp_path / "lazy")
@@ -259,6 +269,7 @@ def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
     ("milp", 1, None, "sgd"),
     ("megatrain", 2, 0.5, "sgd"),
     ("recompute_all", 2, 0.5, "hybrid"),
+    ("mixed", 2, 0.5, "sgd"),
 ])
 def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer):
     """``data_parallel="shard"`` (engine/shard_store.py): each rank holds half of every block's host
@@ -268,7 +279,8 @@ def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, 
     b, steps = 2, 3
     common = dict(batch=b, steps=steps, accum=accum, clip=clip, optimizer=optimizer, same_init=False)
     (tmp_path / "shard").mkdir()
-    run = launch(tmp_path / "shard", policy=policy, data_parallel="shard", record_bytes=True, **common)
+    plan = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
+    run = launch(tmp_path / "shard", policy=plan, data_parallel="shard", record_bytes=True, **common)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     losses, weights = outputs(tmp_path / "shard")
     # per step, each rank's host-link bytes (its shards: every fetch, every gradient copy) and collective
