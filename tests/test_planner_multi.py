@@ -108,15 +108,17 @@ def test_shard_lane_bytes_per_rank(n, nodes):
         sim = simulate(s, wl, rank_hardware(hw), check=False)
         passes = _expected_weight_passes(s, wl)
         block = [layer.param_bytes for layer in wl1.layers]
-        grads = [layer.grad_bytes for layer in wl1.layers]
+        # gradients are averaged in the masters' fp32 (the engine widens the bf16 ones first)
+        grads = [4 * layer.params for layer in wl1.layers]
+        assert 4 * wl1.layers[1].params == 2 * wl1.layers[1].grad_bytes  # (bf16 gradients here)
         fetched = sum(passes[j] * block[j] for j in passes) + wl1.nonblock_param_bytes
-        # the host link: 1/n of every fetched block, 1/n of every gradient
+        # the host link: 1/n of every fetched block, 1/n of every (fp32) gradient
         assert sim.lane_bytes["h2d"] == pytest.approx(fetched / n, rel=1e-12)
-        assert sim.lane_bytes["d2h"] == pytest.approx((sum(grads) + wl1.nonblock_grad_bytes) / n, rel=1e-12)
+        assert sim.lane_bytes["d2h"] == pytest.approx((sum(grads) + 4 * wl1.nonblock_params) / n, rel=1e-12)
         # all-gather: (n-1)/n of each fetched block; reduce-scatter: (n-1)/n of each block's gradients,
         # plus the cross-node all-reduce of the shard, 2 (M-1)/M of 1/n
         gather = (n - 1) / n * fetched
-        reduce = (sum(grads) + wl1.nonblock_grad_bytes) * ((n - 1) / n + 2 * (nodes - 1) / nodes / n)
+        reduce = (sum(grads) + 4 * wl1.nonblock_params) * ((n - 1) / n + 2 * (nodes - 1) / nodes / n)
         assert sim.lane_bytes["collective"] == pytest.approx(gather + reduce, rel=1e-12)
     # host state per rank: 1/n of the single GPU's; the host optimizer per rank: 1/n of the work at 1/n of
     # the node's rate (the same seconds); the host lane likewise

@@ -12,8 +12,10 @@ Modes (``MODES``):
   block's fp32 masters, gradients and optimizer states in host memory; it casts and stages only its
   shard over its own host link (``link_fraction = 1/n``), the devices assemble the block with an
   all-gather before each use (forward, backward prefetch, recompute); the backward reduce-scatters
-  each block's gradients on the devices, then (``nodes > 1``) all-reduces the shard between the
-  ranks that own it on the other nodes; each rank moves and accumulates only its shard and updates
+  each block's gradients on the devices, widened to the masters' fp32 first as the engine averages
+  them (``grad_widen``: the reduce-scatter and the shard's D2H move fp32), then (``nodes > 1``)
+  all-reduces the shard between the ranks that own it on the other nodes; each rank moves and
+  accumulates only its shard and updates
   only its shard (host optimizer work split ``n`` ways, still layer-pipelined). Host memory per node
   ~ one copy of the model's host state.
 - ``replicate`` (the engine today): full blocks over each rank's own link, one full host copy per
@@ -42,7 +44,7 @@ all-reduce of ``N`` bytes over ``W`` ranks counts ``2 (W-1)/W x N`` per rank, wh
 ``N = params x HOST_GRAD_BYTES``: the group's fp32 host gradient. For a measured workload
 ``params`` is the engine's group size (every parameter padded to 64 elements), so this is exactly
 what the engine's ``distributed.GradSync`` all-reduces and counts (its Note: [collective bytes]);
-``bf16-true`` runs (16-bit host gradients) move half of it.
+``bf16-true`` runs (16-bit host gradients) move half of it (``measured_rank_workload(grad_element_bytes=2)``).
 Not modelled: the reduce-scatter's 1/n output buffer and NCCL's channels on the device (small),
 contention between the collective lane and compute (SM sharing), stragglers.
 """
@@ -120,16 +122,21 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
 
     def costs(params: int, param_bytes: float, grad_bytes: float, opt: float, cast: float, accum: float) -> dict:
         out = dict(opt=opt * host, cast=cast * host, accum=accum * host, link=1.0, gather=(0.0, 0.0),
-                   reduce=(0.0, 0.0), allreduce=(0.0, 0.0))
+                   reduce=(0.0, 0.0), allreduce=(0.0, 0.0), grad_widen=1.0)
         if sharded:
             widen = 1.0
             if mode == "fsdp":  # fp32 masters and gradients cross the link; the cast runs on the device
                 widen = HOST_MASTER_BYTES * params / param_bytes if param_bytes else 1.0
                 out["cast"] = 0.0
+                rs_widen = widen
+            else:  # the engine averages gradients in the masters' dtype (fp32): widened before the
+                # reduce-scatter, the shard lands widened (engine/shard_store.py)
+                rs_widen = HOST_GRAD_BYTES * params / grad_bytes if grad_bytes else 1.0
+                out["grad_widen"] = rs_widen
             out["link"] = widen / n
             gather = (n - 1) / n * param_bytes
-            rs = (n - 1) / n * grad_bytes * widen
-            cross = 2 * (M - 1) / M * grad_bytes * widen / n
+            rs = (n - 1) / n * grad_bytes * rs_widen
+            cross = 2 * (M - 1) / M * grad_bytes * rs_widen / n
             out["gather"] = (gather / intra if gather else 0.0, gather)
             out["reduce"] = ((rs / intra if rs else 0.0) + (cross / (inter / n) if cross else 0.0), rs + cross)
         else:
@@ -145,7 +152,8 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
         c = costs(layer.params, layer.param_bytes, layer.grad_bytes, layer.opt_seconds, layer.cast_seconds,
                   layer.accum_seconds)
         layers.append(replace(layer, opt_seconds=c["opt"], cast_seconds=c["cast"], accum_seconds=c["accum"],
-                              link_fraction=c["link"], gather_seconds=c["gather"][0], gather_bytes=c["gather"][1],
+                              link_fraction=c["link"], grad_widen=c["grad_widen"],
+                              gather_seconds=c["gather"][0], gather_bytes=c["gather"][1],
                               reduce_seconds=c["reduce"][0], reduce_bytes=c["reduce"][1],
                               allreduce_seconds=c["allreduce"][0], allreduce_bytes=c["allreduce"][1]))
     nb = costs(wl.nonblock_params, wl.nonblock_param_bytes, wl.nonblock_grad_bytes, wl.nonblock_opt_seconds,
@@ -153,7 +161,7 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
     return replace(
         wl, layers=tuple(layers), data_parallel=_DATA_PARALLEL[mode], ranks=W, ranks_per_node=n,
         nonblock_opt_seconds=nb["opt"], nonblock_cast_seconds=nb["cast"], nonblock_accum_seconds=nb["accum"],
-        nonblock_link_fraction=nb["link"], nonblock_gather_seconds=nb["gather"][0],
+        nonblock_link_fraction=nb["link"], nonblock_grad_widen=nb["grad_widen"], nonblock_gather_seconds=nb["gather"][0],
         nonblock_gather_bytes=nb["gather"][1], nonblock_reduce_seconds=nb["reduce"][0],
         nonblock_reduce_bytes=nb["reduce"][1], nonblock_allreduce_seconds=nb["allreduce"][0],
         nonblock_allreduce_bytes=nb["allreduce"][1],
