@@ -31,6 +31,7 @@ Note: [overlapped reduce-scatter]
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -71,18 +72,28 @@ class ShardGradLane:
         out: list[list[int]] = []
 
         def job() -> None:
-            dist.reduce_scatter_tensor(mine, rank_major, group=self.grad_group)
-            dist.all_reduce(flags, group=self.grad_group)
-            if self.replica_group is not None:  # the same shard's sum over the other shard groups
-                dist.all_reduce(mine, group=self.replica_group)
-                dist.all_reduce(flags, group=self.replica_group)
-            mine.div_(self.divisor)
+            self.reduce(rank_major, mine, flags, self.grad_group)
             out.append(flags.tolist())
 
         self._start()
         assert self._queue is not None
         self._queue.put((handle, job))
         return handle, lambda: out[0]
+
+    def reduce(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor, group: Any,
+               timed: Any = None) -> None:
+        """The collectives of one block's gradients, run to completion on the calling thread (gloo),
+        on ``group``: the reduce-scatter and the same shard's sum over the other shard groups (inside
+        ``timed``, a context manager, if given), the flags' OR, the division. The gloo thread's job,
+        and the in-line path of a profiled step (``ShardedParamStore._reduce_in_line``)."""
+        with timed if timed is not None else contextlib.nullcontext():
+            dist.reduce_scatter_tensor(mine, rank_major, group=group)
+            if self.replica_group is not None:  # the same shard's sum over the other shard groups
+                dist.all_reduce(mine, group=self.replica_group)
+        dist.all_reduce(flags, group=group)
+        if self.replica_group is not None:
+            dist.all_reduce(flags, group=self.replica_group)
+        mine.div_(self.divisor)  # DDP's average over every rank
 
     def _issue_cuda(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor
                     ) -> tuple[CopyHandle, Callable[[], list[int]]]:

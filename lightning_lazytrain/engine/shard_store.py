@@ -262,42 +262,42 @@ class ShardedParamStore(ParamStore):
         collective lane in a profiled step); the arithmetic of Note: [overlapped reduce-scatter]."""
         with torch.no_grad():
             flags_dev = flags.to(self.device)
-            self._device_sync()  # (CUDA) what is queued before is not the collective's time
-            t0 = time.perf_counter()
-            dist.reduce_scatter_tensor(mine, rank_major, group=self.group)
-            if self.replica_group is not None:  # the same shard's sum over the other shard groups
-                dist.all_reduce(mine, group=self.replica_group)
-            self._device_sync()
-            self.collective_seconds += time.perf_counter() - t0  # (the flags' bytes are not counted: nor their time)
-            dist.all_reduce(flags_dev, group=self.group)
-            if self.replica_group is not None:
-                dist.all_reduce(flags_dev, group=self.replica_group)
-            mine.div_(self.world * self.replicas)  # DDP's average over every rank
+            # timed: the reduce-scatter and the replica sum (the flags' bytes are not counted: nor their time)
+            self._grad_lane.reduce(rank_major, mine, flags_dev, self.group, timed=self._timed_collective())
             flags.copy_(flags_dev)
+
+    @contextlib.contextmanager
+    def _timed_collective(self) -> Any:
+        """Adds the seconds of the collectives inside to ``collective_seconds`` (CUDA, in line: from a
+        synchronised device to a synchronised device, so the time is theirs, not their launch's)."""
+        self._device_sync()  # what is queued before is not the collective's time
+        t0 = time.perf_counter()
+        yield
+        self._device_sync()
+        self.collective_seconds += time.perf_counter() - t0
 
     # ---- end ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish copies and give every block parameter its full value (and gradient) back: an
         all-gather per block, collective (every rank closes), so the module is whole again, as the
         one-process store leaves it, and a store built next (``Executor.set_schedule``) shards it afresh."""
-        if self._slots:
-            for s in self._slots:  # all-gathers still in flight (staged, not bound)
-                if isinstance(s.ready, _Gathered):
-                    s.ready.wait()
-            try:
+        try:
+            if self._slots:
+                for s in self._slots:  # all-gathers still in flight (staged, not bound)
+                    if isinstance(s.ready, _Gathered):
+                        s.ready.wait()
                 self.engine.synchronize()  # every gradient D2H, so every reduce-scatter, is done
-            finally:
-                self._grad_lane.close()
-            with torch.no_grad():
-                for gid, layout in self._layouts.items():
-                    g = self._group(gid)
-                    had_grad = [info.param.grad is not None for info in g.params]
-                    full = self._gather_full(g.master, layout, g.numel)
-                    grads = self._gather_full(g.grad, layout, g.numel) if any(had_grad) else None
-                    for info, has in zip(g.params, had_grad):
-                        info.param.data = self._view(full, info)
-                        info.param.grad = self._view(grads, info) if has and grads is not None else None
-        self._grad_lane.close()
+                with torch.no_grad():
+                    for gid, layout in self._layouts.items():
+                        g = self._group(gid)
+                        had_grad = [info.param.grad is not None for info in g.params]
+                        full = self._gather_full(g.master, layout, g.numel)
+                        grads = self._gather_full(g.grad, layout, g.numel) if any(had_grad) else None
+                        for info, has in zip(g.params, had_grad):
+                            info.param.data = self._view(full, info)
+                            info.param.grad = self._view(grads, info) if has and grads is not None else None
+        finally:
+            self._grad_lane.close()  # (idle: every job's D2H is done, or failed)
         super().close()
 
     def _gather_full(self, shard_flat: torch.Tensor, layout: ShardLayout, numel: int) -> torch.Tensor:
