@@ -233,20 +233,18 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         ex = self.executor
         if ex is None or not ex.in_microbatch:
             return
-        try:
-            stats = ex.end_microbatch()
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"{err}. With strategy='lazytrain', every forward with grad enabled since the last backward must "
-                "feed this backward: wrap forwards whose result is not backpropagated in torch.no_grad()") from err
+        stats = ex.end_microbatch()
         self.last_stats = stats
         assert stats is not None
         seconds = time.perf_counter() - self._t_step
-        if self.plan is None:
+        # a backward that left blocks of the forward's pass without a gradient (a forward with grad
+        # whose output was detached or dropped: engine/executor.py, Note: [unreached blocks]) is
+        # exact but no profile: the next backward is
+        if self.plan is None and not stats.unreached:
             ex.profiling = False
             self._make_plan(stats, seconds)
-        assert self.plan is not None
-        self.metrics = stats.metrics(seconds, self.plan.result.sim.iteration_seconds)
+        predicted = self.plan.result.sim.iteration_seconds if self.plan is not None else float("nan")
+        self.metrics = stats.metrics(seconds, predicted)
 
     def _make_plan(self, stats: StepStats, t_profile: float) -> None:
         """Measure the workload from the profiled micro-batch, solve, switch the executor to the plan."""

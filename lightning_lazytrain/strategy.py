@@ -43,6 +43,7 @@ from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.engine.param_store import upcast_parameters
+from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
 from lightning_lazytrain.precision import LazyTrainPrecision, with_lazytrain_precision
 from lightning_lazytrain.strategy_checkpoints import StrategyCheckpoints
@@ -197,6 +198,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         self._t_step = 0.0
         self._tokens: int | None = None  # of the first batch, which is profiled
         self._full_microbatches = False  # every micro-batch writes all grads back (see _begin_microbatch)
+        self._full_always = False  # ... for every step (setup: manual optimization, fp32 masters, hooks)
+        self._norms_trusted = True  # no user code runs between the hand-over of norms and the step (setup)
+        self._incomplete_profiles = 0  # steps meant as the profile whose backward skipped blocks
         self._pending_metrics: dict[str, float] = {}
         self._inference = contextlib.ExitStack()
 
@@ -354,7 +358,7 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             if self.overlap_grad_sync and getattr(module, "automatic_optimization", True):
                 ex = self.executor
                 self.grad_sync.attach(ex.params)
-                self.grad_sync.adhoc_probe = lambda: ex._adhoc_used
+                self.grad_sync.adhoc_probe = lambda: ex.late_grads
         rank_zero_info(f"lazytrain: {L_provisional} blocks at {stack.path!r}, executor on {device} "
                        f"({precision}) built in {time.perf_counter() - t0:.2f} s")
 
@@ -389,9 +393,15 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             # every micro-batch's grads on the host, as plain Lightning has them. So do fp32 masters:
             # each micro-batch's 16-bit gradients join the fp32 ones (a step's would otherwise add up
             # in 16 bits on the device for layer 0 and the non-block weights).
-            self._full_microbatches = self.fp32_masters or not module.automatic_optimization or is_overridden(
+            self._full_always = self.fp32_masters or not module.automatic_optimization or is_overridden(
                 "on_after_backward", module) or any(is_overridden("on_after_backward", cb, parent=Callback)
                                                     for cb in trainer.callbacks)
+            # Note: [stale norms] (optim/hybrid_adamw.py): the fused clip's norms are taken as the
+            # gradients land; user code that runs before the step may edit them (even through .data)
+            between = ("on_after_backward", "on_before_optimizer_step")
+            self._norms_trusted = module.automatic_optimization and not any(
+                is_overridden(name, module) for name in (*between, "configure_gradient_clipping")) and not any(
+                is_overridden(name, cb, parent=Callback) for cb in trainer.callbacks for name in between)
             if not any(isinstance(cb, _StepMetrics) for cb in trainer.callbacks):
                 trainer.callbacks.append(_StepMetrics())
 
@@ -542,6 +552,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         that see the host masters, as under ``auto``)."""
         ex = self.executor
         assert ex is not None
+        if self._micro_index == 0:  # post-accumulate-grad hooks see every micro-batch's host grads
+            # (engine/user_grad_hooks.py, Note: [gradient hooks on streamed parameters])
+            self._full_microbatches = self._full_always or has_post_accumulate_hooks(self.lightning_module.parameters())
         first = self._micro_index == 0 or self._full_microbatches
         last = self._full_microbatches or self._last_microbatch()
         if first:
@@ -621,10 +634,14 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
                 stats.lane_bytes["collective"] = stats.lane_bytes.get("collective", 0.0) + nbytes
                 if nbytes and seconds > 0 and not store.overlap:  # in line: the collectives' own time
                     self._shard_bytes_per_s = nbytes / seconds
-        profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1
+        # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing; nor
+        # does one that left blocks of its planned pass without a gradient: Note: [unreached blocks])
+        profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1 and not stats.unreached
+        if ex.profiling and stats.unreached:
+            self._incomplete_profile(stats)
         if profiled:
-            # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing)
             ex.profiling = False
+            self._incomplete_profiles = 0
             reason, self._replan_reason = self._replan_reason, None
             self._make_plan(stats, micro_batches, replan=reason)
         self._hand_over_norms(stats)
@@ -634,32 +651,71 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         if not self.lightning_module.automatic_optimization:
             self._begin_microbatch()  # later forwards of this training_step are passes with grad
 
+    def _incomplete_profile(self, stats: StepStats) -> None:
+        """The step meant as the profile left blocks without a backward (Note: [unreached blocks]):
+        the next step profiles; after three such steps the run stays on the provisional schedule."""
+        ex = self.executor
+        assert ex is not None
+        self._incomplete_profiles += 1
+        blocks = ", ".join(map(str, sorted(stats.unreached)))
+        if self._incomplete_profiles < 3:
+            rank_zero_info(f"lazytrain: the profiled step's backward did not reach block(s) {blocks} of its "
+                           "planned pass (a forward with grad whose output was detached or not backpropagated); "
+                           "the next step is profiled instead")
+            return
+        ex.profiling = False
+        self._replan_reason = None
+        log.warning("lazytrain: %d steps in a row left block(s) %s of the planned pass without a backward, so no "
+                    "step could be profiled: training goes on exactly, on the current schedule (%s), without a "
+                    "new plan. Run forwards whose output is not backpropagated under torch.no_grad() to let the "
+                    "strategy plan.", self._incomplete_profiles, blocks, ex.schedule.policy)
+
     def _hand_over_norms(self, stats: StepStats) -> None:
         """Give HybridAdamW each parameter's gradient norm, taken by the executor's host lane as the
         gradients arrived, so its clip needs no pass over the gradients and equals Lightning's
         ``clip_grad_norm_`` bit for bit (Note: [exact clip] in optim/clip.py). The step runs after
-        this, inside the closure. Without norms (an ad-hoc backward) the optimizer takes its own."""
+        this, inside the closure. A norm whose gradient changed since (a hook or callback edited
+        it) is taken again at the step (Note: [stale norms] in optim/hybrid_adamw.py); with user
+        code that could edit gradients unseen (through ``.data``) between here and the step, or
+        without norms (an ad-hoc backward, post-accumulate-grad hooks), every norm is. Sharded
+        gradients' norms are taken again over the ranks."""
         from lightning_lazytrain.optim import HybridAdamW
 
         clip = self.lightning_module.trainer.gradient_clip_val
+        shard = self._shard_store() is not None
+        recompute = self._whole_grad_norms if shard else None
         norms: dict[torch.nn.Parameter, torch.Tensor] | None = None
         for opt in self.optimizers:
             inner = getattr(opt, "optimizer", opt)
             if not isinstance(inner, HybridAdamW):
                 continue
-            if not stats.grad_norms or not (clip or inner.max_grad_norm is not None):
+            if not (clip or inner.max_grad_norm is not None or shard):
                 inner.set_grad_norms(None)  # never a stale step's norms
                 continue
             if norms is None:
-                norms = {p: n for per_layer in stats.grad_norms.values() for p, n in per_layer.items()}
+                # 16-mixed: the grads (and so these norms) are loss-scaled here, and the plugin unscales
+                # them in place before the step, which makes every norm stale: none is handed over
                 scaler = getattr(self.precision_plugin, "scaler", None)
-                if scaler is not None and scaler.is_enabled() and norms:
-                    # 16-mixed: the grads (and so these norms) are still loss-scaled here; the plugin
-                    # unscales the grads by GradScaler's inv_scale before the clip, these are unscaled
-                    # by the same factor (a power of two: the same bits as the norms of the unscaled grads).
-                    inv_scale = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
-                    norms = dict(zip(norms, torch._foreach_mul(list(norms.values()), inv_scale)))
-            inner.set_grad_norms(norms)
+                scaled = scaler is not None and scaler.is_enabled()
+                trusted = self._norms_trusted and bool(stats.grad_norms) and not scaled
+                norms = {p: n for per_layer in stats.grad_norms.values() for p, n in per_layer.items()} \
+                    if trusted else {}
+            inner.set_grad_norms(norms, recompute=recompute)
+
+    def _whole_grad_norms(self, stale: list) -> dict:
+        """Sharded mode: each parameter's norm over its whole gradient, taken again from every rank's
+        current shards, when any rank has a stale norm (every rank calls this at every step, so the
+        collectives match). Note: [stale norms] in optim/hybrid_adamw.py."""
+        ex, sync = self.executor, self.grad_sync
+        assert ex is not None and ex.params is not None and sync is not None
+        flag = torch.tensor([int(bool(stale))], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=sync.group)
+        if not flag.item():
+            return {}
+        store = ex.params
+        norms = {j: store.grad_norms(j) for j in (REST_GROUP, *range(store.num_layers))}
+        sync.combine_shard_norms(store, norms)
+        return {p: n for per_group in norms.values() for p, n in per_group.items()}
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _begin_inference(self) -> None:

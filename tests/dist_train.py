@@ -17,7 +17,8 @@ shard_size (LazyTrainStrategy's: processes per shard group), manual (manual opti
 module accumulates ``accum`` batches itself with ``manual_backward``, clips with ``clip_gradients``
 and steps; the Trainer gets neither accumulation nor a clip value), replan (LazyTrainStrategy's; each
 rank writes replans_rank{r}.json when it re-planned), precision (the Trainer's), fp32_masters (LazyTrainStrategy's), grad_probe (each rank writes probe_rank{r}.json: per
-backward, the gradient norms an ``on_after_backward`` hook saw, and the all-reduce bytes the plan priced). A resuming rank writes loaded_shapes_rank{r}.json:
+backward, the gradient norms an ``on_after_backward`` hook saw, and the all-reduce bytes the plan priced), user_hooks
+(``EditingNet``: parameter hooks and an ``on_after_backward`` that edit gradients). A resuming rank writes loaded_shapes_rank{r}.json:
 the shapes of the model tensors its checkpoint load returned.
 """
 
@@ -91,6 +92,23 @@ class ManualNet(Net):
                 self.clip_gradients(opt, gradient_clip_val=o["clip"], gradient_clip_algorithm="norm")
             opt.step()
             opt.zero_grad()
+
+
+class EditingNet(Net):
+    """``user_hooks``: the user touches gradients as in the exactness conformance tests: a
+    ``register_hook`` on a block weight (doubles its gradient), a ``register_post_accumulate_grad_hook``
+    on the embedding (halves its accumulated ``.grad`` in place) and ``on_after_backward`` scaling
+    another block weight's gradient by 3 (all linear, so a sharded run still equals one rank with
+    twice the batch)."""
+
+    def __init__(self, opts: dict):
+        super().__init__(opts)
+        layers = self.model.model.layers
+        layers[1].mlp.down_proj.weight.register_hook(lambda g: g * 2.0)
+        self.model.model.embed_tokens.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+
+    def on_after_backward(self):
+        self.model.model.layers[2].mlp.up_proj.weight.grad.mul_(3.0)
 
 
 class RecordBytes(L.Callback):
@@ -199,7 +217,7 @@ def train(opts: dict) -> Net:
     else:
         strategy = "auto"
     manual = opts.get("manual", False)
-    module = ManualNet(opts) if manual else Net(opts)
+    module = ManualNet(opts) if manual else EditingNet(opts) if opts.get("user_hooks") else Net(opts)
     per_epoch = opts.get("epoch_steps", steps)
     tokens = data((batch if "union_of" in opts else devices * batch) * per_epoch * accum)
     if "union_of" in opts:  # the samples W ranks see in one step, as one batch (Lightning's

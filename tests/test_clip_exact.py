@@ -10,6 +10,8 @@ layer-pipelined optimizer steps, 32- and 8-bit states, fp32, 16-mixed (loss scal
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import pytest
 import torch
@@ -60,17 +62,24 @@ class Net(L.LightningModule):
 
 
 class Record(L.Callback):
-    """Losses, and the global gradient norm before the clip (Lightning clips after this hook)."""
+    """Losses, and each optimizer step's global gradient norm before the clip: under ``auto`` what
+    Lightning's ``clip_grad_norm_`` returned (recorded by ``fit``), under lazytrain the fused clip's
+    own (``HybridAdamW.last_grad_norm``). No hook between the backward and the step here: one would
+    make the fused clip take its norms at the step (Note: [stale norms] in optim/hybrid_adamw.py)."""
 
     def __init__(self):
         self.losses, self.norms = [], []
+        self.handed = []  # per lazytrain step: (handed-over norms used, norms taken at the step)
+        self._steps = 0
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
-
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        self.norms.append(torch.nn.utils.get_total_norm([p.grad for p in params]).item())
+        if trainer.global_step > self._steps:  # an optimizer step ran
+            self._steps = trainer.global_step
+            opt = trainer.optimizers[0]
+            if isinstance(trainer.strategy, LazyTrainStrategy) and trainer.gradient_clip_val:
+                self.norms.append(opt.last_grad_norm)
+                self.handed.append((opt.handed_norms_used, opt.stale_norms))
 
 
 def data(n=STEPS * ACCUM, seed=1):
@@ -79,6 +88,8 @@ def data(n=STEPS * ACCUM, seed=1):
 
 
 def fit(strategy, module, *, clip, batches=None, extra_callbacks=(), **kw):
+    from unittest import mock
+
     rec = Record()
     torch.manual_seed(11)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS, logger=False,
@@ -86,7 +97,16 @@ def fit(strategy, module, *, clip, batches=None, extra_callbacks=(), **kw):
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         accumulate_grad_batches=ACCUM, gradient_clip_val=clip, **kw)
     loader = torch.utils.data.DataLoader(batches if batches is not None else data(), batch_size=None)
-    trainer.fit(module, train_dataloaders=loader)
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(*args, **kwargs):  # Lightning's clip under auto: its pre-clip total norm
+        total = clip_grad_norm_(*args, **kwargs)
+        rec.norms.append(total.item())
+        return total
+
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", recording_clip) if strategy == "auto" \
+            else contextlib.nullcontext():
+        trainer.fit(module, train_dataloaders=loader)
     return module, rec, trainer
 
 
@@ -122,6 +142,8 @@ def test_fused_clip_is_lightnings_clip_bit_for_bit(policy, clip, impl, monkeypat
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: pytest.fail("a separate clip"))
     got = fit(LazyTrainStrategy(policy=policy), Net(impl=impl), clip=clip)
     assert_same(got, want, clip)
+    n_grads = sum(1 for _ in got[0].parameters())
+    assert got[1].handed == [(n_grads, 0)] * STEPS  # every norm handed over, none taken again
 
 
 @pytest.mark.parametrize("clip", [ACTIVE, INACTIVE])
@@ -194,3 +216,73 @@ def test_hf_llama_with_accumulation_as_reported():
         assert a.losses == b.losses
         sa, sb = a.model.state_dict(), b.model.state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sb)
+
+
+class EditingNet(Net):
+    """Edits gradients between the backward and the step, as a user does: ``on_after_backward``
+    scales one block's gradient by 100 (every micro-batch, so the accumulated one is edited too) and,
+    at step 3, writes a NaN into the head's gradient (auto's HybridAdamW then skips that step)."""
+
+    def __init__(self, *, nan_at=3, via_data=False, **opt):
+        super().__init__(**opt)
+        self.nan_at, self.via_data = nan_at, via_data
+
+    def on_after_backward(self):
+        grad = self.layers[1].lin.weight.grad
+        (grad.data if self.via_data else grad).mul_(100.0)
+        if self.trainer.global_step + 1 == self.nan_at:
+            self.head.weight.grad[0, 0] = float("nan")
+
+
+class EditInCallback(L.Callback):
+    """The same kind of edit from a callback's ``on_before_optimizer_step`` (once per optimizer step)."""
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        module.layers[2].out.bias.grad.mul_(-3.0)
+
+
+@pytest.mark.parametrize("states, via_data", [("32", False), ("8", False), ("32", True)])
+@pytest.mark.parametrize("clip", [ACTIVE, None])
+def test_gradients_edited_before_the_step_are_what_the_fused_clip_and_the_skip_see(states, via_data, clip):
+    """Whatever user code does to ``.grad`` between backward and step (scale it, write a NaN into
+    it, in ``on_after_backward`` or a callback, through ``.data`` too) is what the clip factor, the
+    non-finite skip and the update see: bit-equal to ``auto`` (which clips with ``clip_grad_norm_``
+    and skips in HybridAdamW). The norms handed over by the executor were taken before the edits: a
+    run that used them would differ (the test checks that none was used)."""
+    opt = dict(eight_bit="all", min_8bit_numel=256) if states == "8" else {}
+    if states == "8":
+        pytest.importorskip("bitsandbytes")
+    runs = {}
+    for name, strategy in (("auto", "auto"), ("lazytrain", LazyTrainStrategy(policy="milp"))):
+        module = EditingNet(d=64, via_data=via_data, **opt)
+        model, rec, trainer = fit(strategy, module, clip=clip, extra_callbacks=[EditInCallback()])
+        runs[name] = (model, rec, trainer)
+    (m_got, r_got, t_got), (m_want, r_want, t_want) = runs["lazytrain"], runs["auto"]
+    assert r_got.losses == r_want.losses
+    assert t_got.optimizers[0].skipped_steps == t_want.optimizers[0].skipped_steps == 1  # the NaN step
+    sa, sb = m_got.state_dict(), m_want.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sb)
+    assert all(used == 0 for used, _ in r_got.handed)  # no stale norm reached the clip
+
+
+def test_an_in_place_edit_invalidates_only_the_edited_norms():
+    """Note: [stale norms]: a handed-over norm whose gradient changed in place (its version counter)
+    or was replaced is taken again at the step; the others are used. Without the check, the step
+    would clip with the stale norm: the test fails if the fast path is taken after an edit."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(300)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(300)
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = HybridAdamW(params, lr=1e-2, max_grad_norm=0.1)
+    ref = HybridAdamW(twins, lr=1e-2, max_grad_norm=0.1)
+    opt.set_grad_norms({p: torch.linalg.vector_norm(p.grad) for p in params})  # taken "as they landed"
+    params[0].grad.mul_(50.0)  # an in-place edit
+    params[1].grad = params[1].grad * 0.5  # a replacement
+    for t, p in zip(twins, params):
+        t.grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    assert (opt.handed_norms_used, opt.stale_norms) == (1, 2)
+    assert opt.last_grad_norm == ref.last_grad_norm
+    assert all(torch.equal(p, t) for p, t in zip(params, twins))

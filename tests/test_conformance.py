@@ -307,3 +307,264 @@ def test_parameter_tied_between_a_block_and_a_non_block_module_is_refused_by_nam
 
     with pytest.raises(NotImplementedError, match=r"tied between head2\.weight .*layers\.1\.lin\.weight \(block 1\)"):
         fit(lazytrain("milp"), Tied())
+
+
+# ---- parameter hooks, edited gradients, detached forwards, inference_mode (the last four patterns) ----
+
+class HookedNet(SGDNet):
+    """Gradient hooks on parameters, as a user puts them: ``register_hook`` on a streamed block's
+    weight (scales its gradient) and on the head's (records it), ``register_post_accumulate_grad_hook``
+    on the embedding (records the accumulated ``.grad``) and on a block's bias (clamps it in place)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: dict[str, list[torch.Tensor]] = {"block": [], "head": [], "emb": [], "bias": []}
+
+        def scale(g):
+            self.seen["block"].append(g.clone())
+            return g * 3.0
+
+        def record_head(g):
+            self.seen["head"].append(g.clone())
+
+        def record_emb(p):
+            self.seen["emb"].append(p.grad.clone())
+
+        def clamp_bias(p):
+            self.seen["bias"].append(p.grad.clone())
+            p.grad.clamp_(-0.01, 0.01)
+
+        self.layers[1].lin.weight.register_hook(scale)
+        self.head.weight.register_hook(record_head)
+        self.emb.weight.register_post_accumulate_grad_hook(record_emb)
+        self.layers[2].lin.bias.register_post_accumulate_grad_hook(clamp_bias)
+
+
+def resident_plan(path) -> str:
+    """A plan.json whose layers 1 and 3 keep their weights resident (slots of their own)."""
+    s = Schedule(num_layers=LAYERS, homes=("gpu",) * (LAYERS + 1), keep_internals=(False,) * LAYERS,
+                 resident_weights=(False, True, False, True), offload_window=(None,) * (LAYERS + 1),
+                 reload_window=(None,) * (LAYERS + 1), policy="test-resident")
+    path.write_text(json.dumps({"schedule": s.to_json()}))
+    return str(path)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_parameter_hooks_fire_and_act_as_under_auto(policy, accumulate):
+    """Each hook fires as often as under ``auto`` (once per backward), sees the same gradient (a
+    pre-hook: this backward's; a post-accumulate hook: the accumulated ``.grad`` on the parameter
+    itself) and what it returns or edits is what the optimizer uses."""
+    ref, want = fit("auto", HookedNet(dropout=0.1), accumulate_grad_batches=accumulate)
+    got_model, got = fit(lazytrain(policy), HookedNet(dropout=0.1), accumulate_grad_batches=accumulate)
+    assert got == want
+    for kind, seen in ref.seen.items():
+        assert len(seen) == STEPS * accumulate, kind
+        assert len(got_model.seen[kind]) == len(seen), kind
+        assert all(torch.equal(g, r) for g, r in zip(got_model.seen[kind], seen)), kind
+    assert_same_model(got_model, ref)
+
+
+def test_parameter_hooks_on_resident_weights(tmp_path):
+    ref, want = fit("auto", HookedNet(), accumulate_grad_batches=2)
+    got_model, got = fit(lazytrain(resident_plan(tmp_path / "plan.json")), HookedNet(), accumulate_grad_batches=2)
+    assert got == want
+    assert all(len(got_model.seen[k]) == len(v) == 2 * STEPS for k, v in ref.seen.items())
+    assert all(torch.equal(g, r) for k in ref.seen for g, r in zip(got_model.seen[k], ref.seen[k]))
+    assert_same_model(got_model, ref)
+
+
+def test_backpropagating_a_forward_of_an_earlier_step_is_refused_by_name():
+    """A forward kept from the previous step and backpropagated now: plain autograd refuses it too
+    (the optimizer changed the weights it saved); the error says what happened."""
+
+    class Stale(Net):
+        def training_step(self, batch, batch_idx):
+            self.calls["training_step"] += 1
+            out = self(batch)
+            loss = self.head(out).square().mean()
+            if batch_idx == 1:
+                loss = loss + self.kept.sum()
+            self.kept = self(batch.flip(1)).mean()
+            self.log("train_loss", loss)
+            return loss
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fit("auto", Stale())
+    with pytest.raises(RuntimeError, match=r"forward of an earlier micro-batch"):
+        fit(lazytrain("milp"), Stale())
+
+
+def test_a_removed_hook_stops_firing_and_a_late_one_is_seen():
+    """Hooks are read when they fire: one removed after the first step no longer fires; one added
+    during training (in ``on_train_batch_start``, on a non-block and on a block parameter) does."""
+
+    class Late(SGDNet):
+        def __init__(self):
+            super().__init__()
+            self.fired = {"early": 0, "late_head": 0, "late_block": 0}
+            self.handle = self.layers[0].lin.weight.register_hook(lambda g: self._count("early"))
+
+        def _count(self, key):
+            self.fired[key] += 1
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if batch_idx == 1:
+                self.handle.remove()
+                self.head.weight.register_hook(lambda g: self._count("late_head"))
+                self.layers[3].lin.weight.register_hook(lambda g: g * 0.5 if self._count("late_block") is None else g)
+
+    ref, want = fit("auto", Late())
+    got_model, got = fit(lazytrain("milp"), Late())
+    assert ref.fired == {"early": 1, "late_head": STEPS - 1, "late_block": STEPS - 1}
+    assert got_model.fired == ref.fired and got == want
+    assert_same_model(got_model, ref)
+
+
+def test_a_hooked_block_backpropagated_twice_in_one_backward_is_refused_by_name():
+    """Two passes of one block reaching one backward: autograd fires the hook once on the sum, the
+    executor would run two backwards; refused in the first step, before any optimizer step."""
+
+    class Twice(SGDNet):
+        def __init__(self):
+            super().__init__()
+            self.layers[2].lin.weight.register_hook(lambda g: g)
+
+        def training_step(self, batch, batch_idx):
+            self.calls["training_step"] += 1
+            loss = self.head(self(batch)).square().mean() + self.head(self(batch.flip(1))).square().mean()
+            self.log("train_loss", loss)
+            return loss
+
+    module = Twice()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(Exception, match=r"register_hook.*layers\.2\.lin\.weight.*fire twice"):
+        fit(lazytrain("milp"), module)
+    assert module.calls["training_step"] == 1
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+class DetachedTarget(Net):
+    """A forward with grad enabled whose result is detached (a target), then the forward that is
+    backpropagated: the first pass never gets a gradient."""
+
+    def training_step(self, batch, batch_idx):
+        self.calls["training_step"] += 1
+        target = self(batch).detach()
+        loss = self.head(self(batch) - 0.5 * target).square().mean()
+        self.log("train_loss", loss)
+        return loss
+
+
+class DroppedOutput(Net):
+    """A forward with grad enabled whose output is only logged (never backpropagated), before the real one."""
+
+    def training_step(self, batch, batch_idx):
+        self.calls["training_step"] += 1
+        self.last_features = self(batch.flip(1))
+        loss = self.head(self(batch)).square().mean()
+        self.log("train_loss", loss)
+        return loss
+
+
+class GAN(L.LightningModule):
+    """Lightning's GAN example with the block stack in the generator: manual optimization, two
+    optimizers, ``toggle_optimizer``, the discriminator trained on a detached fake batch (a forward
+    with grad whose output is never backpropagated); ``stash``: as the example, the generator also
+    runs once more for a batch kept for logging, never backpropagated either."""
+
+    def __init__(self, d=16, stash=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.stash = stash
+        self.emb = nn.Linear(6, d)
+        self.layers = nn.ModuleList(Block(d, 0.1, False) for _ in range(LAYERS))
+        self.out = nn.Linear(d, 6)
+        self.disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.calls = {"training_step": 0}
+
+    def generator(self, z):
+        h = self.emb(z)
+        for b in self.layers:
+            h = b(h)
+        return self.out(h)
+
+    def training_step(self, batch, batch_idx):
+        self.calls["training_step"] += 1
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn_like(batch)
+        self.toggle_optimizer(opt_g)
+        if self.stash:
+            self.generated = self.generator(z)  # kept for logging, never backpropagated
+        g_loss = -self.disc(self.generator(z)).sigmoid().log().mean()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        real = -self.disc(batch).sigmoid().log().mean()
+        fake = -(1 - self.disc(self.generator(z).detach()).sigmoid()).log().mean()
+        d_loss = (real + fake) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.log("train_loss", d_loss + g_loss)
+
+    def configure_optimizers(self):
+        gen = [p for n, p in self.named_parameters() if not n.startswith("disc")]
+        return torch.optim.Adam(gen, lr=1e-2), torch.optim.Adam(self.disc.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("module", [DetachedTarget, DroppedOutput, GAN, lambda: GAN(stash=False)],
+                         ids=["detached_target", "dropped_output", "gan", "gan_without_stash"])
+def test_forwards_with_grad_that_are_never_backpropagated_train_as_auto(policy, module):
+    ref, want = fit("auto", module())
+    got_model, got = fit(lazytrain(policy), module())
+    assert got == want
+    assert got_model.calls == ref.calls
+    assert_same_model(got_model, ref)
+
+
+def test_a_step_whose_backward_skips_blocks_is_not_the_profile(caplog):
+    """The profile waits for a micro-batch whose backward reaches every block of its planned pass:
+    the GAN without the stashed batch plans after its generator step; with it no step qualifies, and
+    the strategy says so once and trains on, exactly, without a plan."""
+    import logging
+
+    class Planned(L.Callback):
+        def __init__(self):
+            self.after_step = []
+
+        def on_train_batch_end(self, trainer, *args):
+            self.after_step.append(trainer.strategy.plan is not None)
+
+    plain = Planned()
+    fit(lazytrain("milp"), GAN(stash=False), callbacks_extra=[plain])
+    assert plain.after_step and all(plain.after_step)  # planned after the first step's generator backward
+    stashing = Planned()
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.strategy"):
+        fit(lazytrain("milp"), GAN(), callbacks_extra=[stashing])
+    assert stashing.after_step and not any(stashing.after_step)
+    warned = [r.getMessage() for r in caplog.records if "without a backward" in r.getMessage()]
+    assert len(warned) == 1 and "torch.no_grad()" in warned[0]
+
+
+class InferenceTeacher(Net):
+    """A teacher pass under ``torch.inference_mode()`` inside ``training_step``."""
+
+    def training_step(self, batch, batch_idx):
+        self.calls["training_step"] += 1
+        with torch.inference_mode():
+            teacher = self.head(self(batch))
+        student = self.head(self(batch))
+        loss = student.square().mean() + (student - teacher.clone()).square().mean()
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_an_inference_mode_sub_forward_in_training_step_trains_as_auto(policy):
+    ref, want = fit("auto", InferenceTeacher(dropout=0.1))
+    got_model, got = fit(lazytrain(policy), InferenceTeacher(dropout=0.1))
+    assert got == want
+    assert_same_model(got_model, ref)

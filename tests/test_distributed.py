@@ -135,6 +135,35 @@ def test_a_hook_after_backward_sees_what_it_sees_under_ddp(tmp_path):
         assert torch.equal(weights[name], value), name
 
 
+def test_gradient_hooks_and_edits_train_as_ddp_and_sharded_as_one_rank(tmp_path):
+    """Parameter hooks and gradients edited before the step (dist_train's ``EditingNet``), with
+    HybridAdamW's fused clip and accumulation: the replicate mode equals Lightning's DDP bit for bit
+    (the post-accumulate hook sees each rank's own gradient, the average comes after it, the clip's
+    norms are taken after the edits); the sharded mode equals one rank with twice the batch (its
+    norms of edited gradients taken again over the ranks' shards)."""
+    b, steps = 2, 3
+    common = dict(batch=b, steps=steps, accum=2, clip=0.5, optimizer="hybrid", same_init=False, user_hooks=True)
+    runs = {"lazy": dict(policy="megatrain"), "shard": dict(policy="recompute_all", data_parallel="shard"),
+            "ddp": dict(strategy="auto")}
+    for name, opts in runs.items():
+        (tmp_path / name).mkdir()
+        run = launch(tmp_path / name, **opts, **common)
+        assert run.returncode == 0, name + run.stdout[-3000:] + run.stderr[-5000:]
+    losses, weights = outputs(tmp_path / "lazy")
+    ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    assert losses == ddp_losses
+    for name, value in ddp_weights.items():
+        assert torch.equal(weights[name], value), name
+    shard_losses, shard_weights = outputs(tmp_path / "shard")
+    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "accum": 2, "clip": 0.5, "strategy": "auto",
+                           "optimizer": "hybrid", "same_init": False, "union_of": 2, "user_hooks": True})
+    torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*shard_losses)]), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)
+    for name, value in ref.model.state_dict().items():  # Adam: DDP's own distance from one rank is the bound
+        slack = (ddp_weights[name] - value).norm()
+        assert (shard_weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
+
+
 def test_a_second_pass_through_the_blocks_averages_after_the_backward(tmp_path):
     """Two forwards before one backward (every block runs an ad-hoc second pass, whose gradients
     reach the host after its planned ones): the overlapped all-reduce would miss them, so the ranks

@@ -47,12 +47,32 @@ def mixed_plan(path) -> str:
     return str(path)
 
 
+def install_hooks(model: torch.nn.Module, seen: dict) -> None:
+    """A user's parameter hooks: ``register_hook`` on a streamed block's weight (scales its gradient)
+    and on the LM head's (records it), ``register_post_accumulate_grad_hook`` on the embedding
+    (records the accumulated ``.grad``)."""
+    seen.update(block=[], head=[], embed=[])
+
+    def scale(g):
+        seen["block"].append(g.clone())
+        return g * 2.0
+
+    model.model.layers[1].mlp.down_proj.weight.register_hook(scale)
+    model.lm_head.weight.register_hook(lambda g: seen["head"].append(g.clone()))
+    model.model.embed_tokens.weight.register_post_accumulate_grad_hook(lambda p: seen["embed"].append(p.grad.clone()))
+
+
 def train(strategy, *, steps: int = 5, accumulate: int = 1, forwards: int = 1, no_grad_between: bool = False,
-          precision: str = "32-true", teardown: bool = True) -> dict:
+          precision: str = "32-true", teardown: bool = True, pattern: str | None = None) -> dict:
     """AdamW on fixed batches; returns per-micro-batch losses, final parameters, forward calls, a
-    no-grad evaluation's logits, and the Fabric."""
+    no-grad evaluation's logits, and the Fabric. ``pattern``: ``"hooks"`` (``install_hooks``),
+    ``"detached"`` (a forward with grad whose detached output only shifts the loss, before the one
+    that is backpropagated), ``"inference_mode"`` (a teacher pass under ``torch.inference_mode()``)."""
     model = make_model()
     calls = []
+    seen: dict = {}
+    if pattern == "hooks":
+        install_hooks(model, seen)
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
@@ -62,7 +82,15 @@ def train(strategy, *, steps: int = 5, accumulate: int = 1, forwards: int = 1, n
     for _ in range(steps):
         for _ in range(accumulate):
             b = next(data)
+            shift = None
+            if pattern == "detached":
+                shift = model(input_ids=b.flip(0)).logits.detach().mean()
+            elif pattern == "inference_mode":
+                with torch.inference_mode():
+                    shift = model(input_ids=b.flip(0)).logits.mean()
             loss = model(input_ids=b, labels=b).loss
+            if shift is not None:
+                loss = loss + 1e-3 * shift.clone()
             for _ in range(forwards - 1):  # a further forward (reversed batch) feeding the same backward
                 loss = loss + model(input_ids=b.flip(0), labels=b.flip(0)).loss
             if no_grad_between:
@@ -78,7 +106,7 @@ def train(strategy, *, steps: int = 5, accumulate: int = 1, forwards: int = 1, n
         logits = model(input_ids=EVAL).logits
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = {"losses": losses, "params": params, "calls": len(calls), "logits": logits, "fabric": fabric,
-           "model": model, "opt": opt}
+           "model": model, "opt": opt, "seen": seen}
     if teardown:
         fabric.strategy.teardown()
     return out
@@ -173,6 +201,21 @@ def test_several_forwards_and_a_no_grad_forward_before_one_backward(tmp_path):
     got = train(LazyTrainFabricStrategy(policy=mixed_plan(tmp_path / "plan.json")), steps=3, forwards=2,
                 no_grad_between=True)
     assert_same(got, auto(steps=3, forwards=2, no_grad_between=True))
+
+
+@pytest.mark.parametrize("pattern", ["hooks", "detached", "inference_mode"])
+@pytest.mark.parametrize("policy", ["recompute_all", "mixed"])
+def test_hooks_detached_forwards_and_inference_mode_as_under_auto(pattern, policy, tmp_path):
+    """The Trainer's four exactness patterns under Fabric: parameter hooks fire as under auto and
+    what they return is used; a forward with grad whose output is detached, and a teacher pass under
+    ``torch.inference_mode()``, train exactly as under auto (with accumulation)."""
+    chosen = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
+    got = train(LazyTrainFabricStrategy(policy=chosen), steps=3, accumulate=2, pattern=pattern)
+    want = auto(steps=3, accumulate=2, pattern=pattern)
+    assert_same(got, want)
+    for kind, values in want["seen"].items():
+        assert len(values) == 6 and len(got["seen"][kind]) == 6, kind  # once per backward
+        assert all(torch.equal(a, b) for a, b in zip(got["seen"][kind], values)), kind
 
 
 def test_bf16_mixed_is_autocast_over_fp32_masters():

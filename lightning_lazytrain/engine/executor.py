@@ -55,6 +55,7 @@ from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks,
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
+from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks, tensor_hook_names
 from lightning_lazytrain.planner.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class Executor:
         self._armed: tuple[bool, bool] | None = None
         self._arm_handles: list = []
         self._adhoc_used = False
+        self._post_hooks = False  # the module's masters carry post-accumulate-grad hooks (this step)
+        self._serial = 0  # counts micro-batches: a node of an earlier one cannot run its backward
         self.profiling = False  # True: the trace synchronises the device at every mark (exact CUDA times)
         self.measure_memory = False  # True: measure real device bytes per window (always while profiling)
         self._mem: DeviceBytes | None = None
@@ -331,12 +334,18 @@ class Executor:
         self._recomputed: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
         self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
+        self._serial += 1
+        self._b_next = len(self.stack) - 1  # the next backward window (Note: [unreached blocks])
+        self._backprops: dict[int, int] = {}  # block -> backwards run in this micro-batch (planned, ad hoc)
+        self._ctxs: dict[int, Any] = {}  # block -> its planned pass's node context, until its backward window
+        self.params.post_hooks.reset()
         self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
         self._routed_refs: dict[int, torch.Tensor] = {}
         self._routed_pending: dict[int, int] = {}
         self._routed_running: dict[int, torch.Tensor] = {}
         if first:
             self._adhoc_used = False
+            self._post_hooks = has_post_accumulate_hooks(self.module.parameters())
         self._pending_offload: dict[int, torch.Tensor] = {}
         self._internals: dict[int, OffloadedInternals] = {}  # Note: [offloaded internals] in engine/internals.py
         self._partial: dict[int, PartialForward] = {}  # Note: [partial keep] in engine/partial_keep.py
@@ -378,13 +387,15 @@ class Executor:
         if self._micro is None:
             raise RuntimeError("end_microbatch() without begin_microbatch()")
         first, last = self._micro
-        if self._saved or self._recomputed or self._pending_offload:
-            raise RuntimeError("the backward did not reach every block; call loss.backward() before end_microbatch()")
+        if self._forwarded:  # Note: [unreached blocks]: windows the backward did not reach
+            for t in range(self._b_next, -1, -1):
+                self._pass_backward_window(t, rerun=False)
         self._finish_grads()
         self._retire_residents()
         if not last:
             self._flush_adhoc_grads()
             self.params.wait_host()  # the host grads hold this micro-batch's gradients when it ends
+            self.params.post_hooks.fire()  # Note: [gradient hooks on streamed parameters]
             self._micro = None
             return None
         self._window("T")
@@ -404,9 +415,20 @@ class Executor:
             self.stats.max_memory_allocated = max(self.stats.real_peak_bytes,
                                                   torch.cuda.max_memory_allocated(self.device))
         self.stats.segments = self.trace.segments(self.engine.records())
-        if self._adhoc_used:  # ad-hoc backwards added to the host grads after some norms were taken
+        # the user's post-accumulate-grad hooks see the step's host grads (Note: [gradient hooks on
+        # streamed parameters]); what they do to them comes after the norms were taken
+        hooks_ran = self.params.post_hooks.fire() > 0
+        if self._adhoc_used or hooks_ran:  # (so did ad-hoc backwards' additions)
             self.stats.layer_sq_norms, self.stats.grad_norms = {}, {}
         return self.stats
+
+    @property
+    def late_grads(self) -> bool:
+        """In this step, a group's gradients may change after its final accumulation: an ad-hoc
+        pass added to them, or the user's post-accumulate-grad hooks run when the micro-batch ends.
+        Several processes then average the gradients after the micro-batch, not group by group as
+        they complete (distributed.py, Note: [overlapped all-reduce])."""
+        return self._adhoc_used or self._post_hooks
 
     # ---- forward ---------------------------------------------------------------------------
     def _block_call(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
@@ -501,6 +523,8 @@ class Executor:
         assert self.params is not None and self.acts is not None
         s, L = self.schedule, len(self.stack)
         name = f"F{j}"
+        ctx.serial = self._serial
+        self._ctxs[j] = ctx
         self._settle_offloads(j)  # before the mark: the plan frees boundaries offloaded before F{j}
         self._window(name)
         sent: list[PendingGrads] = []
@@ -617,6 +641,7 @@ class Executor:
         synchronous and not part of the plan (its memory and time are not predicted)."""
         assert self.params is not None
         self._adhoc_used = True  # from here on (distributed.py: Note: [overlapped all-reduce])
+        ctx.serial = self._serial
         state = ForwardState.capture(self.device)
         args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)  # before the cache grows
         rcall, rrouted = BlockCall.pack(args, kwargs)
@@ -634,6 +659,8 @@ class Executor:
 
     def _adhoc_backward(self, ctx: Any, j: int, grads: tuple) -> tuple:
         assert self.params is not None
+        self._check_live(ctx, j)
+        self._count_backprop(j)
         x, call, routed, state = ctx.adhoc
         ctx.adhoc = None
         self.params.stage(j, RECOMPUTE_SLOT)
@@ -665,6 +692,17 @@ class Executor:
     # ---- backward --------------------------------------------------------------------------
     def _backward_window(self, ctx: Any, t: int, grads: tuple) -> tuple:
         assert self.params is not None
+        self._check_live(ctx, t)
+        if t > self._b_next:
+            raise UnsupportedBlockPattern(
+                f"block {t}'s backward came after the backward of block {self._b_next + 1}, below it, in the "
+                "same micro-batch: strategy='lazytrain' runs a micro-batch's block backwards once, from the top "
+                "block down. Add the losses and call backward once per micro-batch.")
+        for u in range(self._b_next, t, -1):  # Note: [unreached blocks]: the backward entered below u
+            self._pass_backward_window(u, rerun=True)
+        self._b_next = t - 1
+        self._ctxs.pop(t, None)
+        self._count_backprop(t)
         s = self.schedule
         name = f"B{t}"
         self._retire_residents()  # before the mark: their grads left in the previous window
@@ -735,6 +773,82 @@ class Executor:
             self.tracker.drop(f"resident{t}")
             self.tracker.add(f"resident{t}", self.params.slot_bytes(t, slot))
         return grad_in, self._routed_input_grads(ctx, rin)
+
+    # Note: [unreached blocks] A forward with grad enabled whose output is never backpropagated (a
+    # detached result: a GAN's fake batch for its critic, a target computed with grad on; or an output
+    # simply dropped) gets no backward under plain autograd: its graph is freed and its weights get no
+    # gradient. Here its blocks' backward windows never come, and the plan's later windows expect the
+    # slots and boundaries those windows leave. So a window the backward skips (the gradient entered
+    # the stack below it) or never reaches (by the micro-batch's end) runs its transfers as planned
+    # and computes nothing (``_pass_backward_window``): the weights go where the next window expects
+    # them, the grads of the blocks whose backward ran go to the host, the pass's boundaries, kept
+    # internals and its node's saved graph are released. It costs the transfers, not compute, and it
+    # trains exactly as plain autograd. A node of such a pass that is backpropagated later (after its
+    # micro-batch ended) is refused with a clear error (``_check_live``): its state is gone.
+    def _pass_backward_window(self, t: int, *, rerun: bool) -> None:
+        """Window B{t} for a block whose planned pass gets no gradient (Note: [unreached blocks]).
+        ``rerun``: a recompute block ending here is still re-run (a lower block's backward, still to
+        come, needs its boundaries); at the micro-batch's end none is."""
+        assert self.params is not None and self.acts is not None
+        s = self.schedule
+        name = f"B{t}"
+        self._retire_residents()
+        self._reap_offloads()
+        self._window(name)
+        block = s.block_ending_at(t + 1) if rerun else None
+        spare = t - 1 if block is not None and t >= 1 and (t - 1) not in self.resident_slot else None
+        self._issue_transfers(name, defer_weights=spare)
+        if block is not None:
+            self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
+            if spare is not None and any(op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
+                self._stage(spare)
+        self._finish_grads(slot=self.slot_of(t))  # as a real window's bind: the slot's next send waits for it
+        ctx = self._ctxs.pop(t, None)
+        if ctx is not None:
+            ctx.kept = None  # its saved graph (kept internals) goes now, not when the user drops the output
+        self._calls.pop(t, None)
+        self._states.pop(t, None)
+        if t in self._internals:
+            self._internals.pop(t).free(self.acts)
+        self._partial.pop(t, None)
+        self.tracker.drop(f"internals{t}")
+        self.tracker.drop(f"partial{t}")
+        self._free_boundary(t)
+        if t in self.resident_slot and (t > 0 or self._micro[1]):
+            slot = self.slot_of(t)
+            self.params.evict(slot, keep_grads=True)
+            self.tracker.drop(f"resident{t}")
+            self.tracker.add(f"resident{t}", self.params.slot_bytes(t, slot))
+        self._b_next = t - 1
+        if t in self._forwarded:
+            self.stats.unreached.add(t)
+
+    def _check_live(self, ctx: Any, t: int) -> None:
+        """A block's node may run its backward only in the micro-batch of its forward."""
+        if self._micro is None or getattr(ctx, "serial", None) != self._serial:
+            raise RuntimeError(
+                f"backward through block {t}'s forward of an earlier micro-batch: with strategy='lazytrain' a "
+                "forward's saved state is released when its micro-batch ends (at the backward that ends it). "
+                "Backpropagate a forward in the micro-batch that ran it, or run it again.")
+
+    def _count_backprop(self, t: int) -> None:
+        """A block backpropagated twice in one micro-batch (its planned pass and an ad-hoc one) runs
+        two backwards where autograd runs one on the summed gradient: a gradient hook on its weights
+        would fire twice on partial sums, so that is refused (Note: [gradient hooks on streamed
+        parameters], engine/user_grad_hooks.py)."""
+        assert self.params is not None
+        n = self._backprops[t] = self._backprops.get(t, 0) + 1
+        if n < 2:
+            return
+        hooked = tensor_hook_names(zip(self.params.param_names(t), self.params.group_parameters(t)))
+        if hooked:
+            names = ", ".join(f"{self.stack.path}.{t}.{name}" for name in hooked)
+            raise UnsupportedBlockPattern(
+                f"a gradient hook (register_hook) on {names}: block {t} ran two forwards with grad that both "
+                "reach this backward (e.g. the model called twice before one backward); strategy='lazytrain' "
+                "backpropagates the two passes separately, so the hook would fire twice on partial gradients "
+                "where plain autograd fires it once on their sum. Use register_post_accumulate_grad_hook, "
+                "call the model once per backward, or train with strategy='auto'.")
 
     # Note: [one gradient per shared input] A tensor passed to several blocks (the encoder's output
     # to every cross-attention, a shared position bias) gets, under plain autograd, one addition per

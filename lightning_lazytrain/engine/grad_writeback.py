@@ -212,6 +212,7 @@ class GradWriteBack:
         with torch.no_grad():
             self._ensure_host_grads(g, touched)
             receiving = [i for i in g.params if id(i) in touched and i.param.requires_grad]
+            self.post_hooks.landed((id(i), i.param) for i in receiving)
             if len(receiving) == len(g.params):
                 self._add(g.grad, grads)
             else:  # only parameters a gradient reached (and that still want one) accumulate

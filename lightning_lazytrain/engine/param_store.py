@@ -82,6 +82,7 @@ Note: [host lane] The host-side work of a copy -- casting fp32 masters into a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -93,6 +94,7 @@ from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, WIDEN_CHUNK, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
+from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
 __all__ = ["REST", "WIDEN_CHUNK", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 
@@ -178,6 +180,8 @@ class ParamStore(GradWriteBack):
         # ``on_final_grads(store, layer, accumulated_handle, param_norms, sq_norm)``: several processes
         # average a group's gradients as soon as they are complete (distributed.GradSync, overlap).
         self.on_final_grads: Callable[[ParamStore, int, CopyHandle, dict | None, torch.Tensor], None] | None = None
+        # the user's post-accumulate-grad hooks on the masters (Note: [gradient hooks on streamed parameters])
+        self.post_hooks = PostAccumulateHooks()
         self._groups = self._build_groups()
         self._index = {id(info): k for grp in self._groups.values() for k, info in enumerate(grp.params)}
         self._owner = {id(info): gid for gid, grp in self._groups.items() for info in grp.params}
@@ -328,7 +332,10 @@ class ParamStore(GradWriteBack):
         return s
 
     def _allocate(self, s: _Slot) -> None:
-        s.weights = torch.empty(s.numel, dtype=self.compute_dtype, device=self.device)
+        # never an inference tensor (a lazy slot first staged under the user's inference_mode in a
+        # training step): the copy lanes write it from their own threads, outside that mode
+        with torch.inference_mode(False):
+            s.weights = torch.empty(s.numel, dtype=self.compute_dtype, device=self.device)
         # A fresh device buffer may reuse memory that queued compute still reads (caching
         # allocator, compute stream): the first H2D into it must wait (Note: [slot reuse]).
         s.free = self.engine.record_compute()
@@ -360,7 +367,8 @@ class ParamStore(GradWriteBack):
 
     def _ensure_grad_buffers(self, s: _Slot) -> torch.Tensor:
         if s.grads is None:
-            s.grads = torch.zeros(s.numel, dtype=self.compute_dtype, device=self.device)
+            with torch.inference_mode(False):
+                s.grads = torch.zeros(s.numel, dtype=self.compute_dtype, device=self.device)
         return s.grads
 
     @staticmethod
@@ -640,7 +648,10 @@ class ParamStore(GradWriteBack):
                 w.grad = self._view(s.grads, info)  # autograd accumulates in place here
                 # A parameter no gradient reaches keeps .grad None on the host, as under plain
                 # autograd (optimizers skip such parameters; zeros would decay them).
-                w.register_post_accumulate_grad_hook(lambda _, s=s, key=id(info): s.touched.add(key))
+                w.register_post_accumulate_grad_hook(functools.partial(self._arrived, s, id(info), info.param))
+                # the master's register_hook hooks run on the wrapper autograd accumulates into
+                # (Note: [gradient hooks on streamed parameters]); a long bind also sees later ones
+                forward_tensor_hooks(info.param, w, always=follow_requires_grad)
                 w.requires_grad_(requires)
                 if follow_requires_grad:
                     for m, _ in info.sites:
@@ -662,6 +673,10 @@ class ParamStore(GradWriteBack):
                     m._parameters[name] = info.param
             s.bound = False
             s.free = self.engine.record_compute()
+
+    def _arrived(self, s: _Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
+        s.touched.add(key)
+        self.post_hooks.arrived(key, master)
 
     def close(self) -> None:
         """Finish copies and drop the device buffers; the module keeps its host masters."""

@@ -131,7 +131,13 @@ class HybridAdamW(Optimizer):
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layer_groups: dict[Hashable, list[int]] = {}
         self._inbox = SqNormInbox()
-        self._grad_norms: dict[torch.Tensor, torch.Tensor] | None = None
+        # handed-over norms, each with the gradient it was taken from and that tensor's version then
+        self._grad_norms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        self._recompute_norms: Callable[[list[torch.Tensor]], Mapping[torch.Tensor, torch.Tensor]] | None = None
+        # at the last step: handed-over norms used, and parameters whose norm was taken at the step
+        # because none was handed over or its gradient had changed since (Note: [stale norms])
+        self.handed_norms_used = 0
+        self.stale_norms = 0
         self._inflight: LayerPipeline | None = None
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._ready = True
@@ -226,7 +232,9 @@ class HybridAdamW(Optimizer):
             raise KeyError(f"unknown layers {unknown}; layers are {self.layers}")
         self._inbox.replace(sq_norms)
 
-    def set_grad_norms(self, norms: Mapping[torch.Tensor, torch.Tensor] | None) -> None:
+    def set_grad_norms(self, norms: Mapping[torch.Tensor, torch.Tensor] | None, *,
+                       recompute: Callable[[list[torch.Tensor]], Mapping[torch.Tensor, torch.Tensor]] | None = None
+                       ) -> None:
         """Hand over each parameter's gradient L2 norm (0-d, as ``torch._foreach_norm`` computes it
         from that ``.grad``) for the next step, keyed by the parameter; ``None`` withdraws them.
 
@@ -234,15 +242,49 @@ class HybridAdamW(Optimizer):
         equals ``clip_grad_norm_(params)``'s bit for bit (Note: [exact clip]). A parameter with a
         ``.grad`` but no norm here has its norm computed at the step. Takes precedence over
         squared norms handed per layer.
+
+        Note: [stale norms] A norm is used only if the parameter's ``.grad`` is still the tensor it
+        was taken from, unmodified (its autograd version counter unchanged: every in-place edit,
+        also through another view of the same buffer or ``.detach()``, bumps it): a hook or callback
+        that scaled, clipped, zeroed or replaced a gradient between the hand-over and the step gets
+        its gradient's own norm taken at the step (``stale_norms`` counts them). Edits through
+        ``.data`` bypass the counter: a caller that cannot rule them out hands over ``{}`` (every
+        norm taken at the step). ``recompute(stale_params)``, if given, supplies the norms of the
+        stale parameters (e.g. the whole-parameter norms of sharded gradients, which need a
+        collective); it is called at every step, stale parameters or not.
         """
-        self._grad_norms = None if norms is None else dict(norms)
+        if norms is None:
+            self._grad_norms, self._recompute_norms = None, None
+            return
+        self._grad_norms = {p: (n, p.grad, p.grad._version) for p, n in norms.items() if p.grad is not None}
+        self._recompute_norms = recompute
+
+    def _fresh_handed_norms(self, params: list[torch.Tensor],
+                            handed: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int]],
+                            recompute: Callable[[list[torch.Tensor]], Mapping[torch.Tensor, torch.Tensor]] | None
+                            ) -> list[torch.Tensor | None]:
+        """Per parameter, its handed-over norm if its gradient is unchanged since (Note: [stale
+        norms]), else what ``recompute`` gives, else None (taken by the caller)."""
+        norms: list[torch.Tensor | None] = []
+        for p in params:
+            entry = handed.get(p)
+            norms.append(entry[0] if entry is not None and entry[1] is p.grad and entry[2] == p.grad._version
+                         else None)
+        self.handed_norms_used = sum(n is not None for n in norms)
+        self.stale_norms = len(norms) - self.handed_norms_used
+        if recompute is not None:
+            fresh = recompute([p for p, n in zip(params, norms) if n is None])
+            norms = [fresh.get(p) if n is None else n for p, n in zip(params, norms)]
+        return norms
 
     def _global_norm(self) -> torch.Tensor | None:
         handed_norms, self._grad_norms = self._grad_norms, None
+        recompute, self._recompute_norms = self._recompute_norms, None
+        self.handed_norms_used = self.stale_norms = 0
         handed = self._inbox.take()
         if handed_norms is not None:
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            return grad_total_norm([p.grad for p in params], [handed_norms.get(p) for p in params])
+            return grad_total_norm([p.grad for p in params], self._fresh_handed_norms(params, handed_norms, recompute))
         with_grads = {
             layer
             for layer, gis in self._layer_groups.items()
