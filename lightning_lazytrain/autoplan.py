@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import os
 import shutil
 import time
@@ -181,14 +183,59 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         raise ValueError(f"plan file {p} holds an invalid schedule: {err}") from err
 
 
+def _check_positive_number(name: str, value: object, unit: str, example: str, none_means: str) -> None:
+    """``value`` must be None or a finite int/float > 0 (not a bool: ``True`` is 1 to Python, never meant as 1 GB);
+    the ValueError names the option, what is wrong and the fix."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        why = f"got {type(value).__name__} {value!r}"
+    elif not math.isfinite(value):
+        why = f"{value} is not a finite size"
+    elif value <= 0:
+        why = f"got {value!r}"
+    else:
+        return
+    raise ValueError(f"{name}={value!r}: must be a number of {unit} > 0 ({why}). Fix: pass e.g. {name}={example}, "
+                     f"or {name}=None ({none_means})")
+
+
+def _check_nvme_dir_option(nvme_dir: object) -> None:
+    """``nvme_dir`` must be None or a path (str / os.PathLike), not an existing file; the ValueError names it."""
+    if nvme_dir is None:
+        return
+    fix = ("Fix: pass nvme_dir='/path/on/an/nvme/drive' (a directory, created if missing), or nvme_dir=None (no NVMe "
+           "tier)")
+    if isinstance(nvme_dir, bytes) or not isinstance(nvme_dir, (str, os.PathLike)):
+        raise ValueError(f"nvme_dir={nvme_dir!r}: must be a path (str or os.PathLike) to a directory on a local NVMe "
+                         f"drive, not {type(nvme_dir).__name__}. {fix}")
+    text = os.fspath(nvme_dir)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"nvme_dir={nvme_dir!r}: an empty path. {fix}")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"nvme_dir={text!r}: {path} exists and is not a directory (spill files go into a "
+                         f"directory). {fix}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"nvme_dir={text!r}: cannot be created, {parent} is a file. {fix}")
+            break
+
+
 def validate_options(hardware: object, budget: object, nvme_dir: object, policy: object,
                      link: object) -> Schedule | None:
     """The strategies' (Trainer and Fabric) options, checked at construction and named as the user
-    wrote them (not later, in bytes). Returns the schedule of a plan.json ``policy`` (else None)."""
-    for name, value in (("gpu_memory_budget_gb", budget), ("emulate_link_gb_per_s", link)):
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
-            raise ValueError(f"{name}={value!r}: must be a number of GB{'/s' if 'link' in name else ''} > 0 "
-                             "(or None)")
+    wrote them (not later, in bytes). Returns the schedule of a plan.json ``policy`` (else None).
+
+    ``gpu_memory_budget_gb`` / ``emulate_link_gb_per_s``: None or a finite number > 0 (``True``, nan, inf, 0 and
+    negatives are refused); ``nvme_dir``: None or a path (str / os.PathLike) that is not an existing file;
+    ``hardware``: ``"measure"``, a profile name or a ``planner.Hardware``; ``policy``: one of ``POLICIES`` or a
+    plan.json."""
+    _check_positive_number("gpu_memory_budget_gb", budget, "GB", "70",
+                           "the hardware profile's cap, or 90% of the free device memory with hardware='measure'")
+    _check_positive_number("emulate_link_gb_per_s", link, "GB/s", "16", "no link emulation")
+    _check_nvme_dir_option(nvme_dir)
     if not isinstance(hardware, Hardware):
         if not isinstance(hardware, str):
             raise ValueError(f"hardware={hardware!r}: use 'measure', a profile name or a planner.Hardware")

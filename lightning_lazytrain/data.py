@@ -7,8 +7,9 @@ fit). Nothing is downloaded, and the same Python version gives the same text on 
 
 * Vocabulary: bytes, 0..255 (``VOCAB_SIZE``), matching the byte-level ``conf/model/tiny.yaml``.
 * Split by file: file ``i`` (in read order) is held out for validation when
-  ``i % val_every == val_every - 1`` (every 20th file by default; at least one file is held out).
-  Training and validation text never share a file.
+  ``i % holdout_every == holdout_every - 1`` (every 20th file by default; at least one file is held out).
+  Training and validation text never share a file. (``holdout_every`` was called ``val_every``; the old name
+  is refused with a message naming the new one: it is a split, not how often validation runs.)
 * Samples are windows of ``seq_len + 1`` tokens (inputs ``w[:-1]``, next-token targets ``w[1:]``),
   ``torch.long`` tensors, batched to ``[batch_size, seq_len + 1]``.
   - training: ``train_windows`` windows at offsets drawn uniformly from the training text with a
@@ -77,13 +78,15 @@ class StdlibText:
 
 
 def read_stdlib_text(root: str | os.PathLike | None = None, max_bytes: int | None = 4_000_000,
-                     val_every: int = 20) -> StdlibText:
+                     holdout_every: int = 20, *, val_every: int | None = None) -> StdlibText:
     """Read files in ``stdlib_files(root)`` order until ``max_bytes`` (None: all), split every
-    ``val_every``-th file off for validation (at least one file, unless only one file was read)."""
+    ``holdout_every``-th file off for validation (at least one file, unless only one file was read).
+    ``val_every`` (the old name of ``holdout_every``) is refused."""
+    _refuse_val_every(val_every)
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
-    if val_every < 2:
-        raise ValueError(f"val_every must be >= 2, got {val_every}")
+    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+        raise ValueError(f"holdout_every must be an integer >= 2 (every n-th file is held out), got {holdout_every!r}")
     base = Path(root) if root is not None else stdlib_dir()
     chunks: list[tuple[str, bytes]] = []
     total = 0
@@ -103,7 +106,7 @@ def read_stdlib_text(root: str | os.PathLike | None = None, max_bytes: int | Non
     if len(chunks) < 2:
         raise ValueError(f"need at least 2 non-empty .py files under {base} (found {len(chunks)}); "
                          f"raise max_bytes")
-    val_idx = {i for i in range(len(chunks)) if i % val_every == val_every - 1} or {len(chunks) - 1}
+    val_idx = {i for i in range(len(chunks)) if i % holdout_every == holdout_every - 1} or {len(chunks) - 1}
     train = [c for i, c in enumerate(chunks) if i not in val_idx]
     val = [c for i, c in enumerate(chunks) if i in val_idx]
 
@@ -112,6 +115,13 @@ def read_stdlib_text(root: str | os.PathLike | None = None, max_bytes: int | Non
 
     return StdlibText(root=str(base), train=cat(train), val=cat(val), train_files=tuple(n for n, _ in train),
                       val_files=tuple(n for n, _ in val))
+
+
+def _refuse_val_every(value: int | None) -> None:
+    if value is not None:
+        raise ValueError(f"val_every={value!r} was renamed holdout_every (every n-th file is held out for "
+                         f"validation; how often validation runs is the Trainer's val_check_interval): pass "
+                         f"holdout_every={value!r}")
 
 
 class WindowDataset(Dataset):
@@ -159,29 +169,36 @@ class StdlibTextDataModule(LightningDataModule):
         seq_len: tokens per input; each sample has ``seq_len + 1`` tokens.
         batch_size: samples per batch (all splits).
         max_bytes: cap on the bytes read (train + validation); None reads the whole stdlib (~30 MB).
-        val_every: every ``val_every``-th file goes to the held-out split.
+        holdout_every: every ``holdout_every``-th file goes to the held-out split (not a validation interval:
+            the Trainer's ``val_check_interval`` says how often validation runs).
         train_windows: training samples per epoch (None: ``len(train text) // (seq_len + 1)``).
         val_windows: held-out windows evaluated per validation / test run (None: all).
         seed: seeds the training offsets and their order.
         num_workers: DataLoader workers.
         root: read ``.py`` files from this directory instead of the stdlib.
+        val_every: the old name of ``holdout_every``; refused (the error names the new one).
     """
 
     def __init__(self, seq_len: int = 128, batch_size: int = 8, max_bytes: int | None = 4_000_000,
-                 val_every: int = 20, train_windows: int | None = None, val_windows: int | None = 128,
-                 seed: int = 0, num_workers: int = 0, root: str | None = None) -> None:
+                 holdout_every: int = 20, train_windows: int | None = None, val_windows: int | None = 128,
+                 seed: int = 0, num_workers: int = 0, root: str | None = None, *,
+                 val_every: int | None = None) -> None:
         super().__init__()
+        _refuse_val_every(val_every)
+        if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+            raise ValueError(f"holdout_every must be an integer >= 2 (every n-th file is held out), got "
+                             f"{holdout_every!r}")
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
         if train_windows is not None and train_windows < 1:
             raise ValueError(f"train_windows must be >= 1 or None, got {train_windows}")
         if val_windows is not None and val_windows < 1:
             raise ValueError(f"val_windows must be >= 1 or None, got {val_windows}")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["val_every"])
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.max_bytes = max_bytes
-        self.val_every = val_every
+        self.holdout_every = holdout_every
         self.train_windows = train_windows
         self.val_windows = val_windows
         self.seed = seed
@@ -202,7 +219,7 @@ class StdlibTextDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.text is not None:
             return
-        self.text = read_stdlib_text(self.root, self.max_bytes, self.val_every)
+        self.text = read_stdlib_text(self.root, self.max_bytes, self.holdout_every)
         count = self.train_windows or max(1, self.text.train.numel() // self.window)
         self.train_set = WindowDataset.random(self.text.train, self.window, count, self.seed)
         self.val_set = WindowDataset.tiled(self.text.val, self.window, self.val_windows)

@@ -10,8 +10,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_lazytrain.config import (CONF_DIR, PlanConfig, micro_batch_setting, paper_micro_batch_size,
-                                        resolve_micro_batch, to_hardware, to_milp_options, to_model, to_train)
+from lightning_lazytrain.config import (CONF_DIR, DEFAULT_DATA_PARALLEL, ConfigKeyError, PlanConfig, check_command_line,
+                                        check_schema, composition_error_message, config_groups_help, in_config_units,
+                                        micro_batch_setting, paper_micro_batch_size, resolve_micro_batch, to_hardware,
+                                        to_milp_options, to_model, to_train, unknown_key_message, unknown_keys)
 from lightning_lazytrain.planner import InvalidInput, MilpOptions, block_cost
 
 GROUPS = ("hardware", "model", "train")
@@ -152,13 +154,103 @@ def test_schema_rejects_misspelt_keys_and_wrong_types(cfg_of):
         cfg_of("hardware.peak_tflops=fast")  # not a float
 
 
-def test_invalid_numbers_are_named(cfg_of):
-    cfg = cfg_of("hardware.h2d_gb_per_s=-1")
-    with pytest.raises(InvalidInput, match="h2d_bytes_per_s"):
-        to_hardware(cfg)
-    cfg = cfg_of("hardware.gpu_memory_cap_gb=90")
-    with pytest.raises(InvalidInput, match="gpu_memory_cap_bytes"):
-        to_hardware(cfg)
+def test_invalid_numbers_are_named_as_the_config_writes_them(cfg_of):
+    """The config layer's errors name the hardware keys in GB, as written in conf/hardware/*.yaml, not the planner's
+    byte fields (``gpu_memory_cap_bytes=100000000000.0``)."""
+    with pytest.raises(InvalidInput, match=r"hardware\.h2d_gb_per_s=-1") as ei:
+        to_hardware(cfg_of("hardware.h2d_gb_per_s=-1"))
+    assert "bytes" not in str(ei.value)
+    with pytest.raises(InvalidInput) as ei:
+        to_hardware(cfg_of("hardware=h800", "hardware.gpu_memory_cap_gb=100"))
+    msg = str(ei.value)
+    assert msg.startswith("invalid hardware.gpu_memory_cap_gb=100") and "hardware.gpu_memory_gb=80" in msg, msg
+    assert "bytes" not in msg and "e+10" not in msg and "100000000000" not in msg, msg
+    assert ei.value.key == "hardware.gpu_memory_cap_gb"
+    with pytest.raises(InvalidInput, match=r"hardware\.cpu_adam_gparams_per_s=0"):
+        to_hardware(cfg_of("hardware.cpu_adam_gparams_per_s=0"))
+    with pytest.raises(InvalidInput, match=r"hardware\.nvme_capacity_gb=-2"):
+        to_hardware(cfg_of("hardware.nvme_capacity_gb=-2"))
+
+
+def test_planner_messages_in_config_units():
+    assert in_config_units("invalid hardware.gpu_memory_cap_bytes=100000000000.0: exceeds gpu_memory_bytes=8e+10") == \
+        "invalid hardware.gpu_memory_cap_gb=100: exceeds gpu_memory_gb=80"
+    assert in_config_units("hardware.host_collective_bytes_per_s=0.0 needs > 0") == \
+        "hardware.host_collective_gb_per_s=0 needs > 0"
+    assert in_config_units("peak_gpu_bytes and tokens/s=3") == "peak_gpu_bytes and tokens/s=3"
+
+
+# ---- the schema refuses keys it does not know, + or not (issue 24) ------------------------------------------------
+@pytest.mark.parametrize("override", ["+plan.time_limt=5", "++plan.foo=1", "+hardware.gpu_mem=3", "+model.layers=3",
+                                      "+train.seq=4", "+extra=1", "+hardware.foo.bar=1"])
+def test_plus_keys_compose_but_the_schema_refuses_them(cfg_of, override):
+    cfg = cfg_of(override)  # Hydra adds a key with + to a typed node: the schema check is ours
+    key = override.lstrip("+").split("=")[0]
+    if key == "hardware.foo.bar":
+        key = "hardware.foo"
+    assert [k for k, _ in unknown_keys(cfg)] == [key]
+    with pytest.raises(ConfigKeyError, match=re.escape(f"unknown key {key}:")) as ei:
+        check_schema(cfg)
+    assert ei.value.key == key and "\n" not in str(ei.value)
+
+
+def test_unknown_key_message_suggests_the_key_meant(cfg_of):
+    with pytest.raises(ConfigKeyError, match=r"did you mean plan\.time_limit\?"):
+        check_schema(cfg_of("+plan.time_limt=5"))
+    with pytest.raises(ConfigKeyError, match=r"did you mean hardware\.gpu_memory_gb\?"):
+        check_schema(cfg_of("+hardware.gpu_mem=3"))
+    check_schema(cfg_of())  # every shipped file, no override: nothing unknown
+    check_schema(cfg_of("+model.paper_micro_batch_size.a100-80gb=3"))  # a Dict node takes any key
+    assert "data.holdout_every" in unknown_key_message("data.val_every")
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("plan.time_limt=5", "unknown key plan.time_limt: plan (PlanConfig) has no key 'time_limt'"),
+    ("hardware.peak_tflops=fast", "hardware.peak_tflops: Value 'fast' of type 'str' could not be converted to Float"),
+    ("model=gpt5", "model=gpt5: no such option in config group model; available: qwen2.5-14b"),
+    ("trainer=cpu", "trainer=...: this app has no config group 'trainer' (its groups: hardware, model, train)"),
+])
+def test_composition_errors_are_one_line_with_the_key_as_written(cfg_of, override, expected):
+    with pytest.raises(Exception) as ei:
+        cfg_of(override)
+    msg = composition_error_message(ei.value, ("hardware", "model", "train"))
+    assert msg.startswith(expected) and "\n" not in msg, msg
+    assert "To append to your config use" not in msg
+
+
+def test_check_command_line_before_hydra_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    groups = ("hardware", "model", "train")
+    assert check_command_line("plan", ["hardware=cpu", "model=tiny", "plan.time_limit=5"], groups) is None
+    assert check_command_line("plan", ["+plan.time_limt=5"], groups).startswith("unknown key plan.time_limt")
+    assert check_command_line("plan", ["plan.time_limt=5"], groups).startswith("unknown key plan.time_limt")
+    assert check_command_line("plan", ["plan.time_limit=[1"], groups).startswith(
+        "cannot parse the override 'plan.time_limit=[1'")
+    # a multirun: every job is composed, the sweep's values too
+    assert check_command_line("plan", ["-m", "hardware=cpu,h800", "plan.time_limit=5,10"], groups) is None
+    assert "plan.time_limit: Value 'abc'" in check_command_line("plan", ["-m", "plan.time_limit=5,abc"], groups)
+    # Hydra's own overrides and flags are left to Hydra
+    assert check_command_line("plan", ["hydra.run.dir=somewhere", "hardware=cpu"], groups) is None
+    assert check_command_line("plan", ["--help", "+plan.nonsense=1"], groups) is None
+    assert check_command_line("plan", ["hydra.searchpath=[file:///elsewhere]", "model=mine"], groups) is None
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_help_lists_only_the_apps_groups():
+    text = config_groups_help("hardware", "model", "train")
+    lines = text.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["hardware", "model", "train"]
+    assert "h800x8" in lines[0] and "tiny" in lines[1]
+    for app, groups in (("plan.yaml", "hardware,model,train"), ("train_app.yaml", "data,hardware,model,trainer")):
+        assert f"${{lazytrain_groups:{groups}}}" in (CONF_DIR / app).read_text()
+
+
+def test_plan_data_parallel_default_is_the_strategys(cfg_of):
+    import inspect
+
+    LazyTrainStrategy = pytest.importorskip("lightning_lazytrain.strategy").LazyTrainStrategy
+    default = inspect.signature(LazyTrainStrategy).parameters["data_parallel"].default
+    assert cfg_of().plan.data_parallel == default == DEFAULT_DATA_PARALLEL == PlanConfig().data_parallel
 
 
 def test_load_model_and_load_hardware_by_name():

@@ -42,6 +42,16 @@ def test_lazytrain_plan_exit_codes(tmp_path):
                      "hardware.gpu_memory_gb=0.0001", cwd=tmp_path)
     assert bad.returncode == 2, bad.stderr
     assert "Traceback" not in bad.stderr
+    for args, message in ((["+plan.time_limt=5"], "lazytrain-plan: unknown key plan.time_limt"),
+                          (["hardware=h800", "hardware.gpu_memory_cap_gb=100"], "lazytrain-plan: invalid "
+                           "hardware.gpu_memory_cap_gb=100.0: exceeds hardware.gpu_memory_gb=80")):
+        work = tmp_path / "empty"
+        work.mkdir()
+        bad = run_script("lazytrain-plan", *args, cwd=work)
+        lines = [line for line in bad.stderr.splitlines() if line.strip()]
+        assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), bad.stderr
+        assert list(work.iterdir()) == []  # no output directory
+        work.rmdir()
 
 
 # lazytrain-train three times in one interpreter (Lightning imports once): two configs that cannot run, then a run
@@ -66,28 +76,51 @@ RUN_MANY = ("import contextlib, io, json, os, sys\n"
 
 @pytest.mark.slow
 def test_lazytrain_train_exit_codes_one_line_and_no_directory_left(tmp_path):
-    """Exit 0 after a run; a strategy name nobody knows, or trainer=gpu on a machine without one: exit 2, one line
-    on stderr, no traceback, no output directory left behind (issue 10, item 9)."""
+    """Exit 0 after a run; a config that cannot run: exit 2, one line on stderr, no traceback, no output directory
+    left behind (issue 10, item 9): a strategy name nobody knows, trainer=gpu on a machine without one, and (issue
+    24) a key the schema does not know, + or not (Hydra's own hint after a typo), a renamed key, a value of the wrong
+    type, an nvme_dir that is a file, a precision the strategy does not run, an infinite budget. ``--help`` lists the
+    app's own config groups only."""
     import torch
 
-    bad = {"strategy.name=nonsense": "strategy.name='nonsense' is not a strategy: use lazytrain or lazytrain_megatrain"}
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    bad = {"strategy.name=nonsense": "strategy.name='nonsense' is not a strategy: use lazytrain or lazytrain_megatrain",
+           "+trainer.max_step=10": "unknown key trainer.max_step: trainer (TrainerConfig) has no key 'max_step'",
+           "trainer.max_step=10": "did you mean trainer.max_steps?",
+           "+optim.lr_shedule=constant": "unknown key optim.lr_shedule",
+           "data.val_every=5": "data.val_every was renamed data.holdout_every",
+           "trainer.max_steps=many": "trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer",
+           "train=cpu": "train=...: this app has no config group 'train' (its groups: data, hardware, model, trainer)",
+           f"strategy.nvme_dir={blocker}": f"strategy.nvme_dir='{blocker}': {blocker} exists and is not a directory",
+           "trainer.precision=64-true": "trainer.precision='64-true' is not supported by strategy.name=lazytrain",
+           "strategy.gpu_memory_budget_gb=inf": "strategy.gpu_memory_budget_gb=inf: must be a number of GB > 0",
+           "hardware.gpu_memory_cap_gb=100":
+               "invalid hardware.gpu_memory_cap_gb=100.0: exceeds hardware.gpu_memory_gb=4"}
     if not torch.cuda.is_available():
         bad["trainer=gpu"] = "needs a CUDA GPU and this machine has none"
     runs = [["lazytrain-train", override] for override in bad]
+    runs.append(["lazytrain-train", "--help"])
     runs.append(["lazytrain-train", "trainer.max_steps=2", "trainer.val_check_interval=2", "data.max_bytes=200000",
                  "data.val_windows=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"])
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
     env.pop("PYTHONWARNINGS", None)
-    proc = subprocess.run([sys.executable, "-c", RUN_MANY, SCRIPTS["lazytrain-train"], json.dumps(runs)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-c", RUN_MANY, SCRIPTS["lazytrain-train"], json.dumps(runs)], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    *failed, ok = json.loads(proc.stdout.split("REPORT=")[-1])
+    *failed, help_run, ok = json.loads(proc.stdout.split("REPORT=")[-1])
     for run, message in zip(failed, bad.values()):
         assert run["code"] == 2, run
         lines = [line for line in run["stderr"].splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("lazytrain-train: ") and message in lines[0], run
-        assert "Traceback" not in run["stdout"] + run["stderr"]
+        assert "Traceback" not in run["stdout"] + run["stderr"] and "bytes" not in lines[0]
         assert run["left"] == [], run  # no outputs/ directory
+    assert help_run["code"] == 0, help_run
+    groups = help_run["stdout"].split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert [line.split(":")[0] for line in groups.splitlines() if ": " in line and "group=option" not in line] == \
+        ["data", "hardware", "model", "trainer"], groups
     assert ok["code"] == 0, ok
     assert "final val loss" in ok["stdout"] and ok["left"] == ["outputs"]
 

@@ -11,7 +11,7 @@ import torch
 
 from lightning_lazytrain.data import VOCAB_SIZE, StdlibTextDataModule, WindowDataset, read_stdlib_text, stdlib_files
 
-SMALL = dict(max_bytes=400_000, val_every=5, seq_len=64, batch_size=4, val_windows=20)
+SMALL = dict(max_bytes=400_000, holdout_every=5, seq_len=64, batch_size=4, val_windows=20)
 
 
 def make(**kw) -> StdlibTextDataModule:
@@ -31,7 +31,7 @@ def test_files_are_the_stdlib_sources_in_sorted_order():
 
 
 def test_cap_split_and_disjoint_files():
-    text = read_stdlib_text(max_bytes=400_000, val_every=5)
+    text = read_stdlib_text(max_bytes=400_000, holdout_every=5)
     assert text.train.numel() + text.val.numel() == 400_000  # the last file is cut to the cap
     assert text.train.dtype == torch.uint8
     assert set(text.train_files).isdisjoint(text.val_files)
@@ -96,8 +96,10 @@ def test_test_and_predict_use_the_held_out_split():
 def test_bad_arguments_are_clear(tmp_path):
     with pytest.raises(ValueError, match="seq_len"):
         StdlibTextDataModule(seq_len=0)
-    with pytest.raises(ValueError, match="val_every"):
-        read_stdlib_text(max_bytes=1000, val_every=1)
+    with pytest.raises(ValueError, match="holdout_every must be an integer >= 2"):
+        read_stdlib_text(max_bytes=1000, holdout_every=1)
+    with pytest.raises(ValueError, match="holdout_every must be an integer >= 2"):
+        StdlibTextDataModule(holdout_every=True)
     with pytest.raises(FileNotFoundError):
         read_stdlib_text(root=str(tmp_path / "nope"))
     (tmp_path / "a.py").write_text("x = 1\n")
@@ -107,3 +109,13 @@ def test_bad_arguments_are_clear(tmp_path):
         dm.setup()
     with pytest.raises(ValueError, match="shorter than one window"):
         WindowDataset.random(torch.zeros(10, dtype=torch.uint8), 64, 4, 0)
+
+
+def test_val_every_was_renamed_holdout_every():
+    """``holdout_every`` is the held-out split (every n-th file), not a validation interval; the old name is refused
+    with a message naming the new one."""
+    for call in (lambda: StdlibTextDataModule(val_every=5), lambda: read_stdlib_text(max_bytes=1000, val_every=5)):
+        with pytest.raises(ValueError, match=r"val_every=5 was renamed holdout_every .*pass holdout_every=5"):
+            call()
+    dm = StdlibTextDataModule(holdout_every=7)
+    assert dm.holdout_every == 7 and dm.hparams["holdout_every"] == 7 and "val_every" not in dm.hparams

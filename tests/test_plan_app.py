@@ -217,10 +217,11 @@ def test_plan_within_the_cap_is_not_marked(tmp_path, capsys):
 
 # ---- several GPUs: plan.data_parallel --------------------------------------------------------------------
 MULTI = ["hardware=h800x8", "model=qwen2.5-3b", "train.micro_batch_size=8", "plan.time_limit=20"]
+SHARD = [*MULTI, "plan.data_parallel=shard"]  # shard is asked for explicitly (the default is replicate)
 
 
 def test_multi_gpu_plans_per_rank_and_records_the_cluster(tmp_path):
-    proc = run_cli(tmp_path, *MULTI, f"hydra.run.dir={tmp_path}/run")
+    proc = run_cli(tmp_path, *SHARD, f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.startswith("data parallel:"))
@@ -247,15 +248,28 @@ def test_multi_gpu_plans_per_rank_and_records_the_cluster(tmp_path):
 def test_multi_gpu_other_modes(tmp_path, capsys, mode):
     row = plan_job(compose_cfg(*MULTI, f"plan.data_parallel={mode}", "plan.plot=false"), tmp_path)
     printed = capsys.readouterr().out
-    assert f"data parallel: {mode}, world size 8" in printed
+    assert f"data parallel: {mode}" in printed and ", world size 8" in printed
     dp = json.loads((tmp_path / "plan.json").read_text())["data_parallel"]
     assert dp["mode"] == mode and row["data_parallel"] == mode
     if mode == "fsdp":
         assert "policy: fsdp(" in printed and "solver:" not in printed
 
 
+def test_multi_gpu_default_mode_is_the_strategys_replicate_and_says_so(tmp_path, capsys):
+    """LazyTrainStrategy(data_parallel="replicate") is the strategy's default: the planner app plans the same unless
+    told otherwise, and the line above the table says which mode it assumed and how to plan the others."""
+    row = plan_job(compose_cfg(*MULTI, "plan.plot=false"), tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("data parallel:"))
+    assert header.startswith("data parallel: replicate (the default, as LazyTrainStrategy's; "
+                             "plan.data_parallel=shard|replicate_overlap|fsdp for the others), world size 8"), header
+    assert lines.index(header) + 1 == next(i for i, line in enumerate(lines) if line.startswith("schedule "))
+    assert row["data_parallel"] == "replicate"
+    assert json.loads((tmp_path / "plan.json").read_text())["data_parallel"]["mode"] == "replicate"
+
+
 def test_multi_gpu_host_cap(tmp_path, capsys):
-    plan_job(compose_cfg(*MULTI, "plan.host_gb_per_node_cap=60", "plan.plot=false"), tmp_path)
+    plan_job(compose_cfg(*SHARD, "plan.host_gb_per_node_cap=60", "plan.plot=false"), tmp_path)
     assert "(of cap 60.0 GB)" in capsys.readouterr().out
     dp = json.loads((tmp_path / "plan.json").read_text())["data_parallel"]
     assert dp["host_bytes_per_node_cap"] == pytest.approx(60e9) and dp["cluster"]["host_bytes_per_node"] <= 60e9 + 1
@@ -283,3 +297,47 @@ def test_one_gpu_ignores_data_parallel(tmp_path, capsys):
         assert "data_parallel" not in data and "data_parallel" not in data["schedule"]
         plans.append(data["predicted"])
     assert outputs[0] == outputs[1] == outputs[2] and plans[0] == plans[1] == plans[2]
+
+
+# ---- a config that cannot run: one line, exit 2, no output directory (issue 24) ----------------------------------
+@pytest.mark.parametrize("args,expected", [
+    (["+plan.time_limt=5"],
+     "lazytrain-plan: unknown key plan.time_limt: plan (PlanConfig) has no key 'time_limt'"),
+    (["plan.time_limt=5"], "lazytrain-plan: unknown key plan.time_limt:"),
+    (["++hardware.gpu_mem=3"], "lazytrain-plan: unknown key hardware.gpu_mem:"),
+    (["+model.layers=3"], "lazytrain-plan: unknown key model.layers:"),
+    (["+train.seq=8"], "lazytrain-plan: unknown key train.seq:"),
+    (["trainer=cpu"], "lazytrain-plan: trainer=...: this app has no config group 'trainer'"),
+    (["hardware=h800", "hardware.gpu_memory_cap_gb=100"],
+     "lazytrain-plan: invalid hardware.gpu_memory_cap_gb=100.0: exceeds hardware.gpu_memory_gb=80"),
+    (["-m", "hardware=cpu,h800", "+plan.foo=1"], "lazytrain-plan: unknown key plan.foo:"),
+])
+def test_cli_config_errors_are_one_line_exit_2_and_leave_nothing(tmp_path, args, expected):
+    proc = run_cli(tmp_path, *args)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert "bytes" not in lines[0] and "Traceback" not in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))  # no outputs/ or multirun/ directory
+
+
+def test_cli_infeasible_plan_leaves_no_directory(tmp_path):
+    proc = run_cli(tmp_path, "hardware=cpu", "model=qwen2.5-3b", "train=cpu")
+    assert proc.returncode == 2 and "infeasible (InfeasibleBudget)" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_lists_only_the_groups_of_the_planner(tmp_path):
+    proc = run_cli(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    named = [line.split(":")[0] for line in groups.splitlines() if ": " in line and "(group=option)" not in line]
+    assert named == ["hardware", "model", "train"], groups
+
+
+def test_the_27b_count_is_explained_where_it_is_printed(tmp_path, capsys):
+    plan_job(compose_cfg("model=qwen3.6-27b", "hardware=h800", "train.micro_batch_size=72", "plan.policy=megatrain",
+                         "plan.plot=false"), tmp_path)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("lazytrain-plan: qwen3.6-27b (23.68B params: the LazyTrain paper's trainable count, the "
+                            "hybrid 27B text model as 64 dense blocks with a fitted MLP width) on h800"), first

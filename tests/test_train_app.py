@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - the strategy ships with the package
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # a few steps on a small slice of the stdlib; validation before, at step 3 and after the last step
 FAST = ["trainer.max_steps=5", "trainer.val_check_interval=3", "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false", "data.max_bytes=400000", "data.val_every=5", "data.val_windows=16",
+        "trainer.enable_model_summary=false", "data.max_bytes=400000", "data.holdout_every=5", "data.val_windows=16",
         "optim.warmup_steps=2"]
 STRATEGIES = (["lazytrain"] if HAVE_STRATEGY else []) + ["auto"]
 
@@ -223,6 +223,71 @@ def test_validate_config_names_the_option(tmp_path):
     with pytest.raises(TrainConfigError, match="Precision 'nonsense' is invalid"):  # Lightning's own check
         train_job(compose_cfg(*FAST, "trainer.precision=nonsense"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+# ---- issue 24: the schema refuses unknown keys (+ or not), config errors name the key, nothing is left behind ------
+@pytest.mark.parametrize("override", ["+trainer.max_step=10", "++trainer.max_step=10", "+strategy.nvme=/x",
+                                      "+model.layers=6", "+data.seq=64", "+optim.beta=0.9", "+hardware.gpu_mem=3",
+                                      "+seeed=1"])
+def test_keys_added_with_plus_are_refused_in_every_group(tmp_path, override):
+    from lightning_lazytrain.cli.train import validate_config
+
+    key = override.lstrip("+").split("=")[0]
+    with pytest.raises(TrainConfigError, match=re.escape(f"unknown key {key}:")) as ei:
+        validate_config(compose_cfg(override))
+    assert "\n" not in str(ei.value)
+    with pytest.raises(TrainConfigError, match="unknown key trainer.max_step: .*did you mean trainer.max_steps"):
+        train_job(compose_cfg(*FAST, "+trainer.max_step=10"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_val_every_was_renamed_holdout_every():
+    from lightning_lazytrain.cli.train import TRAIN_GROUPS, validate_config
+    from lightning_lazytrain.config import check_command_line
+
+    assert compose_cfg().data.holdout_every == 20 and "val_every" not in compose_cfg().data
+    for override in ("data.val_every=5", "+data.val_every=5"):
+        msg = check_command_line("train_app", [override], TRAIN_GROUPS)
+        assert msg.startswith("data.val_every was renamed data.holdout_every") and "val_check_interval" in msg, msg
+    with pytest.raises(TrainConfigError, match="data.val_every was renamed data.holdout_every"):
+        validate_config(compose_cfg("+data.val_every=5"))
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("trainer.precision=64-true", r"trainer\.precision='64-true' is not supported by strategy\.name=lazytrain: use one "
+                                  r"of 16-mixed, 16-true, 32-true, bf16-mixed, bf16-true"),
+    ("strategy.gpu_memory_budget_gb=inf", r"strategy\.gpu_memory_budget_gb=inf: must be a number of GB > 0"),
+    ("strategy.emulate_link_gb_per_s=-1", r"strategy\.emulate_link_gb_per_s=-1\.0: must be a number of GB/s > 0"),
+])
+def test_bad_strategy_settings_fail_before_anything_is_written(tmp_path, override, pattern):
+    with pytest.raises(TrainConfigError, match=pattern):
+        train_job(compose_cfg(*FAST, override), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_nvme_dir_that_is_a_file_fails_before_anything_is_written(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for value, pattern in ((blocker, "exists and is not a directory"), (blocker / "spill", "cannot be created")):
+        with pytest.raises(TrainConfigError, match=rf"strategy\.nvme_dir='{re.escape(str(value))}': .*{pattern}"):
+            train_job(compose_cfg(*FAST, f"strategy.nvme_dir={value}"), tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not HAVE_STRATEGY, reason="lightning_lazytrain.strategy is not importable")
+def test_an_unusable_spill_directory_at_setup_is_a_config_error(tmp_path, monkeypatch):
+    """An NvmeDirError from the strategy's setup (a directory that cannot hold the plan's spill, found once the
+    strategy runs) is a config error naming strategy.nvme_dir (the entry point: one line, exit 2, no directory)."""
+    import lightning_lazytrain.strategy as strategy_module
+    from lightning_lazytrain.engine.nvme import NvmeDirError
+
+    def refuse(path, required_bytes=0):
+        raise NvmeDirError(f"NVMe spill directory {path} has 1.00 GiB free, but the plan needs 2.00 GiB. "
+                           "Fix: point nvme_dir at a larger drive.")
+
+    monkeypatch.setattr(strategy_module, "check_nvme_dir", refuse)
+    with pytest.raises(TrainConfigError, match=r"has 1\.00 GiB free, .*Fix: point strategy\.nvme_dir at a larger"):
+        train_job(compose_cfg(*FAST, f"strategy.nvme_dir={tmp_path / 'spill'}"), tmp_path / "run")
 
 
 def test_checkpoint_of_the_app_reloads_without_the_app(tmp_path):

@@ -7,15 +7,17 @@
 Prints a table (this plan vs megatrain / keep_all / recompute_all) and writes into Hydra's output
 directory ``plan.json`` (``PlanResult.to_json()`` plus the resolved config), ``timeline.png`` and
 ``summary_row.json``. A multirun also writes one ``sweep.csv`` in the sweep directory (``SweepSummary``,
-registered under ``hydra.callbacks`` in ``conf/plan.yaml``). Infeasible input: the planner's message on
-stderr and exit code 2 (in a multirun the job records the reason in its row and the sweep goes on).
+registered under ``hydra.callbacks`` in ``conf/plan.yaml``). A config that cannot run (a key the typed schema
+does not know, ``+`` or not, checked before Hydra runs by ``config.check_command_line``; a bad value) or an
+infeasible plan: one line on stderr, exit code 2 and no output directory left behind (in a multirun the job records
+the reason in its row and the sweep goes on).
 
 Several GPUs (``hardware.gpus_per_node x hardware.nodes > 1``, e.g. ``hardware=h800x8``): one rank is planned with
-``planner.multi.plan_cluster`` in ``plan.data_parallel`` (shard | replicate | replicate_overlap | fsdp; capped by
-``plan.host_gb_per_node_cap`` if set), ``train.micro_batch_size`` is per rank (``auto`` searches it on one
-rank's share of the node), the baselines run on the same rank problem, a line above the table gives the mode,
-world size, the cluster's tokens/s and the host memory per node, and plan.json gains ``data_parallel``. One GPU
-ignores both options (its output is what it was).
+``planner.multi.plan_cluster`` in ``plan.data_parallel`` (replicate, the default and ``LazyTrainStrategy``'s |
+replicate_overlap | shard | fsdp; capped by ``plan.host_gb_per_node_cap`` if set), ``train.micro_batch_size`` is
+per rank (``auto`` searches it on one rank's share of the node), the baselines run on the same rank problem, a line
+above the table gives the mode (saying when it is the default), world size, the cluster's tokens/s and the host
+memory per node, and plan.json gains ``data_parallel``. One GPU ignores both options (its output is what it was).
 
 ``plan_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``).
 """
@@ -23,6 +25,7 @@ ignores both options (its output is what it was).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,10 +37,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ..config import (CONF_DIR, data_parallel_mode, host_cap_setting, resolve_micro_batch, to_container,
-                      to_hardware, to_milp_options, to_model, to_train)
+from ..config import (CONF_DIR, DEFAULT_DATA_PARALLEL, check_command_line, check_schema, data_parallel_mode,
+                      host_cap_setting, in_config_units, resolve_micro_batch, to_container, to_hardware,
+                      to_milp_options, to_model, to_train)
 from ..planner import PlannerError, SimResult, make_plan, search_batch, simulate
-from ..planner.errors import InfeasibleSchedule, InvalidInput
+from ..planner.errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
 from ..planner.multi import ClusterResult, plan_cluster, rank_hardware
 from ..planner.plan import PlanResult, cap_violations
 from ..planner.policies import BASELINES, baseline
@@ -46,6 +50,8 @@ from ..report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
 GB = 1e9
 ROW_FILE = "summary_row.json"
 EXIT_INFEASIBLE = 2
+#: the config groups of this app (``--help`` lists these; conf/data/ and conf/trainer/ belong to lazytrain-train)
+PLAN_GROUPS = ("hardware", "model", "train")
 
 
 def _params(n: int) -> str:
@@ -76,7 +82,7 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     summary_row.json into ``out_dir`` and return the summary row. Raises ``PlannerError`` on infeasible input."""
     out = out or sys.stdout
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_schema(cfg)  # a key the schema does not know (added with +): ConfigKeyError, before anything is written
     hw, model = to_hardware(cfg), to_model(cfg)
     options = to_milp_options(cfg)
     mode, cap_setting = data_parallel_mode(cfg), host_cap_setting(cfg)  # checked even where ignored (one GPU)
@@ -99,6 +105,7 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
         search_json = {"largest_feasible": search.largest_feasible, "best_throughput": search.best_throughput,
                        "table": search.table}
     train = to_train(cfg, micro_batch_size=batch)
+    out_dir.mkdir(parents=True, exist_ok=True)
     cluster: ClusterResult | None = None
     cap_bytes = None
     if multi:
@@ -108,7 +115,10 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
 
     # ---- print ------------------------------------------------------------------------------------
     sim, solver = result.sim, result.solver
-    print(f"lazytrain-plan: {model.name} ({_params(model.total_params)} params) on {hw.name}, micro-batch "
+    note = str(cfg.model.get("params_note") or "") if isinstance(cfg, DictConfig) else \
+        str(getattr(cfg.model, "params_note", "") or "")
+    params = f"{_params(model.total_params)} params" + (f": {note}" if note else "")
+    print(f"lazytrain-plan: {model.name} ({params}) on {hw.name}, micro-batch "
           f"{train.micro_batch_size} ({batch_source}) x seq {train.seq_len}, grad_accum {train.grad_accum}", file=out)
     if cfg.plan.policy == "milp" and result.status != "policy":
         gap = solver.get("mip_gap")
@@ -218,7 +228,10 @@ def _cluster_line(c: ClusterResult, hw, train, cap_bytes: float | None) -> str:
     nodes = f"{c.gpus_per_node} GPUs x {c.nodes} node{'s' if c.nodes > 1 else ''}"
     cap = f"{hw.cpu_memory_bytes / GB:.0f} GB" if cap_bytes is None else \
         f"cap {min(cap_bytes, hw.cpu_memory_bytes) / GB:.1f} GB"
-    return (f"data parallel: {c.mode}, world size {c.world_size} ({nodes}); figures per rank (micro-batch "
+    mode = c.mode
+    if mode == DEFAULT_DATA_PARALLEL:
+        mode += " (the default, as LazyTrainStrategy's; plan.data_parallel=shard|replicate_overlap|fsdp for the others)"
+    return (f"data parallel: {mode}, world size {c.world_size} ({nodes}); figures per rank (micro-batch "
             f"{train.micro_batch_size} each); whole cluster: {c.tokens_per_second:.1f} tokens/s, host memory "
             f"{c.host_bytes_per_node / GB:.1f} GB per node (of {cap})")
 
@@ -251,6 +264,29 @@ def infeasible_row(cfg: Any, out_dir: str | Path, err: Exception, *, job: int | 
     return row
 
 
+def remove_run_dir(path: str | Path) -> None:
+    """Remove a failed run's output directory, and the parents it leaves empty up to the working directory."""
+    path = Path(path).resolve()
+    shutil.rmtree(path, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    parent = path.parent
+    while parent != cwd and cwd in parent.parents:
+        try:
+            parent.rmdir()  # only if empty
+        except OSError:
+            break
+        parent = parent.parent
+
+
+def error_line(err: PlannerError) -> str:
+    """One line for a job that cannot be planned: ``infeasible (<kind>): ...`` for a plan that does not fit, the
+    config's own words (keys as written, GB for the hardware keys) for a config that cannot run."""
+    text = in_config_units(" ".join(str(err).split()))
+    if isinstance(err, (InfeasibleBudget, InfeasibleSchedule)):
+        return f"infeasible ({type(err).__name__}): {text}"
+    return text
+
+
 def _task(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
@@ -259,9 +295,10 @@ def _task(cfg: DictConfig) -> dict:
     try:
         return plan_job(cfg, out_dir, job=job)
     except PlannerError as err:
-        print(f"lazytrain-plan: infeasible ({type(err).__name__}): {err}", file=sys.stderr)
+        print(f"lazytrain-plan: {error_line(err)}", file=sys.stderr)
         if multirun:  # record the reason and let the sweep go on
             return infeasible_row(cfg, out_dir, err, job=job)
+        remove_run_dir(out_dir)  # nothing to keep: leave no output directory behind
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(EXIT_INFEASIBLE)
@@ -310,8 +347,18 @@ class SweepSummary(Callback):
         return Path(str(config.hydra.sweep.dir))
 
 
-main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")(_task)
-main.__doc__ = "Console script ``lazytrain-plan`` (Hydra app over conf/plan.yaml)."
+_hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")(_task)
+
+
+def main() -> None:
+    """Console script ``lazytrain-plan`` (Hydra app over conf/plan.yaml). The command line is composed and checked
+    against the typed schema first (``config.check_command_line``): a key it does not know (``+`` or not) or a value
+    of the wrong type is one line on stderr and exit code 2, before Hydra creates an output directory."""
+    problem = check_command_line("plan", sys.argv[1:], PLAN_GROUPS)
+    if problem is not None:
+        print(f"lazytrain-plan: {problem}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INFEASIBLE)
+    _hydra_main()
 
 if __name__ == "__main__":
     main()

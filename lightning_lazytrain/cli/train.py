@@ -19,10 +19,13 @@ the plan table) and ``solver.log`` (HiGHS).
 
 The console shows the header, the strategy's plan table, each validation's result, a progress bar that ends
 at ``trainer.max_steps`` and the summary; Lightning's tips, device banners and deprecation warnings are left
-out (``quiet_lightning``). ``validate_config`` checks the strategy name and the accelerator at start-up: a
-config that cannot run, or an infeasible plan, prints one line on stderr, exits 2 and leaves no output
-directory. A multirun (``-m``) writes ``sweep.csv`` (``TrainSweepSummary``) and prints it as a table; failed
-jobs keep their reason in it and the app exits 2 at the end.
+out (``quiet_lightning``). ``main`` composes the command line against the typed schema before Hydra runs
+(``config.check_command_line``: a key the schema does not know, ``+`` or not, a renamed key such as
+``data.val_every`` -> ``data.holdout_every``, a value of the wrong type), and ``validate_config`` checks the
+strategy name, the accelerator and the run length at start-up (the strategy's options, ``strategy.nvme_dir`` and
+``trainer.precision`` are checked before anything is written): a config that cannot run, or an infeasible plan,
+prints one line on stderr, exits 2 and leaves no output directory. A multirun (``-m``) writes ``sweep.csv``
+(``TrainSweepSummary``) and prints it as a table; failed jobs keep their reason in it and the app exits 2 at the end.
 
 ``train_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``). Each
 job seeds its own RNGs and restores torch's intra-op thread count afterwards, so jobs of a multirun do not
@@ -37,7 +40,7 @@ import json
 import logging
 import math
 import os
-import shutil
+import re
 import statistics
 import sys
 import time
@@ -56,15 +59,23 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import CONF_DIR, HardwareConfig, ModelConfig, to_container, to_hardware, to_model
+from ..config import (CONF_DIR, ConfigKeyError, HardwareConfig, ModelConfig, check_command_line, check_schema,
+                      in_config_units, to_container, to_hardware, to_model)
 from ..data import VOCAB_SIZE, StdlibTextDataModule
-from ..planner import ModelSpec, PlannerError
+from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
 from ..planner.units import format_bytes
 from ..report import format_table
-from .plan import ROW_FILE, SweepSummary
+from .plan import ROW_FILE, SweepSummary, remove_run_dir
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
 STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
+#: the config groups of this app (``--help`` lists these; conf/train/ belongs to lazytrain-plan)
+TRAIN_GROUPS = ("data", "hardware", "model", "trainer")
+#: the Trainer precisions the lazytrain strategy runs (its own table when importable; the same values otherwise)
+LAZYTRAIN_PRECISIONS = ("16-mixed", "16-true", "32-true", "bf16-mixed", "bf16-true")
+#: LazyTrainStrategy's options as the app's config names them
+_STRATEGY_OPTIONS = re.compile(r"(?<![\w.])(hardware|policy|gpu_memory_budget_gb|nvme_dir|blocks|emulate_link_gb_per_s|"
+                               r"fp32_masters|keep_compute_copy)=")
 #: the app's own lines (header, validation results, summary) also go to this logger: conf/train_app.yaml sends
 #: it to <output dir>/train.log, next to Lightning's messages (the plan table); the solver's log goes to solver.log
 APP_LOG = logging.getLogger("lightning_lazytrain.train")
@@ -86,7 +97,7 @@ class DataConfig:
     seq_len: int = 128
     batch_size: int = 8
     max_bytes: Optional[int] = 4_000_000
-    val_every: int = 20
+    holdout_every: int = 20  # every n-th file is held out (validation's interval is trainer.val_check_interval)
     train_windows: Optional[int] = None
     val_windows: Optional[int] = 128
     seed: int = 0
@@ -362,12 +373,17 @@ def hardware_name(cfg: Any) -> Optional[str]:
 
 
 def validate_config(cfg: Any) -> None:
-    """Start-up checks with the user's option names, before anything is built or written: the strategy name (ours,
-    ``auto`` or one registered with Lightning), the accelerator (known to Lightning and present on this machine)
-    and the run length. Raises ``TrainConfigError`` (one line)."""
+    """Start-up checks with the user's option names, before anything is built or written: no key the schema does
+    not know (``+trainer.max_step=10`` included), the strategy name (ours, ``auto`` or one registered with
+    Lightning), the accelerator (known to Lightning and present on this machine) and the run length. Raises
+    ``TrainConfigError`` (one line)."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
+    try:
+        check_schema(cfg)
+    except ConfigKeyError as err:
+        raise TrainConfigError(str(err)) from None
     s, t = cfg.strategy, cfg.trainer
     if s.name not in STRATEGY_NAMES and s.name != "auto" and s.name not in StrategyRegistry:
         others = sorted(n for n in StrategyRegistry.available_strategies()
@@ -402,6 +418,31 @@ def validate_config(cfg: Any) -> None:
         raise TrainConfigError(f"trainer.val_check_interval={t.val_check_interval}: must be >= 1 (steps)")
 
 
+def check_precision(trainer: Any, cfg: Any) -> None:
+    """The precision Lightning resolved ``trainer.precision`` to must be one the lazytrain strategy runs (it refuses
+    the others only in ``fit``, after the output directory exists). Raises ``TrainConfigError``."""
+    if cfg.strategy.name not in STRATEGY_NAMES:
+        return
+    try:
+        from ..strategy import _COMPUTE_DTYPE
+
+        supported = sorted(k for k in _COMPUTE_DTYPE if "-" in k)
+    except ImportError:  # pragma: no cover - the strategy ships with the package
+        supported = list(LAZYTRAIN_PRECISIONS)
+    plugin = getattr(trainer.strategy, "precision_plugin", None)
+    precision = str(getattr(plugin, "precision", cfg.trainer.precision))
+    if precision not in supported:
+        raise TrainConfigError(
+            f"trainer.precision={cfg.trainer.precision!r} is not supported by strategy.name={cfg.strategy.name}: use "
+            f"one of {', '.join(supported)} (64-bit and plugin precisions would train differently from "
+            f"strategy.name=auto, which runs them)")
+
+
+def _app_option_names(text: str) -> str:
+    """A LazyTrainStrategy message with its options named as this app's config keys (``strategy.nvme_dir=...``)."""
+    return _STRATEGY_OPTIONS.sub(r"strategy.\1=", text).replace("=None", "=null")
+
+
 def build_strategy(cfg: Any) -> Any:
     """The ``strategy=`` argument for the Trainer: ``"auto"`` or a ``LazyTrainStrategy`` constructed with the
     ``strategy`` settings (``hardware: profile`` passes the composed hardware group as a ``Hardware``)."""
@@ -425,7 +466,10 @@ def build_strategy(cfg: Any) -> Any:
             kwargs[key] = s[key]
     if s.fp32_masters:
         kwargs["fp32_masters"] = True
-    return entry["strategy"](**kwargs)
+    try:
+        return entry["strategy"](**kwargs)
+    except ValueError as err:  # the strategy's option checks (autoplan.validate_options), named as the config's keys
+        raise ValueError(_app_option_names(_one_line(err))) from err
 
 
 def plot_loss_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], path: str | Path,
@@ -496,6 +540,8 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
     anything is written."""
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from ..engine.nvme import NvmeDirError
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -534,6 +580,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
                 default_root_dir=str(out_dir), logger=logger, callbacks=callbacks)
         except (MisconfigurationException, ValueError) as err:  # e.g. a precision Lightning does not know
             raise TrainConfigError(_one_line(err)) from err
+        check_precision(trainer, cfg)
         out_dir.mkdir(parents=True, exist_ok=True)
 
         where = ""
@@ -548,7 +595,10 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
             f"batch {info['batch_size']} x seq {info['seq_len']}, {t.max_steps} steps, validation every "
             f"{t.val_check_interval}", out)
         start = time.perf_counter()
-        trainer.fit(module, datamodule=dm)
+        try:
+            trainer.fit(module, datamodule=dm)
+        except NvmeDirError as err:  # strategy.nvme_dir unusable, or too small for the plan's spill bytes
+            raise TrainConfigError(re.sub(r"(?<![\w.])nvme_dir\b", "strategy.nvme_dir", _one_line(err))) from err
         wall = time.perf_counter() - start
 
     result = summarize(history, int(cfg.smooth_steps))
@@ -653,20 +703,6 @@ class TrainSweepSummary(SweepSummary):
             print(format_table(table), flush=True)
 
 
-def _remove_run_dir(path: Path) -> None:
-    """Remove a failed run's output directory, and the parents it leaves empty up to the working directory."""
-    path = path.resolve()
-    shutil.rmtree(path, ignore_errors=True)
-    cwd = Path.cwd().resolve()
-    parent = path.parent
-    while parent != cwd and cwd in parent.parents:
-        try:
-            parent.rmdir()  # only if empty
-        except OSError:
-            break
-        parent = parent.parent
-
-
 def _task(cfg: DictConfig) -> Optional[float]:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
@@ -676,15 +712,16 @@ def _task(cfg: DictConfig) -> Optional[float]:
     try:
         result = train_job(cfg, out_dir, job=job, overrides=overrides)
     except (TrainConfigError, PlannerError) as err:
-        kind = "" if isinstance(err, TrainConfigError) else f"infeasible ({type(err).__name__}): "
-        print(f"lazytrain-train: {kind}{_one_line(err)}", file=sys.stderr, flush=True)
+        infeasible = isinstance(err, (InfeasibleBudget, InfeasibleSchedule))
+        kind = f"infeasible ({type(err).__name__}): " if infeasible else ""
+        print(f"lazytrain-train: {kind}{in_config_units(_one_line(err))}", file=sys.stderr, flush=True)
         if multirun:  # record the reason in the job's row and let the sweep go on
             out_dir.mkdir(parents=True, exist_ok=True)
             row = summary_row(cfg, job=job, overrides=overrides, error=err, out_dir=out_dir)
             (out_dir / ROW_FILE).write_text(json.dumps(row, indent=1, default=str))
             _FAILED_JOBS.append(overrides)
             return None
-        _remove_run_dir(out_dir)  # nothing ran: leave no output directory behind
+        remove_run_dir(out_dir)  # nothing ran: leave no output directory behind
         sys.stdout.flush()
         sys.exit(EXIT_BAD_CONFIG)
     return result.get("final_val_loss")  # the value a Hydra sweeper would minimise
@@ -695,8 +732,14 @@ _hydra_main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_n
 
 def main() -> None:
     """Console script ``lazytrain-train`` (Hydra app over conf/train_app.yaml). Exit status 2: a config that cannot
-    run or an infeasible plan (one line on stderr, no output directory left), or a multirun with a failed job."""
+    run or an infeasible plan (one line on stderr, no output directory left), or a multirun with a failed job.
+    The command line is composed and checked against the schema first (``config.check_command_line``), so a key it
+    does not know (``+`` or not) or a value of the wrong type never reaches Hydra's run (no directory, no trace)."""
     _FAILED_JOBS.clear()
+    problem = check_command_line("train_app", sys.argv[1:], TRAIN_GROUPS)
+    if problem is not None:
+        print(f"lazytrain-train: {problem}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_CONFIG)
     _hydra_main()
     if _FAILED_JOBS:
         print(f"lazytrain-train: {len(_FAILED_JOBS)} job(s) failed: {'; '.join(_FAILED_JOBS)}", file=sys.stderr)

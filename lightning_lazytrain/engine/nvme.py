@@ -49,6 +49,7 @@ __all__ = [
     "SPILL_PREFIX",
     "SpillDir",
     "check_nvme_dir",
+    "check_spill_fits",
     "probe_direct_io",
     "read_tensor",
     "remove_stale_spill_dirs",
@@ -218,14 +219,63 @@ class NvmeDirError(RuntimeError):
     """The NVMe spill directory is unusable; the message names path, problem and fix."""
 
 
+def _file_system(path: Path) -> tuple[Path, str, str]:
+    """(mount point, file system type, device) of the file system holding ``path`` (an existing path); the type and
+    device are ``"?"`` where ``/proc/self/mounts`` is not readable (not Linux)."""
+    mount = path.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    fstype = device = "?"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:  # the last entry for a mount point is the one in effect
+                fields = line.split()
+                if len(fields) >= 3 and fields[1].replace("\\040", " ") == str(mount):
+                    device, fstype = fields[0], fields[2]
+    except OSError:
+        pass
+    return mount, fstype, device
+
+
+def _describe_file_system(path: Path) -> str:
+    mount, fstype, device = _file_system(path)
+    return f"file system {fstype} on {device}, mounted at {mount}"
+
+
+def check_spill_fits(path: str | os.PathLike[str], required_bytes: int) -> int:
+    """Refuse a plan whose NVMe spill does not fit: raise ``NvmeDirError`` naming the directory, its file system,
+    the free bytes, the bytes the plan needs and the shortfall when ``required_bytes`` exceed the free space of the
+    file system holding ``path`` (an existing directory). Returns the free bytes."""
+    p = Path(path).expanduser()
+    free = int(shutil.disk_usage(p).free)
+    required = int(required_bytes)
+    if required > free:
+        short = required - free
+        raise NvmeDirError(
+            f"NVMe spill directory {p} has {format_bytes(free, binary=True)} free, but the plan needs "
+            f"{format_bytes(required, binary=True)} ({required} bytes) of spill space: short by "
+            f"{format_bytes(short, binary=True)} ({short} bytes; {free} bytes free, {_describe_file_system(p)}). "
+            "Fix: free space on that file system, point nvme_dir at a larger drive, or plan with fewer "
+            "activations on NVMe (more recompute / CPU)."
+        )
+    return free
+
+
 def check_nvme_dir(path: str | os.PathLike[str], required_bytes: int = 0) -> Path:
-    """Check (creating it if needed) that ``path`` can hold ``required_bytes`` of spill files."""
+    """Check (creating it if needed) that ``path`` can hold ``required_bytes`` of spill files.
+
+    Logs (this module's logger) the directory, its file system (type, device, mount point) and free space at INFO,
+    and a WARNING naming the path when it does not exist and is being created (a misspelt ``nvme_dir`` would
+    otherwise put spill files on whatever disk holds it). ``required_bytes > 0``: ``check_spill_fits``."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise NvmeDirError(
             f"NVMe spill directory {p} exists but is not a directory. "
             "Fix: point nvme_dir at a directory on a local NVMe drive, or remove that file."
         )
+    if not p.exists():
+        log.warning("NVMe spill directory %s does not exist: creating it (check nvme_dir for a typo: spill files "
+                    "go to whatever drive holds it)", p)
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -243,14 +293,13 @@ def check_nvme_dir(path: str | os.PathLike[str], required_bytes: int = 0) -> Pat
             f"NVMe spill directory {p} is not writable: {e.strerror or e}. "
             f"Fix: make it writable for this user (chmod u+w / chown {p}), or choose another nvme_dir."
         ) from e
-    free = shutil.disk_usage(p).free
-    if required_bytes > free:
-        raise NvmeDirError(
-            f"NVMe spill directory {p} has {format_bytes(free, binary=True)} free, but the plan needs "
-            f"{format_bytes(required_bytes, binary=True)} "
-            f"({required_bytes} bytes) of spill space. Fix: free space on that file system, point "
-            "nvme_dir at a larger drive, or plan with fewer activations on NVMe (more recompute / CPU)."
-        )
+    if log.isEnabledFor(logging.INFO):
+        free = shutil.disk_usage(p).free
+        need = f", the plan needs {format_bytes(required_bytes, binary=True)}" if required_bytes > 0 else ""
+        log.info("NVMe spill directory %s: %s, %s free%s", p, _describe_file_system(p),
+                 format_bytes(free, binary=True), need)
+    if required_bytes > 0:
+        check_spill_fits(p, required_bytes)
     return p
 
 
