@@ -105,7 +105,10 @@ class EditingNet(Net):
         super().__init__(opts)
         layers = self.model.model.layers
         layers[1].mlp.down_proj.weight.register_hook(lambda g: g * 2.0)
-        self.model.model.embed_tokens.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+        def halve(p):
+            p.grad.mul_(0.5)
+
+        self.model.model.embed_tokens.weight.register_post_accumulate_grad_hook(halve)
 
     def on_after_backward(self):
         self.model.model.layers[2].mlp.up_proj.weight.grad.mul_(3.0)

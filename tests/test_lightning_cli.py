@@ -19,7 +19,7 @@ else:
     _WHY = ""
 needs_strategy = pytest.mark.skipif(LazyTrainStrategy is None, reason=_WHY or "strategy present")
 
-DATA = ["--data.max_bytes=300000", "--data.val_every=5", "--data.seq_len=32", "--data.batch_size=2",
+DATA = ["--data.max_bytes=300000", "--data.holdout_every=5", "--data.seq_len=32", "--data.batch_size=2",
         "--data.val_windows=4"]
 
 

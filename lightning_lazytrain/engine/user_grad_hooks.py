@@ -114,6 +114,7 @@ class PostAccumulateHooks:
                 if not hooks or not p.requires_grad:
                     continue
                 for fn in list(hooks.values()):
-                    fn(p)
+                    if fn(p) is not None:  # torch's own check
+                        raise RuntimeError("Tensor post accumulate grad hooks should return None.")
                 fired += 1
         return fired
