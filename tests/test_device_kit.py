@@ -3,11 +3,14 @@
 The rehearsal runs every stage that can run without CUDA, each in its own process, exactly as
 ``bash bench/device/check.sh --rehearse OUTDIR`` does on a developer's machine (~2 min on 2
 cores, most of it the stages' imports), in an emulated device image: the packages the GPU image
-lacks are hidden and ``check.sh`` installs the kit's wheels (fetched from the registry, ~20 s)
-offline, as the first device run will (where the registry cannot be reached, the rehearsal runs in
-this environment as it is). The kit's own logic that the rehearsal does not reach
-(the wheel folder's size limit and Python tag, the throughput stage's interval arithmetic) is
-tested here directly, on fake inputs (nothing is downloaded).
+lacks are hidden and ``check.sh`` installs the kit's wheels (fetched from the registry for this
+interpreter's version, ``fetch_wheels.py --python current``, ~20 s) offline, as the first device
+run will (where the registry cannot be reached, the rehearsal runs in this environment as it is).
+``check.sh`` is always given the interpreter running the tests (``PYTHON=sys.executable``): the
+``python3`` on ``PATH`` may be another Python. The wheels for the device's Python (3.12) are
+fetched for real too (slow; skipped where the registry cannot be reached). The kit's own logic
+that the rehearsal does not reach (the wheel folder's size limit, Python tag and platform, the
+throughput stage's interval arithmetic) is tested here directly, on fake inputs.
 """
 
 from __future__ import annotations
@@ -66,14 +69,15 @@ def device_image(tmp_path_factory):
     (``emulated`` False: the rehearsal still runs, without the install)."""
     base = tmp_path_factory.mktemp("image")
     wheels = base / "wheels"
-    fetch = subprocess.run([sys.executable, str(KIT / "fetch_wheels.py"), "--dest", str(wheels)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
+    fetch = subprocess.run([sys.executable, str(KIT / "fetch_wheels.py"), "--python", "current", "--dest", str(wheels)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     if fetch.returncode != 0 or not list(wheels.glob("*.whl")):
-        return dict(os.environ), False
+        return {**os.environ, "PYTHON": sys.executable}, False
     (base / "hide").mkdir()
     (base / "hide" / "sitecustomize.py").write_text(HIDE)
     site = base / "site"
-    env = {**os.environ, "KIT_WHEELS": str(wheels), "KIT_SITE": str(site), "EMULATED_KIT_SITE": str(site),
+    env = {**os.environ, "PYTHON": sys.executable, "KIT_WHEELS": str(wheels), "KIT_SITE": str(site),
+           "EMULATED_KIT_SITE": str(site),
            "PYTHONPATH": os.pathsep.join([str(base / "hide"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     probe = subprocess.run([sys.executable, "-c", "import pyomo"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "emulated device image" in probe.stderr, probe.stderr[-500:]
@@ -93,6 +97,7 @@ def test_rehearsal_passes_every_cpu_stage_and_skips_the_cuda_ones(tmp_path, devi
         assert "carried wheels into" in r.stdout and "installed in" in r.stdout, r.stdout[-2000:]
     doc = json.loads((out / "results.json").read_text())
     assert doc["mode"] == "rehearse" and doc["ok"] is True and doc["finished"]
+    assert doc["environment"]["executable"] == sys.executable  # PYTHON, not the python3 on PATH
     stages = {s["name"]: s for s in doc["stages"]}
     assert len(stages) == len(doc["stages"]) == len(CUDA_STAGES | CPU_STAGES)
     assert set(stages) == CUDA_STAGES | CPU_STAGES
@@ -231,18 +236,87 @@ def test_fetch_wheels_checks_the_size_before_placing_anything(kit, tmp_path):
     total = fetch_wheels.place(staged, manifest, dest, max_bytes=1_000_000)
     assert sorted(p.name for p in dest.iterdir()) == sorted(e["file"] for e in manifest)
     assert total == sum(e["bytes"] for e in manifest) > 600_000 and all(len(e["sha256"]) == 64 for e in manifest)
-    fetch_wheels.write_manifest(dest, manifest, total)
+    fetch_wheels.write_manifest(dest, manifest, total)  # for the device's Python by default
+    doc = json.loads((dest / "MANIFEST.json").read_text())
+    assert doc["python_tag"] == "cp312" and doc["python"] == "3.12" and doc["total_bytes"] == total
+    assert doc["fetched_with"] == sys.version.split()[0] and "manylinux2014_x86_64" in doc["platforms"]
+    fetch_wheels.write_manifest(dest, manifest, total, fetch_wheels.parse_python("current"))
     doc = json.loads((dest / "MANIFEST.json").read_text())
     assert doc["python_tag"] == f"cp{sys.version_info.major}{sys.version_info.minor}" == fetch_wheels.python_tag()
-    assert doc["python"] == f"{sys.version_info.major}.{sys.version_info.minor}" and doc["total_bytes"] == total
+    assert doc["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
     assert fetch_wheels.wheel_python_tags(["highspy-1.9-cp311-cp311-manylinux_2_17_x86_64.whl",
                                            "bitsandbytes-0.45-py3-none-manylinux_2_24_x86_64.whl",
                                            "foo-1.0-cp38-abi3-manylinux_2_17_x86_64.whl",
                                            "pyomo-6.8-py3-none-any.whl"]) == {"cp311"}
 
 
+def test_fetch_wheels_targets_a_named_python(kit):
+    """``--python 3.12`` selects CPython 3.12's wheels on manylinux x86_64 whatever Python runs the
+    script: pip's target flags, the target's environment markers, and the check of what came back."""
+    import fetch_wheels
+
+    target = fetch_wheels.parse_python("3.12")
+    assert target.tag == "cp312" and target.short == "3.12" and fetch_wheels.Target() == target
+    args = target.pip_args()
+    assert args[:7] == ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312"]
+    plats = [args[i + 1] for i, a in enumerate(args) if a == "--platform"]
+    assert plats[0] == "manylinux_2_28_x86_64" and plats[-1] == "manylinux2014_x86_64"
+    assert "manylinux_2_17_x86_64" in plats and not any("2_29" in p for p in plats)
+    assert fetch_wheels.parse_python("3.12.3").markers()["python_full_version"] == "3.12.3"
+    assert target.markers()["python_version"] == "3.12" and target.markers()["sys_platform"] == "linux"
+    here = fetch_wheels.parse_python("current")
+    assert here.tag == fetch_wheels.python_tag()
+    for bad in ("3", "3.x", "2.7", "cp312", ""):
+        with pytest.raises(Exception, match="not a CPython 3 version"):
+            fetch_wheels.parse_python(bad)
+    # markers are evaluated for the target: a backport needed below 3.12 is not shipped for 3.12
+    from packaging.requirements import Requirement
+
+    backport = Requirement('some-backport; python_version < "3.12"')
+    assert fetch_wheels._applies(backport, set(), fetch_wheels.parse_python("3.11"))
+    assert not fetch_wheels._applies(backport, set(), target)
+    # what came back must fit the target
+    ok = ["highspy-1.16.0-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+          "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl", "hydra_core-1.3.8-py3-none-any.whl",
+          "foo-1.0-cp38-abi3-manylinux2014_x86_64.whl", "old-1.0-cp312-cp312-manylinux1_x86_64.whl"]
+    bad = ["highspy-1.16.0-cp311-cp311-manylinux_2_17_x86_64.whl", "pyomo-6.10.1-cp312-cp312-macosx_11_0_arm64.whl",
+           "new-1.0-cp312-cp312-manylinux_2_34_x86_64.whl", "arm-1.0-py3-none-manylinux_2_17_aarch64.whl"]
+    assert fetch_wheels.foreign_wheels(ok + bad, target) == bad
+
+
+@pytest.mark.slow  # downloads ~60 MB (bitsandbytes' full wheel) unless pip's cache has them: ~15 s
+def test_fetch_wheels_for_the_device_python_fetches_cp312_manylinux_wheels(kit, tmp_path):
+    """For real, from the registry: ``fetch_wheels.py --python 3.12`` run by this interpreter
+    (whatever its version) gives only wheels that install on the device's CPython 3.12 on manylinux
+    x86_64 (compiled ones ``cp312-cp312-manylinux_*_x86_64``, the rest pure), under the size limit."""
+    import fetch_wheels
+
+    probe = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                            "--disable-pip-version-check", "-d", str(tmp_path / "probe"), "docstring-parser"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"the package registry cannot be reached: {probe.stderr.strip()[-300:]}")
+    dest = tmp_path / "w312"
+    r = subprocess.run([sys.executable, str(KIT / "fetch_wheels.py"), "--python", "3.12", "--dest", str(dest)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((dest / "MANIFEST.json").read_text())
+    assert doc["python"] == "3.12" and doc["python_tag"] == "cp312"
+    names = sorted(p.name for p in dest.glob("*.whl"))
+    assert names == sorted(e["file"] for e in doc["wheels"]) and len(names) == len(fetch_wheels.wanted())
+    assert fetch_wheels.foreign_wheels(names, fetch_wheels.Target("3.12")) == []
+    compiled = [n for n in names if fetch_wheels.wheel_python_tags([n])]
+    assert compiled and all("-cp312-cp312-" in n and "manylinux" in n and n.endswith("_x86_64.whl") for n in compiled)
+    for n in set(names) - set(compiled):  # pure, or Python-independent with a native library (bitsandbytes)
+        assert "-py3-none-" in n or "-py2.py3-none-" in n, n
+    assert any(n.startswith("antlr4_python3_runtime-") and n.endswith("-none-any.whl") for n in names)
+    assert {"highspy", "pyomo"} <= {n.split("-")[0] for n in compiled}
+    assert doc["total_bytes"] == sum(p.stat().st_size for p in dest.glob("*.whl")) < 60 * fetch_wheels.MIB
+
+
 def _check_sh(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KIT_WHEELS": str(wheels), "KIT_NEEDED": "lazytrain_kit_module_that_is_missing"}
+    env = {**os.environ, "PYTHON": sys.executable, "KIT_WHEELS": str(wheels),
+           "KIT_NEEDED": "lazytrain_kit_module_that_is_missing"}
     return subprocess.run(["bash", str(KIT / "check.sh"), "--rehearse", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -257,7 +331,8 @@ def test_check_sh_refuses_wheels_of_another_python(tmp_path):
     (by_manifest / "MANIFEST.json").write_text(json.dumps({"python": "3.9", "python_tag": other}))
     r = _check_sh(tmp_path, by_manifest)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"fetched for {other} (Python 3.9)" in r.stdout and "fetch_wheels.py" in r.stdout
+    assert f"fetched for {other} (Python 3.9)" in r.stdout
+    assert f"fetch_wheels.py --python {sys.version_info.major}.{sys.version_info.minor}" in r.stdout
     assert not (tmp_path / "out" / "site").exists()  # nothing installed
     # by a compiled wheel's name (no manifest)
     by_name = tmp_path / "by_name"
@@ -265,6 +340,13 @@ def test_check_sh_refuses_wheels_of_another_python(tmp_path):
     _wheel(by_name / f"compiled-1.0-{other}-{other}-manylinux_2_17_x86_64.whl")
     r = _check_sh(tmp_path, by_name)
     assert r.returncode == 2 and f"fetched for {other}" in r.stdout, r.stdout + r.stderr
+    # by a compiled wheel's platform: this Python, another machine
+    by_platform = tmp_path / "by_platform"
+    by_platform.mkdir()
+    _wheel(by_platform / f"compiled-1.0-{here}-{here}-macosx_11_0_arm64.whl")
+    r = _check_sh(tmp_path, by_platform)
+    assert r.returncode == 2 and "not for this machine" in r.stdout and "macosx_11_0_arm64" in r.stdout, r.stdout
+    assert not (tmp_path / "out" / "site").exists()
     # the same Python passes the check (and goes on to install: this fake wheel has no metadata)
     same = tmp_path / "same"
     same.mkdir()
@@ -273,3 +355,28 @@ def test_check_sh_refuses_wheels_of_another_python(tmp_path):
     r = _check_sh(tmp_path, same)
     assert "ERROR: the carried wheels" not in r.stdout and f"this Python is {here}" in r.stdout, r.stdout
     assert r.returncode == 2 and not (tmp_path / "out" / "site").exists()  # a failed install leaves no site
+
+
+def test_check_sh_refuses_an_interpreter_that_does_not_run_or_lacks_torch(tmp_path):
+    """The kit starts ``$PYTHON``, else the first ``python3`` on ``PATH``: one that does not run, or
+    runs without torch (another Python than the venv's), stops the kit with exit 2 and the fix
+    (set ``PYTHON``), instead of every stage failing on its imports."""
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    broken = shims / "python3"
+    broken.write_text("#!/bin/sh\necho 'not this python' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    bare = tmp_path / "bare" / "python3"  # this interpreter without site-packages: no torch
+    bare.parent.mkdir()
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
+    bare.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    for path_first, want in ((shims, "does not run"), (bare.parent, "has no torch")):
+        env = {**base, "PATH": f"{path_first}{os.pathsep}{os.environ.get('PATH', '')}"}
+        r = subprocess.run(["bash", str(KIT / "check.sh"), "--rehearse", str(tmp_path / "out")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and want in r.stderr and "set PYTHON" in r.stderr, r.stdout + r.stderr
+        assert not (tmp_path / "out" / "results.json").exists()
+    r = subprocess.run(["bash", str(KIT / "check.sh"), "--rehearse", str(tmp_path / "out")], cwd=ROOT,
+                       env={**base, "PYTHON": str(broken)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{broken} (PYTHON) does not run" in r.stderr, r.stdout + r.stderr

@@ -1,9 +1,12 @@
 """Packaging: a non-editable install from the wheel works outside the repository.
 
 The wheel is built from a copy of the sources (``pip wheel --no-deps --no-build-isolation``, no network) and
-installed into a fresh virtual environment created with ``--system-site-packages`` (torch, Lightning and the
-other dependencies come from this machine; the venv's own copy of ``lightning_lazytrain`` comes first on
-``sys.path``, which the test checks). The console scripts then run from a directory outside the repository.
+installed into a fresh virtual environment (``venv_helpers.make_venv``: ``python -m venv`` without system
+site packages, plus a ``.pth`` listing the import path of the interpreter running the tests, so torch,
+Lightning and the other dependencies come from wherever this interpreter finds them -- a venv, a conda-like
+prefix or the system Python -- and never from the source checkout). Before the wheel is installed the venv
+must not find ``lightning_lazytrain`` in the checkout; after, its copy is the venv's (the test checks). The
+console scripts then run from a directory outside the repository.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from venv_helpers import make_venv, venv_python
 
 tomllib = pytest.importorskip("tomllib")
 
@@ -75,10 +79,14 @@ def test_wheel_ships_every_config(wheel):
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
     env_dir = tmp_path_factory.mktemp("venv") / "env"
-    # --without-pip: the venv sees this machine's pip through --system-site-packages; pip installs into the
-    # running interpreter's prefix, i.e. the venv
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)], cwd=env_dir.parent)
-    python = env_dir / "bin" / "python"
+    make_venv(env_dir, env=_env())
+    python = venv_python(env_dir)
+    # the source checkout does not leak in: nothing in the repository provides the package to the venv
+    probe = _run([python, "-c", "import importlib.util, json; s = importlib.util.find_spec('lightning_lazytrain'); "
+                  "print(json.dumps(s and s.origin))"], cwd=env_dir.parent)
+    origin = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert origin is None or REPO not in Path(origin).resolve().parents, f"the venv finds the checkout: {origin}"
+    # no pip in the venv: the running interpreter's pip (seen through the .pth) installs into the venv's prefix
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
          cwd=env_dir.parent)
     return env_dir
@@ -93,7 +101,7 @@ def test_installed_wheel_finds_its_configs(venv, tmp_path):
         "module = CausalLMModule(model_name='tiny')\n"
         "print(json.dumps({'file': lightning_lazytrain.__file__, 'conf': str(CONF_DIR),\n"
         "                  'h800': load_hardware('h800').name, 'params': module.num_parameters}))\n")
-    out = _run([venv / "bin" / "python", "-c", code], cwd=tmp_path)
+    out = _run([venv_python(venv), "-c", code], cwd=tmp_path)
     info = json.loads(out.stdout.strip().splitlines()[-1])
     site = Path(info["file"]).resolve()
     assert Path(venv).resolve() in site.parents, f"lightning_lazytrain came from {site}, not the venv"

@@ -10,13 +10,14 @@
 #    `pip install --no-index --no-deps --target`; without pip, the wheels are unpacked.
 #    PYTHONPATH=$KIT_SITE:<repo root>. OUTDIR/site is removed at the end (it would travel back
 #    with the results) unless KIT_KEEP_SITE=1.
-#    The wheels are for one CPython (MANIFEST.json's python_tag, e.g. cp311; compiled wheels carry it
-#    in their names too): a device interpreter of another version stops the kit here (exit 2, with
-#    the fix) instead of failing later on an import.
-# 2. python bench/device/run_checks.py [--rehearse] OUTDIR: the stages, each in its own process
-#    with its own timeout; OUTDIR/results.json and OUTDIR/log.txt.
+#    The wheels are for one CPython and platform (MANIFEST.json's python_tag, e.g. cp312, and the
+#    compiled wheels' names: cp312-cp312-manylinux_..._x86_64): a device interpreter of another
+#    version or machine stops the kit here (exit 2, with the fix) instead of failing later on an import.
+# 2. $PYTHON bench/device/run_checks.py [--rehearse] OUTDIR: the stages, each in its own process
+#    (started with the same interpreter) with its own timeout; OUTDIR/results.json and OUTDIR/log.txt.
 # Exit status: 0 when no stage failed; 1 when one did; 2 when the kit could not run.
-# Environment: PYTHON (interpreter, default python3/python), KIT_SITE, KIT_KEEP_SITE, KIT_BUDGET_S
+# Environment: PYTHON (the interpreter with torch for every step and stage; default: python3, else
+# python, on PATH -- set it when that is not the one with torch), KIT_SITE, KIT_KEEP_SITE, KIT_BUDGET_S
 # (seconds for all stages, default 450), KIT_ONLY (comma-separated stages), LAZYTRAIN_NVME_DIR,
 # KIT_WHEELS (the wheel folder, default bench/device/wheels), KIT_NEEDED (the modules to check,
 # space-separated; default: those the image lacks).
@@ -43,6 +44,27 @@ mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
 SITE="${KIT_SITE:-$OUT/site}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
+if [ -z "$PY" ]; then
+  echo "[check.sh] ERROR: no python3 or python on PATH; set PYTHON to the interpreter that has torch" >&2
+  exit 2
+fi
+# The interpreter must run and have torch: a python3 on PATH that is another Python (not the venv or
+# conda env with torch) would otherwise fail every stage on its imports.
+PY_FROM="${PYTHON:+PYTHON}"
+PY_FROM="${PY_FROM:-the first python3/python on PATH}"
+PY_INFO="$("$PY" -c 'import importlib.util, sys; print(sys.version.split()[0], importlib.util.find_spec("torch") is not None, sys.executable)' 2>&1)"
+PY_RC=$?
+read -r PY_VERSION PY_TORCH PY_EXE <<<"$(printf '%s\n' "$PY_INFO" | tail -n 1)"
+if [ $PY_RC -ne 0 ] || [ -z "${PY_EXE:-}" ]; then
+  echo "[check.sh] ERROR: the interpreter $PY ($PY_FROM) does not run (exit $PY_RC): $(printf '%s' "$PY_INFO" | tail -n 3)" >&2
+  echo "[check.sh] set PYTHON to the interpreter that has torch, e.g. PYTHON=/path/to/venv/bin/python bash bench/device/check.sh ..." >&2
+  exit 2
+fi
+if [ "$PY_TORCH" != "True" ]; then
+  echo "[check.sh] ERROR: $PY_EXE (Python $PY_VERSION, $PY_FROM) has no torch; set PYTHON to the interpreter that has torch" >&2
+  exit 2
+fi
+PY="$PY_EXE"  # absolute: run_checks.py starts every stage with the same interpreter (sys.executable)
 WHEELS="${KIT_WHEELS:-$KIT_DIR/wheels}"
 T0=$(date +%s)
 cd "$REPO" || exit 2
@@ -69,24 +91,25 @@ print(" ".join(miss))
 EOF
 }
 
-note "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
-MISSING="$(missing $NEEDED)"
+note "python: $PY ($PY_VERSION)"
+MISSING="$(missing $NEEDED)" || { note "ERROR: $PY could not check the modules"; exit 2; }
 if [ -n "$MISSING" ]; then
   shopt -s nullglob
   wheels=("$WHEELS"/*.whl)
   if [ ${#wheels[@]} -eq 0 ]; then
-    note "missing modules: $MISSING, and no wheels in $WHEELS: run 'python bench/device/fetch_wheels.py' on a machine with pip access and carry bench/device/wheels"
+    note "missing modules: $MISSING, and no wheels in $WHEELS: run 'python bench/device/fetch_wheels.py --python ${PY_VERSION%.*}' on a machine with pip access and carry bench/device/wheels"
     exit 2
   fi
-  # The wheels fit one CPython: refuse another before installing anything.
+  # The wheels fit one CPython on one machine: refuse another before installing anything.
   "$PY" - "$WHEELS" "${wheels[@]}" <<'EOF'
-import json, sys
+import json, platform, sys
 from pathlib import Path
 
 folder, wheels = Path(sys.argv[1]), sys.argv[2:]
 here = f"cp{sys.version_info.major}{sys.version_info.minor}"
 version = f"{sys.version_info.major}.{sys.version_info.minor}"
-want, fetched = set(), None
+machine = platform.machine()
+want, fetched, foreign = set(), None, []
 manifest = folder / "MANIFEST.json"
 if manifest.is_file():
     try:
@@ -96,17 +119,25 @@ if manifest.is_file():
             want.add(doc["python_tag"])
     except (OSError, ValueError) as err:
         print(f"[check.sh] warning: {manifest} is not readable ({err}); judging by the wheel names")
-for name in wheels:  # wheels built for one CPython's ABI name it: foo-1.0-cp311-cp311-manylinux...whl
+for name in wheels:  # wheels built for one CPython's ABI name it: foo-1.0-cp312-cp312-manylinux_2_17_x86_64.whl
     parts = Path(name).name[:-len(".whl")].split("-")
     if len(parts) >= 5 and parts[-2].startswith("cp"):
         want |= {t for t in parts[-3].split(".") if t.startswith("cp")}
+    plats = parts[-1].split(".") if len(parts) >= 5 else ["any"]
+    if "any" not in plats and not any(p.endswith("_" + machine) and p.startswith(("manylinux", "linux"))
+                                      for p in plats):
+        foreign.append(Path(name).name)
+fix = (f"Fix: on a machine with pip access run 'python bench/device/fetch_wheels.py --python {version}' "
+       f"(wheels for Python {version} on manylinux {machine}) and carry the new bench/device/wheels")
 if want and want != {here}:
     print(f"[check.sh] ERROR: the carried wheels in {folder} were fetched for {', '.join(sorted(want))}"
           + (f" (Python {fetched})" if fetched else "")
-          + f", but this machine's Python is {sys.version.split()[0]} ({here}, {sys.executable}). Fix: on a "
-          f"machine with pip access run 'python{version} bench/device/fetch_wheels.py' (a Python {version}, "
-          f"as here) and carry the new bench/device/wheels, or set PYTHON to a Python "
-          f"{fetched or 'matching ' + ', '.join(sorted(want))} on this machine.")
+          + f", but this machine's Python is {sys.version.split()[0]} ({here}, {sys.executable}). {fix}, "
+          f"or set PYTHON to a Python {fetched or 'matching ' + ', '.join(sorted(want))} on this machine.")
+    sys.exit(2)
+if foreign:
+    print(f"[check.sh] ERROR: the carried wheels {foreign} in {folder} are not for this machine "
+          f"({sys.platform}, {machine}). {fix}.")
     sys.exit(2)
 print(f"[check.sh] the wheels are for {', '.join(sorted(want)) or 'any Python (pure)'}; this Python is {here}")
 EOF
@@ -129,7 +160,7 @@ for wheel in sys.argv[2:]:
             z.extract(info, site)
 EOF
   fi
-  MISSING="$(missing $NEEDED)"
+  MISSING="$(missing $NEEDED)" || { note "ERROR: $PY could not check the modules"; drop_site; exit 2; }
   if [ -n "$MISSING" ]; then
     note "still missing after installing the wheels: $MISSING (the wheel list is incomplete)"
     drop_site

@@ -1,18 +1,26 @@
 """Fetch the wheels a lent GPU machine lacks, once, on a development machine with pip access.
 
-    python bench/device/fetch_wheels.py            # -> bench/device/wheels/ (git-ignored), prints the total
+    python bench/device/fetch_wheels.py                   # for the device's Python 3.12 -> bench/device/wheels/
+    python bench/device/fetch_wheels.py --python 3.13     # for another device Python
+    python bench/device/fetch_wheels.py --python current  # for this interpreter's version (a CPU rehearsal here)
 
-The GPU machine's image has torch, lightning, transformers, pytest, hypothesis and matplotlib (and
-what they pull in); it has no network. This script ships the rest of what the project declares
-(``pyproject.toml``: its dependencies and the ``train``, ``test`` and ``hf`` extras), with every
-dependency of those that the image does not already hold, at the exact versions installed *here*:
+The GPU machine's image (Python 3.12.3, torch 2.11.0+cu130, lightning 2.6.6, transformers 5.17.0)
+has torch, lightning, transformers, pytest, hypothesis and matplotlib (and what they pull in); it has
+no network. This script ships the rest of what the project declares (``pyproject.toml``: its
+dependencies and the ``train``, ``test`` and ``hf`` extras), with every dependency of those that the
+image does not already hold, at the exact versions installed *here*, for the *device's* Python
+(``--python``, default 3.12), whatever Python runs this script:
 
   1. the closure of the project's requirements over the installed distributions' metadata, minus
-     the closure of what the image has (``DEVICE_HAS``);
-  2. each one as ``pip download --only-binary=:all: --no-deps name==version`` (this interpreter's
-     tags: the device is assumed to run the same CPython minor version on manylinux x86_64);
+     the closure of what the image has (``DEVICE_HAS``), with environment markers evaluated for the
+     target (its Python version, CPython on Linux x86_64);
+  2. each one as ``pip download --only-binary=:all: --no-deps --python-version 3.12
+     --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 ... --platform
+     manylinux2014_x86_64 name==version``: a wheel for CPython 3.12 (``cp312``, the stable ABI
+     ``abi3`` or pure ``py3-none-any``) on manylinux x86_64 up to glibc ``--glibc`` (2.28: the
+     image runs torch's ``manylinux_2_28`` wheels, so its glibc is at least that);
      a distribution published only as an sdist (antlr4-python3-runtime 4.9.3) is built here with
-     ``pip wheel --no-deps`` and must come out pure Python (``py3-none-any``);
+     ``pip wheel --no-deps`` and must come out pure Python (``py3-none-any``, any Python 3);
   3. bitsandbytes is repacked: its wheel carries a native library for every CUDA/ROCm/XPU release
      (43 MB compressed). Kept: ``libbitsandbytes_cpu.so`` and the CUDA libraries named by
      ``--bnb-keep`` (default ``cuda128,cuda130``: the newest 12.x and the first 13.x; bitsandbytes
@@ -20,14 +28,16 @@ dependency of those that the image does not already hold, at the exact versions 
      other ``libbitsandbytes_*.so`` is dropped and its line removed from ``RECORD``. The file keeps
      its name; ``MANIFEST.json`` records the repack and the libraries kept.
 
-The folder must stay below ``--max-mib`` (60 MiB): the device call carries at most 64 MiB of
-ignored files. The wheels are downloaded into a temporary folder and measured there; only a set
-under the limit replaces the folder's wheels (an oversized set leaves the folder as it was and
-exits 1). ``MANIFEST.json`` lists every wheel with its size and sha256, and the interpreter the
-set was fetched for: ``python`` (``3.11``), ``python_tag`` (``cp311``: compiled wheels such as
-highspy's and the sdist-built ones only fit that CPython) and ``platform``. ``check.sh`` refuses
-(exit 2, with the fix) to install a set whose ``python_tag`` differs from the device's
-interpreter, and installs exactly the ``*.whl`` files of the folder.
+The folder must stay below ``--max-mib`` (60 MiB): the copy of the working tree sent to the GPU
+machine takes at most 64 MiB of git-ignored files. The wheels are downloaded into a temporary
+folder and measured there; only a set under the limit replaces the folder's wheels (an oversized
+set leaves the folder as it was and exits 1). ``MANIFEST.json`` lists every wheel with its size
+and sha256, and the interpreter the set was fetched for: ``python`` (``3.12``), ``python_tag``
+(``cp312``: compiled wheels such as highspy's only fit that CPython) and ``platforms`` (the
+manylinux tags accepted), with ``fetched_with`` (the Python that ran this script). ``check.sh``
+refuses (exit 2, with the fix) to install a set whose ``python_tag`` differs from the device's
+interpreter, or whose compiled wheels are for another machine, and installs exactly the ``*.whl``
+files of the folder.
 """
 
 from __future__ import annotations
@@ -38,9 +48,9 @@ import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -60,6 +70,69 @@ DEVICE_HAS = ("torch", "lightning", "transformers", "pytest", "hypothesis", "mat
 EXTRAS = ("train", "test", "hf")
 BNB_KEEP_DEFAULT = "cuda128,cuda130"
 MIB = 1 << 20
+#: The device's Python (its image: Python 3.12.3); ``--python`` names another, ``current`` this one.
+DEFAULT_PYTHON = "3.12"
+#: The newest glibc the wheels may need (``manylinux_2_28``: the image's torch wheels need that much).
+DEFAULT_GLIBC = "2.28"
+MACHINE = "x86_64"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The interpreter the wheels are for: CPython ``version`` (``3.12`` or ``3.12.3``) on manylinux
+    ``MACHINE`` with glibc up to ``glibc``."""
+
+    version: str = DEFAULT_PYTHON
+    glibc: str = DEFAULT_GLIBC
+
+    @property
+    def major_minor(self) -> tuple[int, int]:
+        major, minor = self.version.split(".")[:2]
+        return int(major), int(minor)
+
+    @property
+    def short(self) -> str:
+        return "%d.%d" % self.major_minor
+
+    @property
+    def tag(self) -> str:
+        return "cp%d%d" % self.major_minor
+
+    def platforms(self) -> list[str]:
+        """manylinux tags from ``glibc`` down to 2.17; ``manylinux2014`` (which pip expands to the
+        older ``manylinux2010``/``manylinux1`` tags) last."""
+        major, top = (int(x) for x in self.glibc.split("."))
+        return [f"manylinux_{major}_{m}_{MACHINE}" for m in range(top, 16, -1)] + [f"manylinux2014_{MACHINE}"]
+
+    def compatible_platforms(self) -> set[str]:
+        """Every platform tag pip accepts for ``platforms()`` (it expands ``manylinux2014`` to the
+        older tags)."""
+        return set(self.platforms()) | {f"manylinux{t}_{MACHINE}" for t in ("2010", "1", "_2_12", "_2_5")}
+
+    def markers(self) -> dict[str, str]:
+        """PEP 508 marker variables of the target (CPython on Linux ``MACHINE``)."""
+        full = self.version if self.version.count(".") == 2 else f"{self.short}.0"
+        return {"python_version": self.short, "python_full_version": full, "implementation_name": "cpython",
+                "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+                "platform_machine": MACHINE, "os_name": "posix"}
+
+    def pip_args(self) -> list[str]:
+        """pip's flags that select this target's wheels (``pip download`` only)."""
+        args = ["--only-binary=:all:", "--python-version", self.version, "--implementation", "cp", "--abi", self.tag]
+        for plat in self.platforms():
+            args += ["--platform", plat]
+        return args
+
+
+def parse_python(text: str) -> Target:
+    """``--python``: ``3.12`` / ``3.12.3``, or ``current`` (this interpreter's ``major.minor``)."""
+    if text == "current":
+        return Target(f"{sys.version_info.major}.{sys.version_info.minor}")
+    parts = text.split(".")
+    if not (2 <= len(parts) <= 3 and all(p.isdigit() for p in parts) and parts[0] == "3"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPython 3 version such as 3.12 or 3.12.3 (or "
+                                         "'current', this interpreter's)")
+    return Target(text)
 
 
 def project_requirements() -> list[Requirement]:
@@ -71,14 +144,16 @@ def project_requirements() -> list[Requirement]:
     return reqs
 
 
-def _applies(req: Requirement, extras: set[str]) -> bool:
+def _applies(req: Requirement, extras: set[str], target: Target) -> bool:
     if req.marker is None:
         return True
-    return any(req.marker.evaluate({"extra": e}) for e in (extras or {""}))
+    return any(req.marker.evaluate({**target.markers(), "extra": e}) for e in (extras or {""}))
 
 
-def closure(roots: list[Requirement]) -> dict[str, str]:
-    """{canonical name: installed version} of ``roots`` and everything they require here."""
+def closure(roots: list[Requirement], target: Target | None = None) -> dict[str, str]:
+    """{canonical name: installed version} of ``roots`` and everything they require on ``target``
+    (default: the device's Python), read from the metadata of the distributions installed here."""
+    target = target or Target()
     seen: dict[str, str] = {}
     todo: list[tuple[str, set[str]]] = [(r.name, set(r.extras)) for r in roots]
     extras_seen: dict[str, set[str]] = {}
@@ -90,20 +165,24 @@ def closure(roots: list[Requirement]) -> dict[str, str]:
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
-            raise SystemExit(f"{name} is required but not installed here; install the project first "
-                             f"(pip install -e '.[{','.join(EXTRAS)}]')") from None
+            raise SystemExit(f"{name} is required on Python {target.version} but not installed here (Python "
+                             f"{sys.version.split()[0]}), so its version is unknown; install the project first "
+                             f"(pip install -e '.[{','.join(EXTRAS)}]'), and install {name} here if only the "
+                             "target Python needs it") from None
         seen[key] = dist.version
         extras_seen.setdefault(key, set()).update(extras)
         for spec in dist.requires or []:
             req = Requirement(spec)
-            if _applies(req, extras):
+            if _applies(req, extras, target):
                 todo.append((req.name, set(req.extras)))
     return seen
 
 
-def wanted() -> dict[str, str]:
-    ship = closure(project_requirements())
-    has = closure([Requirement(n) for n in DEVICE_HAS])
+def wanted(target: Target | None = None) -> dict[str, str]:
+    """{name: version} to ship for ``target`` (default: the device's Python)."""
+    target = target or Target()
+    ship = closure(project_requirements(), target)
+    has = closure([Requirement(n) for n in DEVICE_HAS], target)
     return {k: v for k, v in sorted(ship.items()) if k not in has and k != canonicalize_name("lightning-lazytrain")}
 
 
@@ -111,22 +190,27 @@ def pip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
 
 
-def fetch_one(name: str, version: str, tmp: Path) -> tuple[Path, str]:
+def fetch_one(name: str, version: str, tmp: Path, target: Target | None = None) -> tuple[Path, str]:
+    target = target or Target()
     out = tmp / canonicalize_name(name)
     out.mkdir()
-    r = pip("download", "--only-binary=:all:", "--no-deps", "-d", str(out), f"{name}=={version}")
+    r = pip("download", *target.pip_args(), "--no-deps", "-d", str(out), f"{name}=={version}")
     how = "wheel"
+    if r.returncode != 0 and "No matching distribution" not in r.stderr + r.stdout:
+        raise SystemExit(f"pip download {name}=={version} for {target.tag} failed:\n{r.stdout}\n{r.stderr}")
     if r.returncode != 0:
-        # sdist only: build it here; it must be pure Python to install on the device.
+        # no wheel for the target (sdist only): build it here; it must be pure Python to install on the device.
         r = pip("wheel", "--no-deps", "--no-binary", name, "-w", str(out), f"{name}=={version}")
         how = "built from sdist"
         if r.returncode != 0:
-            raise SystemExit(f"could not get {name}=={version}:\n{r.stdout}\n{r.stderr}")
+            raise SystemExit(f"could not get {name}=={version} for {target.tag} (no wheel for it, and building "
+                             f"one here failed):\n{r.stdout}\n{r.stderr}")
     wheels = list(out.glob("*.whl"))
     if len(wheels) != 1:
         raise SystemExit(f"{name}=={version}: expected one wheel, got {[w.name for w in wheels]}")
     if how != "wheel" and not wheels[0].name.endswith("-none-any.whl"):
-        raise SystemExit(f"{wheels[0].name} was built from an sdist but is not pure Python")
+        raise SystemExit(f"{wheels[0].name} was built from an sdist but is not pure Python (it would fit this "
+                         f"Python only, not {target.tag})")
     return wheels[0], how
 
 
@@ -158,8 +242,26 @@ def repack_bitsandbytes(wheel: Path, keep: list[str], dest: Path) -> list[str]:
 
 
 def python_tag() -> str:
-    """The CPython tag of this interpreter (``cp311``): the one the fetched wheels are for."""
+    """The CPython tag of this interpreter (``cp311``)."""
     return f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def wheel_platforms(names) -> set[str]:
+    """The platform tags in wheel file names (``any``, ``manylinux_2_17_x86_64``...)."""
+    out: set[str] = set()
+    for name in names:
+        parts = Path(name).name[:-len(".whl")].split("-")
+        if len(parts) >= 5:
+            out |= set(parts[-1].split("."))
+    return out
+
+
+def foreign_wheels(names, target: Target) -> list[str]:
+    """The wheels in ``names`` that do not install on ``target``: built for another CPython's ABI,
+    or for a platform that is neither ``any`` nor one of the target's manylinux tags."""
+    ok = target.compatible_platforms() | {"any"}
+    return [Path(name).name for name in names
+            if wheel_python_tags([name]) - {target.tag} or not wheel_platforms([name]) & ok]
 
 
 def wheel_python_tags(names) -> set[str]:
@@ -198,10 +300,11 @@ def place(staged: Path, manifest: list[dict], dest: Path, max_bytes: float) -> i
     return total
 
 
-def write_manifest(dest: Path, manifest: list[dict], total: int) -> None:
+def write_manifest(dest: Path, manifest: list[dict], total: int, target: Target | None = None) -> None:
+    target = target or Target()
     (dest / "MANIFEST.json").write_text(json.dumps(
-        {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "python_tag": python_tag(),
-         "platform": sysconfig.get_platform(), "device_has": list(DEVICE_HAS), "total_bytes": total,
+        {"python": target.short, "python_tag": target.tag, "platforms": target.platforms(),
+         "fetched_with": sys.version.split()[0], "device_has": list(DEVICE_HAS), "total_bytes": total,
          "wheels": manifest}, indent=1) + "\n")
 
 
@@ -215,16 +318,25 @@ def sha256(path: Path) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python", type=parse_python, default=parse_python(DEFAULT_PYTHON), metavar="X.Y",
+                    help=f"the CPython the wheels are for (default {DEFAULT_PYTHON}, the device's; 'current': "
+                         "this interpreter's version, for a CPU rehearsal here)")
+    ap.add_argument("--glibc", default=DEFAULT_GLIBC,
+                    help=f"newest manylinux glibc the wheels may need (default {DEFAULT_GLIBC})")
     ap.add_argument("--dest", type=Path, default=DEFAULT_DEST)
     ap.add_argument("--bnb-keep", default=BNB_KEEP_DEFAULT,
                     help="CUDA libraries of bitsandbytes to keep besides the CPU one (comma-separated)")
     ap.add_argument("--max-mib", type=float, default=60.0)
     ap.add_argument("--list", action="store_true", help="print what would be fetched and stop")
     args = ap.parse_args()
+    if not (args.glibc.count(".") == 1 and all(p.isdigit() for p in args.glibc.split("."))
+            and int(args.glibc.split(".")[0]) == 2 and int(args.glibc.split(".")[1]) >= 17):
+        ap.error(f"--glibc {args.glibc!r}: give a glibc version such as 2.28 (2.17 or newer)")
+    target = Target(args.python.version, args.glibc)
 
-    todo = wanted()
-    print(f"python {sys.version.split()[0]} ({python_tag()}, {sysconfig.get_platform()}): the wheels are for "
-          f"this CPython; the device lacks {len(todo)} distributions:")
+    todo = wanted(target)
+    print(f"wheels for CPython {target.version} ({target.tag}, {target.platforms()[0]} and older manylinux tags), "
+          f"fetched with Python {sys.version.split()[0]}; the device lacks {len(todo)} distributions:")
     for name, version in todo.items():
         print(f"  {name}=={version}")
     if args.list:
@@ -236,7 +348,7 @@ def main() -> int:
         staged = tmp / "out"
         staged.mkdir()
         for name, version in todo.items():
-            wheel, how = fetch_one(name, version, tmp)
+            wheel, how = fetch_one(name, version, tmp, target)
             entry = {"name": name, "version": version, "file": wheel.name, "source": how}
             if name == "bitsandbytes":
                 entry["original_bytes"] = wheel.stat().st_size
@@ -245,9 +357,9 @@ def main() -> int:
             else:
                 shutil.copy2(wheel, staged / wheel.name)
             manifest.append(entry)
-        other = wheel_python_tags(e["file"] for e in manifest) - {python_tag()}
-        if other:
-            raise SystemExit(f"wheels for {sorted(other)} among those fetched for {python_tag()}: {manifest}")
+        foreign = foreign_wheels([e["file"] for e in manifest], target)
+        if foreign:
+            raise SystemExit(f"wheels that do not fit {target.tag} on manylinux {MACHINE}: {foreign}")
         try:
             total = place(staged, manifest, args.dest, args.max_mib * MIB)
         except OverLimit as err:
@@ -255,11 +367,11 @@ def main() -> int:
                 print(f"{e['file']:<78} {e['bytes'] / MIB:7.2f}  {e['source']}")
             print(f"ERROR: {err}", file=sys.stderr)
             return 1
-    write_manifest(args.dest, manifest, total)
+    write_manifest(args.dest, manifest, total, target)
     print(f"\n{'wheel':<78} {'MiB':>7}")
     for e in manifest:
         print(f"{e['file']:<78} {e['bytes'] / MIB:7.2f}  {e['source']}")
-    print(f"total {total / MIB:.2f} MiB in {len(manifest)} wheels for {python_tag()} -> {args.dest}")
+    print(f"total {total / MIB:.2f} MiB in {len(manifest)} wheels for {target.tag} -> {args.dest}")
     return 0
 
 

@@ -3,7 +3,9 @@
     python bench/device/run_checks.py OUTDIR              # on a CUDA machine
     python bench/device/run_checks.py --rehearse OUTDIR   # here: every stage that can run on the CPU
 
-Normally started by ``check.sh`` (which first installs the carried wheels). Writes
+Normally started by ``check.sh`` (which first installs the carried wheels). Every stage runs with
+the interpreter that runs this script (``sys.executable``, recorded as ``environment.executable``),
+never a ``python3`` looked up on ``PATH``. Writes
 ``OUTDIR/results.json`` after every stage (so a run cut short still leaves what it did) and
 ``OUTDIR/log.txt`` (every stage's output). Exit status: 0 when no stage failed, 1 otherwise,
 2 when the run could not start (no CUDA device without ``--rehearse``).
@@ -46,8 +48,9 @@ class StageSpec:
     cuda_only: bool = False
 
 
-# In order of importance on a short device lease; timeouts are for one H200 (the whole run must
-# stay under 8 minutes: the budget below also stops stages from starting once it is spent).
+# In order of importance when the GPU machine is lent for a short time; timeouts are for one H200
+# (the whole run must stay under 8 minutes: the budget below also stops stages from starting once it
+# is spent).
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("equivalence", "stage_equivalence.py", 150,
               "executor == plain autograd, every schedule + MILP plan, accumulation, 3 steps + eval: fp32, "
@@ -108,8 +111,8 @@ class Runner:
     def environment(self) -> dict:
         code = ("import json, sys, torch\n"
                 "from importlib import metadata, util\n"
-                "d = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda_runtime': torch.version.cuda,\n"
-                "     'cuda_available': torch.cuda.is_available()}\n"
+                "d = {'python': sys.version.split()[0], 'executable': sys.executable, 'torch': torch.__version__,\n"
+                "     'cuda_runtime': torch.version.cuda, 'cuda_available': torch.cuda.is_available()}\n"
                 "if torch.cuda.is_available():\n"
                 "    p = torch.cuda.get_device_properties(0)\n"
                 "    d.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 1e9, 1), capability=f'{p.major}.{p.minor}')\n"
