@@ -67,6 +67,7 @@ MARKER = "__lazytrain_dcp__"
 META_FILE = "lightning.pt"
 MANIFEST = "crc32.json"
 DCP_METADATA = ".metadata"
+FIX = "Fix: resume from an earlier checkpoint (or copy this one again from where it was made)."
 # The parts of Lightning's checkpoint dict whose tensors are replicated on every rank and go through DCP.
 SHARDED_KEYS = ("state_dict", "optimizer_states")
 # A layout entry: ("rows", whole shape, world, rank) -- this rank's tensor holds its dim-0 rows (padded);
@@ -94,11 +95,13 @@ def _is_marker(obj: Any) -> bool:
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
-    """A local directory holding a DCP checkpoint (``save_sharded``'s; others fail their checks when loaded)."""
+    """A local directory holding (part of) a sharded checkpoint: any of DCP's ``.metadata``, the manifest
+    or ``lightning.pt``. A damaged one (a file missing) counts too: ``load_sharded`` then says what is
+    wrong (``CorruptCheckpoint``) instead of a file reader failing on a directory."""
     if "://" in str(path):
         return False
     p = Path(path)
-    return p.is_dir() and (p / DCP_METADATA).is_file()
+    return p.is_dir() and any((p / name).exists() for name in (DCP_METADATA, MANIFEST, META_FILE))
 
 
 # ---- the checkpoint dict <-> (skeleton, flat tensors) ---------------------------------------------
@@ -316,11 +319,14 @@ def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None, la
         # Collective: DCP gathers every rank's plan, deduplicates the replicated tensors, and raises
         # on every rank if any rank failed to write (it gathers the writers' errors).
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    except BaseException:
+    except BaseException as err:
+        cause = _failed_write_cause(err, tmp, tensors, world)  # before the files go (free space)
         dist.barrier(group=group)  # every rank is done with the directory
         if rank == 0:
             _remove(tmp)
-        raise
+        if cause is None:
+            raise
+        raise _write_error(target, cause, tensors, world) from err
     local: tuple[dict[str, Any], str | None]
     try:  # each rank checksums a share of the files (the same sorted list on every rank)
         local = ({name: _crc(tmp / name) for name in _data_files(tmp)[rank::world]}, None)
@@ -330,6 +336,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None, la
     dist.all_gather_object(parts, local, group=group)
     failure = next((err for _, err in parts if err is not None), None)
     error: BaseException | None = None
+    code: int | None = None
     if rank == 0:
         try:
             if failure is not None:
@@ -353,58 +360,113 @@ def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None, la
             if had_old:
                 _remove(old)
         except BaseException as err:
-            error, failure = err, f"{type(err).__name__}: {err}"
+            cause = _failed_write_cause(err, tmp, tensors, world)
             _remove(tmp)
-    box = [failure]
+            error, failure = err, f"{type(err).__name__}: {err}"
+            if cause is not None:  # disk full, no permission, ...: readable, on every rank
+                error = _write_error(target, cause, tensors, world)
+                error.__cause__ = err
+                failure, code = str(error), cause.errno
+    box: list[Any] = [(failure, code) if rank == 0 else None]
     dist.broadcast_object_list(box, src=src, group=group)
     if error is not None:
         raise error
-    if box[0] is not None:
-        raise RuntimeError(f"sharded checkpoint {target} was not written: {box[0]}")
+    failure, code = box[0]
+    if failure is not None:
+        if code is not None:
+            from lightning_lazytrain.checkpoint_io import CheckpointWriteError
+
+            raise CheckpointWriteError(failure, OSError(code, os.strerror(code)), target)
+        raise RuntimeError(f"sharded checkpoint {target} was not written: {failure}")
+
+
+def _failed_write_cause(err: BaseException, tmp: Path, tensors: dict[str, torch.Tensor], world: int) -> OSError | None:
+    from lightning_lazytrain.checkpoint_io import failed_write_cause
+
+    where = next((p for p in (tmp, *tmp.parents) if p.exists()), Path("/"))
+    return failed_write_cause(err, where, sum(t.nbytes for t in tensors.values()) // max(world, 1))
+
+
+def _write_error(target: Path, cause: OSError, tensors: dict[str, torch.Tensor], world: int) -> OSError:
+    from lightning_lazytrain.checkpoint_io import _gb, write_error
+
+    offered = _gb(sum(t.nbytes for t in tensors.values()))
+    size = (f"about {offered} of tensors" if world == 1 else
+            f"its share of the tensors (this process offers about {offered}; {world} processes write a share each)")
+    return write_error(target, cause, what="sharded checkpoint", size=size,
+                       left="no temporary directory is left behind")
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-def check_sharded_integrity(path: Any, *, group: Any = None) -> None:
-    """Raise ``CorruptCheckpoint`` if a file of the sharded checkpoint at ``path`` is missing, or differs
-    in size or CRC-32 from the manifest written with it. With ``group`` each rank reads a share of the
-    files and every rank raises the first problem found."""
+def _read_manifest(p: Path) -> dict[str, tuple[int, int]]:
+    """The manifest's ``{file name: (size, CRC-32)}``; ``ValueError`` naming what is wrong with it."""
+    doc = json.loads((p / MANIFEST).read_text())
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError("no 'files' table")
+    out: dict[str, tuple[int, int]] = {}
+    for name, entry in files.items():
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ValueError(f"{name!r} is not a file name")
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)):
+            raise ValueError(f"the entry of {name!r} is not [size, CRC-32]")
+        out[name] = (entry[0], entry[1])
+    return out
+
+
+def _problem(group: Any, problem: str | None) -> None:
+    """Raise ``CorruptCheckpoint`` with the first problem any rank of ``group`` found (collective)."""
     from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
 
+    if group is not None:
+        import torch.distributed as dist
+
+        problems: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+        problem = next((x for x in problems if x is not None), None)
+    if problem is not None:
+        raise CorruptCheckpoint(problem)
+
+
+def check_sharded_integrity(path: Any, *, group: Any = None) -> None:
+    """Raise ``CorruptCheckpoint`` if a file of the sharded checkpoint at ``path`` is missing, or differs
+    in size or CRC-32 from the manifest written with it, or the manifest is missing or unreadable. With
+    ``group`` each rank reads a share of the files and every rank raises the first problem found."""
     import torch.distributed as dist
 
     p = Path(path)
-    fix = "Fix: resume from an earlier checkpoint (or copy this one again from where it was made)."
     problem: str | None = None
-    try:
-        manifest = json.loads((p / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        manifest = None
-        problem = f"sharded checkpoint {p} has no {MANIFEST} (it was not finished by lazytrain). {fix}"
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        manifest = None
-        problem = f"sharded checkpoint {p}: its {MANIFEST} cannot be read ({err}). {fix}"
+    manifest: dict[str, tuple[int, int]] | None = None
+    if not (p / MANIFEST).exists():
+        held = sorted(f.name for f in p.iterdir()) if p.is_dir() else []
+        listing = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "") if held else "nothing"
+        problem = (f"sharded checkpoint {p} has no {MANIFEST}: it was not finished by lazytrain, or the file was "
+                   f"removed (the directory holds {listing}). {FIX}")
+    else:
+        try:
+            manifest = _read_manifest(p)
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            problem = f"sharded checkpoint {p}: its {MANIFEST} cannot be read ({err}). {FIX}"
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     if manifest is not None:
+        missing = sorted(name for name in manifest if not (p / name).is_file())
         extra = sorted(set(_data_files(p)) - set(manifest))
-        if extra:
-            problem = f"sharded checkpoint {p} holds files its manifest does not list: {extra}. {fix}"
+        if missing:
+            problem = f"sharded checkpoint {p} is incomplete: its file(s) {', '.join(missing)} are missing. {FIX}"
+        elif extra:
+            problem = f"sharded checkpoint {p} holds files its manifest does not list: {extra}. {FIX}"
         for name in sorted(manifest)[rank::world]:
             if problem is not None:
                 break
             try:
                 got = _crc(p / name)
             except OSError as err:
-                problem = f"sharded checkpoint {p}: its file {name!r} cannot be read ({err}). {fix}"
+                problem = f"sharded checkpoint {p}: its file {name!r} cannot be read ({err.strerror or err}). {FIX}"
                 break
-            if list(got) != list(manifest[name]):
+            if got != manifest[name]:
                 what = "size" if got[0] != manifest[name][0] else "CRC"
-                problem = f"sharded checkpoint {p} is corrupted: its file {name!r} fails the {what} check. {fix}"
-    if group is not None:
-        problems: list[Any] = [None] * world
-        dist.all_gather_object(problems, problem, group=group)
-        problem = next((x for x in problems if x is not None), None)
-    if problem is not None:
-        raise CorruptCheckpoint(problem)
+                problem = f"sharded checkpoint {p} is corrupted: its file {name!r} fails the {what} check. {FIX}"
+    _problem(group, problem)
 
 
 def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = None,
@@ -424,9 +486,19 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
     p = Path(path)
     if verify:
         check_sharded_integrity(p, group=group)
+    else:  # unchecked: still say which file is missing, not fail on it deep in a reader
+        missing = [name for name in (DCP_METADATA, META_FILE) if not (p / name).is_file()]
+        _problem(None, f"sharded checkpoint {p} is incomplete: its file(s) {', '.join(missing)} are missing. {FIX}"
+                 if missing else None)
+    from lightning_lazytrain.checkpoint_io import check_integrity
+
+    check_integrity(p / META_FILE, crcs=False)  # its CRC is in the manifest; here what torch's reader needs
     skeleton = torch.load(p / META_FILE, map_location="cpu", weights_only=weights_only)
     reader = dcp.FileSystemReader(p)
-    metadata = reader.read_metadata()
+    try:
+        metadata = reader.read_metadata()
+    except Exception as err:  # noqa: BLE001 - checked above only with verify: a damaged file
+        raise _unreadable(p, err, verify) from err
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     if shard is not None:
         rank, world = shard
@@ -450,10 +522,27 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
             raise ValueError(f"sharded checkpoint {p}: entry {key!r} is missing or not a tensor "
                              "(not written by lazytrain)")
         tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    if group is None:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=reader, no_dist=True)
-    else:
-        dcp.load(tensors, storage_reader=reader, process_group=group)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        if group is None:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(tensors, storage_reader=reader, no_dist=True)
+        else:  # a rank's failure is gathered: every rank raises
+            dcp.load(tensors, storage_reader=reader, process_group=group)
+    except (CheckpointException, OSError, EOFError, RuntimeError) as err:
+        raise _unreadable(p, err, verify) from err
     return join_tensors(skeleton, tensors, rank=rank, own=own)
+
+
+def _unreadable(p: Path, err: BaseException, verify: bool) -> Exception:
+    """``CorruptCheckpoint`` for a sharded checkpoint whose files torch cannot read (a rank's first
+    failure, as DCP gathered it)."""
+    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint, _short
+
+    failures = getattr(err, "failures", None)
+    first = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else err
+    detail = f"{type(first).__name__}: {_short(first)}".rstrip(": ")
+    unchecked = "" if verify else " (it was loaded unchecked, verify_checkpoints=False: a check names the damaged file)"
+    return CorruptCheckpoint(f"sharded checkpoint {p} cannot be read ({detail}){unchecked}. {FIX}")

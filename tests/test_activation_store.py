@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -351,3 +354,97 @@ def test_host_pool_holds_exact_page_classes_and_trims_to_the_step(tmp_path: Path
         assert s.host_pinned_bytes >= 4 * page
         s.end_step()
     assert s.host_pinned_bytes == 0  # closed: everything given back
+
+
+# ------------------------------------------------------------- spill faults
+def _raise(code: int):
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
+@pytest.mark.parametrize("write, code, meaning", [
+    (True, errno.ENOSPC, r"the drive of nvme_dir=\S+ is full \(.* free\)\. Fix: free space on that drive or point "
+                         r"nvme_dir at a larger one"),
+    (True, errno.EDQUOT, r"quota .* Fix: free space"),
+    (False, errno.EIO, r"reported an I/O error: it may be failing, and the activation in this file is lost\. "
+                       r"Fix: check the drive \(dmesg, smartctl\) and then restart from the last checkpoint"),
+    (True, errno.EIO, r"reported an I/O error: it may be failing\. Fix: check the drive"),
+    (True, errno.EACCES, r"permissions of nvme_dir=\S+ changed .* Fix: make it writable for this user"),
+    (False, errno.EACCES, r"and the activation in this file is lost\. Fix: make it readable for this user"),
+    (True, errno.EROFS, r"mounted read-only now .* Fix: check the drive \(dmesg\), remount it read-write"),
+    (True, errno.ENOENT, r"the spill directory was removed while training ran\. Fix: keep nvme_dir=\S+ in place"),
+    (False, errno.ENOENT, r"was removed while training ran, and the activation in this file is lost\. Fix: keep"),
+])
+def test_a_spill_fault_is_one_readable_sentence_with_the_fix_for_its_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: bool, code: int, meaning: str) -> None:
+    """What failed (write or read of which file), the OS error by strerror and errno name, and the fix
+    that fits that error; not nested reprs, and a read EIO is not called a full or removed directory."""
+    from lightning_lazytrain.engine.copy_engine import CopyError
+
+    s = ActivationStore("cpu", nvme_dir=tmp_path, direct_io=False)
+    try:
+        assert s.spill is not None
+        path = s.spill.file("k")
+        monkeypatch.setattr(nvme, "_write_all" if write else "_read_all", _raise(code))
+        with pytest.raises(CopyError) as info:
+            s.offload("k", torch.randn(100), Tier.NVME)
+            s.get("k")
+        monkeypatch.undo()
+    finally:
+        with contextlib.suppress(CopyError):  # closing waits for the failed copy again
+            s.close()
+    message = str(info.value)
+    lane = "nvme_write" if write else "nvme_read"
+    verb = "write" if write else "read"
+    assert re.match(rf"{lane} copy of \d+ bytes failed: could not {verb} spill file {re.escape(str(path))}: "
+                    rf"{re.escape(os.strerror(code))} \({errno.errorcode[code]}\); ", message), message
+    assert re.search(meaning, message), message
+    assert f"nvme_dir={tmp_path}" in message and "\n" not in message
+    assert not re.search(r"\w+Error\(|\\'", message), message  # no reprs, no escaped quotes
+    cause = info.value.__cause__
+    while isinstance(cause, CopyError):  # a copy that waited for the failed one
+        cause = cause.__cause__
+    assert isinstance(cause, nvme.SpillIOError) and cause.errno == code and cause.filename == str(path)
+
+
+def test_a_truncated_spill_file_names_its_size_and_that_the_activation_is_lost(tmp_path: Path) -> None:
+    from lightning_lazytrain.engine.copy_engine import CopyError
+
+    s = ActivationStore("cpu", nvme_dir=tmp_path, direct_io=False)
+    try:
+        s.offload("k", torch.randn(100), Tier.NVME).wait()
+        path = s.spill.file("k")
+        os.truncate(path, 40)
+        with pytest.raises(CopyError, match=rf"nvme_read copy of \d+ bytes failed: could not read spill file "
+                                            rf"{re.escape(str(path))}: it is truncated \(40 of \d+ bytes\); .*"
+                                            r"activation in this file is lost\. Fix: "):
+            s.get("k")
+    finally:
+        with contextlib.suppress(CopyError):
+            s.close()
+
+
+def test_copies_waiting_on_a_failed_spill_repeat_its_message(tmp_path: Path) -> None:
+    """A read after a failed write and an H2D after that read fail with the first failure's sentence,
+    not with a repr of a repr of it."""
+    from lightning_lazytrain.engine.copy_engine import CopyError
+
+    engine = ThreadCopyEngine()
+    try:
+        path = tmp_path / "gone" / "lazytrain-spill-1-ab" / "k.spill"
+        w = engine.nvme_write(path, torch.ones(64))
+        r = engine.nvme_read(path, torch.empty(64), after=[w])
+        h = engine.h2d(torch.empty(64), torch.empty(64), after=[r])
+        messages = []
+        for handle in (w, r, h):
+            with pytest.raises(CopyError) as info:
+                handle.wait()
+            messages.append(str(info.value))
+        assert messages[0] == messages[1] == messages[2]
+        assert messages[0].startswith(f"nvme_write copy of 256 bytes failed: could not write spill file {path}: "
+                                      "No such file or directory (ENOENT); the spill directory was removed")
+        assert f"nvme_dir={tmp_path / 'gone'}" in messages[0]
+    finally:
+        engine.close()

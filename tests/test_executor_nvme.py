@@ -110,6 +110,10 @@ def test_spill_directory_removed_mid_run_fails_clearly_and_closes_cleanly(tmp_pa
         ex.end_microbatch()
     message = str(info.value)
     assert ".spill" in message and f"nvme_dir={tmp_path}" in message and "Fix:" in message
+    # one sentence: the OS error by name and what it means here, not nested reprs or a list of guesses
+    assert "No such file or directory (ENOENT); the spill directory was removed while training ran" in message
+    assert "CopyError(" not in message and "OSError(" not in message and "\\'" not in message
+    assert "is full" not in message and "not writable" not in message
     ex.close()  # must not raise the same failure again
     assert all("forward" not in vars(b) for b in model.layers)
     deadline = time.time() + 5

@@ -4,15 +4,17 @@ corrupted checkpoint is refused before it is resumed from; checkpoints are writt
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import zipfile
 
 import lightning as L
 import pytest
 import torch
 
-from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
+from lightning_lazytrain.checkpoint_io import CheckpointWriteError, CorruptCheckpoint
 from lightning_lazytrain.planner import InfeasibleBudget, Schedule
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
@@ -99,6 +101,16 @@ def test_corrupted_checkpoint_is_refused_and_saves_are_atomic(tmp_path):
     ckpt = tmp_path / "two.ckpt"
     t.save_checkpoint(ckpt)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".two.ckpt")] == []  # no temp file left
+    # a full disk: the error names the file, the bytes and the fix; the earlier save stays, no temp file
+    saved = ckpt.read_bytes()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        with pytest.raises(CheckpointWriteError, match=rf"could not write checkpoint {re.escape(str(ckpt))}: No space "
+                                                       r"left on device \(ENOSPC\) while writing about .* \(its "
+                                                       r"tensors\).*Fix: free space on the file system of"):
+            t.save_checkpoint(ckpt)
+    assert ckpt.read_bytes() == saved
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".two.ckpt")] == []
     # the intact checkpoint resumes
     trainer(LazyTrainStrategy(), tmp_path, max_steps=3).fit(Net(), train_dataloaders=loader(), ckpt_path=ckpt)
     raw = bytearray(ckpt.read_bytes())
@@ -112,6 +124,31 @@ def test_corrupted_checkpoint_is_refused_and_saves_are_atomic(tmp_path):
     with pytest.raises(CorruptCheckpoint, match=r"two\.ckpt .*(CRC|damaged|intact).*earlier checkpoint"):
         trainer(LazyTrainStrategy(), tmp_path, max_steps=3).fit(Net(), train_dataloaders=loader(), ckpt_path=ckpt)
     assert os.path.getsize(ckpt) == len(raw)
+
+
+@pytest.mark.parametrize("keep, pattern", [
+    (("crc32.json", "lightning.pt", "__0_0.distcp"), r"is incomplete: its file\(s\) \.metadata are missing"),
+    (("lightning.pt", "__0_0.distcp", ".metadata"), r"has no crc32\.json"),
+    ((), r"has no crc32\.json: .*holds nothing"),
+], ids=["metadata-deleted", "no-manifest", "empty"])
+def test_a_damaged_sharded_checkpoint_directory_is_refused_by_fit(tmp_path, keep, pattern):
+    """Resuming from a sharded checkpoint directory with a file deleted (``.metadata`` used to give
+    IsADirectoryError) or from an empty directory: CorruptCheckpoint naming it and the fix."""
+    import zlib
+
+    ckpt = tmp_path / "sharded.ckpt"
+    ckpt.mkdir()
+    files = {"lightning.pt": b"", ".metadata": b"\x80\x02metadata", "__0_0.distcp": b"PK\x03\x04shard"}
+    for name, data in files.items():
+        (ckpt / name).write_bytes(data)
+    manifest = {name: [len(data), zlib.crc32(data)] for name, data in files.items()}
+    (ckpt / "crc32.json").write_text(json.dumps({"format": "lazytrain-dcp-1", "files": manifest}))
+    for f in ckpt.iterdir():
+        if f.name not in keep:
+            f.unlink()
+    with pytest.raises(CorruptCheckpoint, match=rf"sharded checkpoint {re.escape(str(ckpt))}.*{pattern}.*Fix: resume "
+                                                r"from an earlier checkpoint"):
+        trainer(LazyTrainStrategy(), tmp_path, max_steps=1).fit(Net(), train_dataloaders=loader(), ckpt_path=ckpt)
 
 
 def test_one_fixed_device_and_several_devices_are_refused_at_construction(tmp_path):

@@ -93,7 +93,19 @@ class CopyRecord:
 
 
 class CopyError(RuntimeError):
-    """A copy failed; raised from ``CopyHandle.wait()`` (the cause is chained)."""
+    """A copy failed; raised from ``CopyHandle.wait()`` (the cause is chained). Made by ``of``: one
+    readable sentence, never the repr of a repr."""
+
+    @classmethod
+    def of(cls, lane: str, nbytes: int, exc: BaseException) -> CopyError:
+        """The error of a ``lane`` copy of ``nbytes`` that failed with ``exc``: the lane, the bytes and
+        ``exc``'s message; a copy that waited for a failed one (``exc`` a ``CopyError``) repeats that
+        one's message, which names the copy that failed first."""
+        if isinstance(exc, CopyError):
+            return cls(str(exc))
+        text = str(exc)
+        detail = text if isinstance(exc, OSError) and text else f"{type(exc).__name__}: {text}".rstrip(": ")
+        return cls(f"{lane} copy of {nbytes} bytes failed: {detail}")
 
 
 class CopyHandle(ABC):
@@ -161,7 +173,7 @@ class ThreadHandle(CopyHandle):
     def wait(self) -> None:
         self._event.wait()
         if self._exc is not None:
-            raise CopyError(f"{self.lane} copy of {self.nbytes} bytes failed: {self._exc!r}") from self._exc
+            raise CopyError.of(self.lane, self.nbytes, self._exc) from self._exc
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -449,12 +461,11 @@ def make_copy_engine(
 
 
 def _spill_io(what: str, path: str, fn: Callable[..., Any], t: torch.Tensor, direct: bool) -> None:
-    """Run a spill-file transfer; an OS error names the file, its directory and a fix."""
+    """Run a spill-file transfer; an OS error (or a truncated file) becomes ``nvme.SpillIOError``: one
+    sentence naming the transfer, the file, the OS error and the fix that fits it."""
+    from lightning_lazytrain.engine.nvme import spill_io_error
+
     try:
         fn(path, t, direct=direct)
-    except OSError as err:
-        directory = os.path.dirname(os.path.dirname(path)) or "."
-        raise OSError(err.errno, f"{what} spill file {path} failed ({err.strerror or err}); the NVMe spill "
-                      f"directory (nvme_dir={directory}) is full, was removed or is not writable. Fix: free space "
-                      "on that drive, keep the directory in place while training runs, or choose another "
-                      "nvme_dir (or a plan with fewer activations on NVMe).") from err
+    except (OSError, EOFError) as err:
+        raise spill_io_error(what == "writing", path, err) from err

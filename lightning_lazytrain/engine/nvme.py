@@ -190,6 +190,71 @@ def read_tensor(path: str, out: torch.Tensor, *, direct: bool = False) -> bool:
     return False
 
 
+class SpillIOError(OSError):
+    """A spill-file write or read failed. The message is one sentence: the operation, the file, the OS
+    error (strerror and errno name), what it means here and the fix that fits it; ``errno``,
+    ``strerror`` and ``filename`` are the failed call's (its error is chained)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        if isinstance(cause, OSError):
+            self.errno, self.strerror = cause.errno, cause.strerror
+        if path is not None:
+            self.filename = path
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+def spill_io_error(write: bool, path: str, err: OSError | EOFError) -> SpillIOError:
+    """The readable error for a failed spill transfer of ``path`` (``write``: writing it, else reading
+    it back), by the OS error: ENOSPC/EDQUOT a full drive, EIO a failing drive (on a read the
+    activation is lost), EACCES/EPERM permissions, EROFS a read-only mount, ENOENT a removed
+    directory, EOFError a truncated file."""
+    parent = os.path.dirname(path)
+    root = os.path.dirname(parent) if os.path.basename(parent).startswith(SPILL_PREFIX) else parent
+    nvme_dir = f"nvme_dir={root or '.'}"
+    verb = "write" if write else "read"
+    restart = "then restart from the last checkpoint"
+    lost = "" if write else ", and the activation in this file is lost"
+    if isinstance(err, EOFError):
+        detail = str(err).replace(f"spill file {path} is ", "")
+        return SpillIOError(
+            f"could not read spill file {path}: it is {detail}; it was cut short after it was written (by another "
+            f"process or a file-system error){lost}. Fix: keep {nvme_dir} for this run alone and check the drive "
+            f"(dmesg), {restart}.", None, path)
+    code = err.errno or 0
+    name = errno.errorcode.get(code, f"errno {code}")
+    what = f"could not {verb} spill file {path}: {err.strerror or err} ({name})"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f" ({format_bytes(shutil.disk_usage(root or '.').free, binary=True)} free)"
+        except OSError:
+            free = ""
+        why = (f"the drive of {nvme_dir} is full{free}" if code == errno.ENOSPC
+               else f"the disk quota on {nvme_dir} is used up")
+        fix = (f"free space on that drive or point nvme_dir at a larger one (or plan fewer activations on NVMe), "
+               f"{restart}")
+    elif code == errno.EIO:
+        why = f"the drive of {nvme_dir} reported an I/O error: it may be failing{lost}"
+        fix = f"check the drive (dmesg, smartctl) and {restart} with nvme_dir on a healthy drive"
+    elif code in (errno.EACCES, errno.EPERM):
+        why = f"the permissions of {nvme_dir} changed while training ran{lost}"
+        fix = (f"make it {'writable' if write else 'readable'} for this user again (chmod/chown) or choose another "
+               f"nvme_dir, {restart}")
+    elif code == errno.EROFS:
+        why = f"the drive of {nvme_dir} is mounted read-only now (the kernel does that after drive errors)"
+        fix = f"check the drive (dmesg), remount it read-write or choose another nvme_dir, {restart}"
+    elif code == errno.ENOENT:
+        why = f"the spill {'directory' if write else 'file or its directory'} was removed while training ran{lost}"
+        fix = f"keep {nvme_dir} in place while training runs (no cleanup job or other run clearing it), {restart}"
+    else:
+        why = f"the spill transfer failed{lost}"
+        fix = (f"check {nvme_dir} (free space, permissions, the drive's health: dmesg) or choose another nvme_dir, "
+               f"{restart}")
+    return SpillIOError(f"{what}; {why}. Fix: {fix}.", err, path)
+
+
 def probe_direct_io(directory: str | os.PathLike[str]) -> tuple[bool, str]:
     """Can ``directory`` do O_DIRECT with ALIGN-aligned buffers? Returns (ok, reason)."""
     if not _O_DIRECT:
