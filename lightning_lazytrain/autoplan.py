@@ -21,9 +21,9 @@ import torch
 
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
-from lightning_lazytrain.planner import Hardware, Schedule, Workload, baseline, simulate, solve
+from lightning_lazytrain.planner import Hardware, Schedule, Workload, baseline
 from lightning_lazytrain.planner.milp import MilpOptions
-from lightning_lazytrain.planner.plan import PlanResult, diagnose, evaluate_baselines
+from lightning_lazytrain.planner.plan import PlanResult, diagnose, plan_workload
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -143,20 +143,11 @@ def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp"
     ``start``: the schedule a re-plan warm-starts from (``solve``)."""
     t0 = time.perf_counter()
     diagnose(wl, hardware)  # an impossible budget: which tier is short, by how much
-    results, schedules = evaluate_baselines(wl, hardware, K)
-    if policy == "milp":
-        sol = solve(wl, hardware, options, start=start)
-        schedule, sim, status, solver = sol.schedule, sol.simulated, sol.status, sol.solver_json()
-    else:
-        if policy in POLICIES:
-            schedule = baseline(policy, wl.num_layers, K)
-        else:
-            schedule = load_schedule(policy)
-        schedule = schedule.in_mode(wl.data_parallel)  # several ranks: the job's collectives
-        sim = simulate(schedule, wl, hardware)
-        status, solver = "policy", {"name": "none", "policy": schedule.policy}
-    result = PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,
-                        baselines=results, baseline_schedules=schedules)
+    fixed = None
+    if policy != "milp":
+        fixed = baseline(policy, wl.num_layers, K) if policy in POLICIES else load_schedule(policy)
+        fixed = fixed.in_mode(wl.data_parallel)  # several ranks: the job's collectives
+    result = plan_workload(wl, hardware, fixed=fixed, options=options, K=K, start=start)
     return AutoPlan(result=result, timings={"solve": time.perf_counter() - t0})
 
 

@@ -77,6 +77,7 @@ class HardwareConfig:
     cpu_adam_gparams_per_s: float = MISSING  # 32-bit AdamW update rate, whole host
     cpu_adam8_gparams_per_s: float = MISSING  # 8-bit blockwise AdamW update rate, whole host
     host_gb_per_s: float = 10.0  # the engine's host lane (casts, grad accumulation), elementwise streaming
+    host_widen_gb_per_s: float = 0.0  # its widening add of 16-bit gradients into fp32 ones; 0 = host_gb_per_s
     # several devices (planner/multi.py); defaults: one GPU
     gpus_per_node: int = 1
     nodes: int = 1
@@ -170,6 +171,7 @@ class PlanConfig:
     time_limit: float = 60.0
     threads: Optional[int] = None
     seed: bool = True
+    conversions: str = "plan"  # plan | host | device: where the fp32 <-> 16-bit conversions run
     # ---- app ---------------------------------------------------------------------------------
     batch_candidates: Optional[List[int]] = None  # micro_batch_size=auto: batches to solve (None: powers of 2)
     plot: bool = True  # write timeline.png
@@ -217,7 +219,7 @@ _FROM_GB_KEYS = ("name", "gpu_memory_gb", "gpu_memory_cap_gb", "peak_tflops", "e
                  "d2h_gb_per_s", "nvme_read_gb_per_s", "nvme_write_gb_per_s", "nvme_capacity_gb",
                  "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s", "host_gb_per_s",
                  "gpus_per_node", "nodes", "intra_node_gb_per_s", "inter_node_gb_per_s", "host_link_share",
-                 "host_collective_gb_per_s", "gpu_memory_gb_per_s")
+                 "host_collective_gb_per_s", "gpu_memory_gb_per_s", "host_widen_gb_per_s")
 
 
 def _config_key(field_name: str) -> tuple[str, float]:

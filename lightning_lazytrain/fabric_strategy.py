@@ -262,6 +262,7 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
             ex._nvme_required = nvme  # no public setter; the Trainer strategy does the same
         t0 = time.perf_counter()
         ex.set_schedule(plan.schedule)
+        ex.set_placement(**plan.result.placement.groups(len(ex.stack)))  # Note: [conversion placement]
         plan.timings["executor"] = time.perf_counter() - t0
         self.plan = plan
         from lightning_lazytrain.report import format_table

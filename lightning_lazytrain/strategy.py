@@ -119,7 +119,14 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             training as plain PyTorch with fp32 master weights and a 16-bit model copy; not the
             same as ``strategy="auto"`` with bf16-true, whose optimizer updates bf16 weights.
             The masters are cast per weight fetch on the host lane, or once per micro-batch and
-            kept (``keep_compute_copy``).
+            kept (``keep_compute_copy``), or cast by the device (``conversions``).
+        conversions: with ``fp32_masters``, where the fp32 masters are cast into the 16-bit copies
+            and the 16-bit gradients widened into the fp32 ones: ``"plan"`` (default: the plan
+            decides, per parameter group class, from the measured host and link rates), ``"host"``
+            (the host lane does both: half the link bytes) or ``"device"`` (the device does both: the
+            fp32 bytes cross the links, the host adds like to like, and a step's first gradient copy
+            of a group lands in the host gradient with no host work). Bit-identical either way
+            (planner/placement.py, Note: [conversion placement]).
         keep_compute_copy: with ``fp32_masters``: keep each group's 16-bit copy in host memory
             (2 bytes per parameter, pinned on CUDA), cast from the masters at its first fetch of a
             micro-batch and reused by that micro-batch's later fetches (backward, re-runs), instead
@@ -138,7 +145,7 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
                  overlap_grad_sync: bool = True, nonblock_parts: bool = True,
                  data_parallel: str = "replicate", shard_size: int | None = None, fp32_masters: bool = False,
-                 keep_compute_copy: bool | str = "auto") -> None:
+                 keep_compute_copy: bool | str = "auto", conversions: str = "plan") -> None:
         # imported here: checkpoint_io imports Lightning, whose import registers this module (a
         # module-level import would be circular when checkpoint_io is imported first)
         from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
@@ -177,6 +184,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             raise ValueError(f"keep_compute_copy={keep_compute_copy!r}: use True, False or 'auto'")
         self.fp32_masters = fp32_masters
         self.keep_compute_copy = keep_compute_copy
+        if conversions not in ("plan", "host", "device"):
+            raise ValueError(f"conversions={conversions!r}: use 'plan' (the plan chooses), 'host' or 'device'")
+        self.conversions = conversions
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)

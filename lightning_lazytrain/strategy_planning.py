@@ -17,6 +17,7 @@ from lightning_lazytrain.engine.nvme import check_nvme_dir
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware
+from lightning_lazytrain.planner.milp import MilpOptions
 
 __all__ = ["StrategyPlanning", "artifact_dir"]
 
@@ -74,6 +75,7 @@ class StrategyPlanning:
                                          opt_params_per_s=hardware.cpu_adam_params_per_s)
                 wl = self._rank_workload(wl)
                 plan = plan_from_workload(wl, hardware, policy=self.policy,
+                                          options=MilpOptions(conversions=self.conversions),
                                           start=ex.schedule if replan is not None else None)
                 plan.timings["hardware"] = t_hw
                 plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
@@ -119,6 +121,7 @@ class StrategyPlanning:
             ex._nvme_required = nvme
         t0 = time.perf_counter()
         ex.set_schedule(plan.schedule)
+        ex.set_placement(**plan.result.placement.groups(len(ex.stack)))  # Note: [conversion placement]
         plan.timings["executor"] = time.perf_counter() - t0
         self.plan = plan
         self._plan_pipelined_steps()  # the plan decides: serial or pipelined optimizer

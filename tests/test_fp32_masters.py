@@ -7,6 +7,7 @@ the masters, and the model copy is the masters rounded to bf16 after every step.
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -112,3 +113,29 @@ def test_fp32_masters_refuse_a_resume_an_on_fit_start_hook_could_see(tmp_path):
     with pytest.raises(ValueError, match="on_fit_start"):
         trainer.fit(Hooked(), train_dataloaders=torch.utils.data.DataLoader(
             [torch.randn(3, 5, 6)] * 4, batch_size=None), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+
+
+@pytest.mark.parametrize("conversions", ["device", "plan"])
+@pytest.mark.parametrize("policy", ["milp", "mixed"])
+def test_conversions_on_the_device_train_as_on_the_host(conversions, policy, tmp_path):
+    """``conversions="device"``: the masters cross in fp32 and the device casts them, the gradients
+    are widened by the device and land in the host gradients (planner/placement.py); ``"plan"``: the
+    plan chooses. Bit-equal to plain master-weight training either way."""
+    policy = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
+    kw = dict(precision="bf16-true", accumulate_grad_batches=2, gradient_clip_val=0.05)
+    ref, want = fit("auto", MasterNet(dropout=0.1), **kw)
+    strategy = LazyTrainStrategy(policy=policy, fp32_masters=True, conversions=conversions)
+    placed = []
+
+    class Placed(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            placed.append(trainer.strategy.executor.params.placement)
+
+    got_model, got = fit(strategy, Net(dropout=0.1), callbacks_extra=[Placed()], **kw)
+    assert got == want
+    masters = ref.masters()
+    for name, p in got_model.named_parameters():
+        if not name.startswith("critic"):
+            assert torch.equal(p, masters[name]), name
+    if conversions == "device":  # from the plan on (the first step is the profile, on the host)
+        assert all(len(p["cast_on_device"]) == len(p["widen_on_device"]) == 5 for p in placed[2:])

@@ -18,7 +18,8 @@ from lightning_lazytrain.engine.copy_engine import (
     CopyHandle,
     LaneWorker,
     LinkSpec,
-    nbytes_of,
+    copy_through,
+    link_bytes,
 )
 
 __all__ = ["ThreadCopyEngine"]
@@ -37,28 +38,31 @@ class ThreadCopyEngine(CopyEngine):
         self._workers = {lane: LaneWorker(self, lane, self.links.get(lane)) for lane in ("h2d", "d2h")}
 
     def _copy(
-        self, lane: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[CopyHandle], tag: str | None
+        self, lane: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[CopyHandle], tag: str | None,
+        via: torch.Tensor | None,
     ) -> CopyHandle:
         self._check_open()
         _check_pair(dst, src)
 
         def run() -> None:
             with torch.no_grad():
-                dst.copy_(src)
+                copy_through(lane, dst, src, via)
 
-        # Bytes on the wire are the source's (a dtype cast happens on arrival).
-        h = self._workers[lane].submit(nbytes_of(src), run, list(after), tag, (dst, src))
+        # Bytes on the wire are the source's (a dtype cast happens on arrival), or via's dtype's.
+        h = self._workers[lane].submit(link_bytes(lane, dst, src, via), run, list(after), tag, (dst, src, via))
         return self._track(h)
 
     def h2d(
-        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None,
+        via: torch.Tensor | None = None,
     ) -> CopyHandle:
-        return self._copy("h2d", dst, src, after, tag)
+        return self._copy("h2d", dst, src, after, tag, via)
 
     def d2h(
-        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None,
+        via: torch.Tensor | None = None,
     ) -> CopyHandle:
-        return self._copy("d2h", dst, src, after, tag)
+        return self._copy("d2h", dst, src, after, tag, via)
 
     def _close_workers(self) -> None:
         super()._close_workers()

@@ -59,7 +59,8 @@ from lightning_lazytrain.engine.copy_engine import (
     Lane,
     LinkSpec,
     ThreadHandle,
-    nbytes_of,
+    copy_through,
+    link_bytes,
 )
 
 __all__ = ["CudaCopyEngine", "CudaHandle"]
@@ -108,7 +109,7 @@ class CudaHandle(CopyHandle):
 
     def _raise(self) -> None:
         if self._exc is not None:
-            raise CopyError(f"{self.lane} copy of {self.nbytes} bytes failed: {self._exc!r}") from self._exc
+            raise CopyError.of(self.lane, self.nbytes, self._exc) from self._exc
 
     # -- CopyHandle -------------------------------------------------------
     def done(self) -> bool:
@@ -194,18 +195,18 @@ class CudaCopyEngine(CopyEngine):
 
     # ---- submission ------------------------------------------------------
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (),
-            tag: str | None = None) -> CopyHandle:
+            tag: str | None = None, via: torch.Tensor | None = None) -> CopyHandle:
         self._check_open()
         if dst.device.type != "cuda" or src.device.type != "cpu" or dst.shape != src.shape:
             raise ValueError(f"h2d needs same-shape host src -> cuda dst, got {src.device}{tuple(src.shape)} "
                              f"-> {dst.device}{tuple(dst.shape)}")
         if not src.is_pinned():
             self._warn_pageable("h2d source")
-        h = CudaHandle("h2d", nbytes_of(src), (dst, src), consumer=dst, tag=tag)
-        return self._submit(h, dst, src, device_side=dst, extra_wait=None, after=list(after))
+        h = CudaHandle("h2d", link_bytes("h2d", dst, src, via), (dst, src, via), consumer=dst, tag=tag)
+        return self._submit(h, dst, src, device_side=dst, extra_wait=None, after=list(after), via=via)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (),
-            tag: str | None = None) -> CopyHandle:
+            tag: str | None = None, via: torch.Tensor | None = None) -> CopyHandle:
         self._check_open()
         if src.device.type != "cuda" or dst.device.type != "cpu" or dst.shape != src.shape:
             raise ValueError(f"d2h needs same-shape cuda src -> host dst, got {src.device}{tuple(src.shape)} "
@@ -215,19 +216,20 @@ class CudaCopyEngine(CopyEngine):
         # See Note: [d2h waits for producer] - captured now, on the caller's stream.
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(src.device))
-        h = CudaHandle("d2h", nbytes_of(src), (dst, src), consumer=None, tag=tag)
-        return self._submit(h, dst, src, device_side=src, extra_wait=produced, after=list(after))
+        h = CudaHandle("d2h", link_bytes("d2h", dst, src, via), (dst, src, via), consumer=None, tag=tag)
+        return self._submit(h, dst, src, device_side=src, extra_wait=produced, after=list(after), via=via)
 
     def _submit(self, h: CudaHandle, dst: torch.Tensor, src: torch.Tensor, *, device_side: torch.Tensor,
-                extra_wait: torch.cuda.Event | None, after: Sequence[CopyHandle]) -> CopyHandle:
+                extra_wait: torch.cuda.Event | None, after: Sequence[CopyHandle],
+                via: torch.Tensor | None = None) -> CopyHandle:
         stream = self._streams[h.lane]
 
         def issue() -> None:
             try:
                 for d in after:
                     cause = d.exception if isinstance(d, (CudaHandle, ThreadHandle)) else None
-                    if cause is not None:
-                        raise CopyError("a dependency failed") from cause
+                    if cause is not None:  # the copy that failed first names itself
+                        raise CopyError.of(d.lane, d.nbytes, cause) from cause
                 with torch.cuda.device(self.device):
                     if extra_wait is not None:
                         stream.wait_event(extra_wait)
@@ -240,7 +242,7 @@ class CudaCopyEngine(CopyEngine):
                         if self.before_copy is not None:
                             self.before_copy(h.lane)
                         start.record(stream)
-                        dst.copy_(src, non_blocking=True)
+                        copy_through(h.lane, dst, src, via, non_blocking=True)  # Note: [conversion on the device]
                         end.record(stream)
                     if h.lane == "h2d":
                         device_side.record_stream(stream)  # Note: [allocator ownership]

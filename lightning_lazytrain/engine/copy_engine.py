@@ -48,6 +48,8 @@ __all__ = [
     "Lane",
     "LinkSpec",
     "ThreadHandle",
+    "copy_through",
+    "link_bytes",
     "make_copy_engine",
     "nbytes_of",
 ]
@@ -58,6 +60,37 @@ LANES: tuple[Lane, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "host")
 
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# Note: [conversion on the device] A copy may change dtype on the device side of the link: an H2D of
+# fp32 masters into a 16-bit slot crosses the link in fp32 and is cast by the device, a D2H of 16-bit
+# gradients into an fp32 host buffer is widened by the device and crosses in fp32 (the plan decides
+# per parameter group: planner/placement.py). ``via`` is a device buffer in the link's dtype (src's
+# for an H2D, dst's for a D2H) through which the copy runs in chunks of ``via.numel()`` elements, so
+# the device holds one bounded buffer per lane, not a copy of the tensor; on the copy's own stream
+# (or lane thread), so chunk k+1 reuses the buffer after chunk k is done with it. A cast is the same
+# rounding wherever it runs: the result is bit-identical to casting on the host.
+def copy_through(lane: str, dst: torch.Tensor, src: torch.Tensor, via: torch.Tensor | None, *,
+                 non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for a copy of ``lane``, converted on the device side through ``via``."""
+    if via is None:
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    d, s, step = dst.reshape(-1), src.reshape(-1), via.numel()
+    for i in range(0, d.numel(), step):
+        k = min(step, d.numel() - i)
+        buf = via[:k]
+        if lane == "h2d":  # the link in src's dtype, then the device casts
+            buf.copy_(s[i:i + k], non_blocking=non_blocking)
+            d[i:i + k].copy_(buf)
+        else:  # the device casts, then the link in dst's dtype
+            buf.copy_(s[i:i + k])
+            d[i:i + k].copy_(buf, non_blocking=non_blocking)
+
+
+def link_bytes(lane: str, dst: torch.Tensor, src: torch.Tensor, via: torch.Tensor | None) -> int:
+    """Bytes a copy moves over its link: the source's, or through ``via`` the link dtype's."""
+    return nbytes_of(src) if via is None else src.numel() * via.element_size()
 
 
 @dataclass(frozen=True)
@@ -309,15 +342,19 @@ class CopyEngine(ABC):
     # ---- copies -----------------------------------------------------------
     @abstractmethod
     def h2d(
-        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None,
+        via: torch.Tensor | None = None,
     ) -> CopyHandle:
-        """Copy host ``src`` into device ``dst`` (shapes must match; dtypes may differ)."""
+        """Copy host ``src`` into device ``dst`` (shapes must match; dtypes may differ); with ``via``
+        (a device buffer of src's dtype) the device casts (Note: [conversion on the device])."""
 
     @abstractmethod
     def d2h(
-        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: Iterable[CopyHandle] = (), tag: str | None = None,
+        via: torch.Tensor | None = None,
     ) -> CopyHandle:
-        """Copy device ``src`` into host ``dst``. Ordered after work already queued on the compute stream."""
+        """Copy device ``src`` into host ``dst``. Ordered after work already queued on the compute stream;
+        with ``via`` (a device buffer of dst's dtype) the device casts before the copy."""
 
     def nvme_write(
         self,

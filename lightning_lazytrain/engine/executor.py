@@ -36,7 +36,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -99,6 +99,7 @@ class Executor:
         self._mem: DeviceBytes | None = None
         self._mem_open: tuple[str, int, int] | None = None
         self.rest_parts: list[list[nn.Parameter]] = []  # see set_rest_parts
+        self.placement: dict[str, list[int]] = {}  # see set_placement
         # sharded data parallel (engine/shard_store.py): the process group whose ranks share every
         # block's host state ("world": the default group); None: this process holds all of it
         self.shard_group = shard_group
@@ -148,6 +149,8 @@ class Executor:
             self.params.on_final_grads = hook
             if self.rest_parts:
                 self.params.set_rest_parts(self.rest_parts)
+            if self.placement:
+                self.params.set_placement(**self.placement)
         uses_nvme = "nvme" in schedule.homes
         if uses_nvme and self._nvme_dir is None:
             raise ValueError("the schedule puts activations on NVMe: pass nvme_dir= (a directory on the NVMe drive)")
@@ -179,13 +182,27 @@ class Executor:
         self.rest_parts = [list(p) for p in parts] if ok else []
         return ok
 
+    def set_placement(self, *, cast_on_device: Iterable[int] = (), widen_on_device: Iterable[int] = ()) -> dict:
+        """Where each parameter group's dtype conversions run (``ParamStore.set_placement``; the plan's
+        ``planner.placement.Placement``); kept across ``set_schedule``. Between micro-batches."""
+        if self._micro is not None:
+            raise RuntimeError("set_placement() inside a micro-batch")
+        assert self.params is not None
+        self.placement = self.params.set_placement(cast_on_device=cast_on_device, widen_on_device=widen_on_device)
+        self.tracker = DeviceTracker()
+        self._static_bytes()
+        return self.placement
+
     def _static_bytes(self) -> None:
-        """Device bytes present all step: two block slots (weights + grads) and the rest's buffers."""
+        """Device bytes present all step: two block slots (weights + grads), the rest's buffers and
+        the copy lanes' conversion buffers (Note: [conversion on the device] in copy_engine.py)."""
         assert self.params is not None
         e = torch.empty((), dtype=self.compute_dtype).element_size()
         largest = max(self.params.group_numel(j) for j in range(len(self.stack)))
         self.tracker.add("slots", 2 * 2 * largest * e)
         self.tracker.add("rest", 2 * self.params.group_numel(REST) * e)
+        if self.params.conversion_device_bytes:
+            self.tracker.add("conversion", self.params.conversion_device_bytes)
 
     def _install(self) -> None:
         self._signatures: dict[int, inspect.Signature | None] = {}
@@ -671,7 +688,7 @@ class Executor:
                 _, outs = self._run_block(j, xg, call, rin, first=False)
             self._check_outputs(ctx, j, outs)
             _backprop(outs, grads)
-        grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT))
+        grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT, direct=False))
         self.params.evict(RECOMPUTE_SLOT)
         if j in self._adhoc_grads:  # in arrival order, as autograd's input buffer sums them
             acc, touched = self._adhoc_grads[j]

@@ -3,6 +3,16 @@ go to the host (``send_grads``, one D2H) and join the masters' host ``.grad`` on
 host lane (``finish_grads``: Note: [host lane] and Note: [grad write-back ordering] in
 param_store.py), with each parameter's norm for exact clipping; ad-hoc passes' gradients
 (``take_grads``) are summed in first, as autograd sums every use of a leaf.
+
+Note: [direct landing] A gradient copy whose bytes are already in the host gradients' dtype (fp32
+compute, or 16-bit gradients the plan widens on the device: Note: [conversion on the device] in
+copy_engine.py) lands straight in the group's flat host gradient when that holds nothing yet this
+step (every parameter of the range has ``.grad is None``, as ``zero_grad(set_to_none=True)`` leaves
+it, and no accumulation into it is in flight): no landing buffer, no host addition. The host lane
+then only gives the parameters the gradient reached their ``.grad`` views (the others' ranges are
+zeroed, ``.grad`` stays None) and takes the norms. ``0 + x`` is ``x``: bit-identical to adding.
+A step's later copies of the group add as before (like to like when widened). Ad-hoc passes'
+gradients never land directly (``take_grads`` reads the landing buffer).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ class PendingGrads:
     handle: CopyHandle
     touched: frozenset = frozenset()  # ids of the _Params that received a gradient
     part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
+    direct: bool = False  # landed in the host gradient itself (Note: [direct landing])
     # or, when that is known only once the copy is in (a sharded group: the union over the ranks,
     # shard_grads.py), a function giving it, called after ``handle`` is done
     resolve: Callable[[], frozenset] | None = None
@@ -77,9 +88,11 @@ class GradWriteBack:
             return self.finish_grads(pending[last], norm=norm, final=norm, param_norms=param_norms)
         return self.finish_grads(self.send_grads(layer, slot), norm=norm, param_norms=param_norms)
 
-    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
+    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None,
+                   direct: bool = True) -> PendingGrads:
         """Start the D2H of the slot's grads (after the compute queued so far); see ``finish_grads``.
-        ``part`` (REST only): that part's range (send parts 0, 1, ... in order)."""
+        ``part`` (REST only): that part's range (send parts 0, 1, ... in order). ``direct``: may land
+        in the host gradient itself (Note: [direct landing]); ``take_grads`` needs the landing buffer."""
         s = self._slot(layer, slot)
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
@@ -89,13 +102,28 @@ class GradWriteBack:
             s.prior_accumulated = s.accumulated
         else:
             grads = self._ensure_grad_buffers(s)
+        via = self._via.get("d2h") if layer in self._device_widen else None  # Note: [conversion on the device]
+        g = self._group(layer)
+        landed = s.grad_host
+        direct = direct and self._lands_directly(g, infos, via is not None)
+        if direct:
+            landed = g.grad
+            self.direct_landings += 1
         # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
         # of this slot's previous D2H.
-        h = self.engine.d2h(s.grad_host[lo:hi], grads[lo:hi],
-                            after=[s.prior_accumulated] if s.prior_accumulated else [], tag=f"grad:{index}")
+        h = self.engine.d2h(landed[lo:hi], grads[lo:hi], after=[s.prior_accumulated] if s.prior_accumulated else [],
+                            tag=f"grad:{index}", via=via)
         s.sending = h
         touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
-        return PendingGrads(layer, s, h, touched, part)
+        return PendingGrads(layer, s, h, touched, part, direct=direct)
+
+    def _lands_directly(self, g: _Group, infos: Iterable, widened: bool) -> bool:
+        """Note: [direct landing]: the copy arrives in the gradients' dtype and their range is empty."""
+        if self.sharded(g.gid) or not (widened or self.compute_dtype == g.grad.dtype):
+            return False
+        if g.accumulating is not None and not g.accumulating.done():
+            return False
+        return all(info.param.grad is None for info in infos)
 
     def _collect_grads(self, s: _Slot) -> torch.Tensor:
         """The slot's flat grad buffer with every wrapper's gradient in it."""
@@ -116,9 +144,12 @@ class GradWriteBack:
         return grads
 
     def take_grads(self, pending: PendingGrads) -> tuple[torch.Tensor, frozenset]:
-        """Wait for a ``send_grads`` copy and return it (host, compute dtype) instead of accumulating
-        it, with the parameters it touched; the device grads are zeroed. See ``finish_grads(extra=)``."""
+        """Wait for a ``send_grads(direct=False)`` copy and return it (host: the compute dtype, or
+        widened) instead of accumulating it, with the parameters it touched; the device grads are
+        zeroed. See ``finish_grads(extra=)``."""
         g, s = self._group(pending.layer), pending.slot
+        if pending.direct:
+            raise ValueError("take_grads() needs a copy in the landing buffer: send_grads(..., direct=False)")
         pending.handle.wait()
         assert s.grads is not None
         with torch.no_grad():
@@ -157,10 +188,13 @@ class GradWriteBack:
 
         def accumulate() -> None:
             touched = pending.touched_ids() | (extra[1] if extra is not None else frozenset())
-            landed = s.grad_host[:n]
+            landed = (g.grad if pending.direct else s.grad_host)[:n]
             if extra is not None:
-                landed.add_(extra[0])
-            self.accumulate_host(layer, landed, touched)  # a part's touched holds only its parameters
+                self._join_extra(landed, extra[0])
+            if pending.direct:  # Note: [direct landing]: the range holds the gradient already
+                self._adopt_landed(g, self._range(layer, pending.part)[2], touched)
+            else:
+                self.accumulate_host(layer, landed, touched)  # a part's touched holds only its parameters
             if out is not None:
                 norms = self.grad_norms(layer)
                 out.copy_(sq_sum(norms.values()))
@@ -168,13 +202,38 @@ class GradWriteBack:
                     param_norms.clear()
                     param_norms.update(norms)
 
-        s.accumulated = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
-                                         nbytes=2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes)
+        nbytes = g.grad[lo:hi].nbytes if pending.direct else 2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes
+        s.accumulated = g.accumulating = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
+                                                          nbytes=nbytes)
         if out is not None and (norm if final is None else final) and self.on_final_grads is not None:
             self.on_final_grads(self, layer, s.accumulated, param_norms, out)
         if wait:
             s.accumulated.wait()
         return out
+
+    def _join_extra(self, landed: torch.Tensor, extra: torch.Tensor) -> None:
+        """``landed += extra`` (an ad-hoc pass's gradients of the same weights) in the compute dtype,
+        as autograd sums every use of a leaf; a widened ``landed`` holds compute-dtype values exactly."""
+        if landed.dtype == self.compute_dtype and extra.dtype == self.compute_dtype:
+            landed.add_(extra)
+            return
+        total = landed.to(self.compute_dtype)
+        total.add_(extra.to(self.compute_dtype))
+        landed.copy_(total)
+
+    def _adopt_landed(self, g: _Group, infos: Iterable, touched: frozenset | set) -> None:
+        """After a direct landing (Note: [direct landing]): the parameters the gradient reached get
+        their views of the host gradient as ``.grad``; the others' ranges go back to zero."""
+        with torch.no_grad():
+            receiving = []
+            for info in infos:
+                view = self._host_view(g.grad, info)
+                if id(info) in touched and info.param.requires_grad:
+                    info.param.grad = view
+                    receiving.append(info)
+                else:
+                    view.zero_()
+            self.post_hooks.landed((id(i), i.param) for i in receiving)
 
     def grad_norms(self, layer: int) -> dict[nn.Parameter, torch.Tensor]:
         """Each of the group's parameters that has a ``.grad``, with that gradient's L2 norm exactly

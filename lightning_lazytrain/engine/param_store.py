@@ -98,6 +98,10 @@ from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forw
 
 __all__ = ["REST", "WIDEN_CHUNK", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 
+# The device buffer each copy lane converts through (Note: [conversion on the device] in copy_engine.py):
+# 16M elements, 64 MiB in fp32; the copies of larger groups run through it in chunks.
+VIA_NUMEL: Final[int] = 1 << 24
+
 # Every parameter starts at a multiple of ALIGN elements of its packed buffer (256 B in fp32, 128 B
 # in bf16), as a tensor of its own would: CPU GEMM and reduction kernels round differently on
 # misaligned operands, and the streamed training must compute what plain autograd computes.
@@ -124,6 +128,7 @@ class _Group:
     grad: torch.Tensor = field(init=False)  # flat host, master dtype
     copy: torch.Tensor | None = None  # flat host compute-dtype copy of the master (Note: [kept compute copy])
     copy_read: CopyHandle | None = None  # the last H2D that read ``copy``
+    accumulating: CopyHandle | None = None  # the last host-lane accumulation into ``grad``
 
 
 @dataclass(eq=False)
@@ -194,24 +199,28 @@ class ParamStore(GradWriteBack):
         esize = {dt: torch.empty((), dtype=dt).element_size() for dt in {g.dtype for g in groups} | {compute_dtype}}
         self._masters_arena = HostArena.for_sizes([self._host_numel(g) * esize[g.dtype] for g in groups], pin=pin,
                                                   name="masters")
+        # the host gradients: page-locked on CUDA too, so a gradient copy can land in them directly
+        # (Note: [direct landing] in grad_writeback.py); their memory lives as long as the .grad views
+        self._grads_arena = HostArena.for_sizes([self._host_numel(g) * esize[g.dtype] for g in groups], pin=pin,
+                                                name="grads")
         for g in groups:
             self._pack(g, self._masters_arena)
         self._move_buffers()
+        # Where each group's dtype conversions run (set_placement): the masters' cast before an H2D, the
+        # gradients' widening before a D2H; on the host unless the plan puts them on the device.
+        self._device_cast: frozenset[int] = frozenset()
+        self._device_widen: frozenset[int] = frozenset()
+        self._via: dict[str, torch.Tensor] = {}  # the lanes' device conversion buffers
+        self.direct_landings = 0  # gradient copies that landed in the host gradient (Note: [direct landing])
         max_block = max(self._groups[i].numel for i in range(len(self.blocks)))
         sizes = [max_block] * num_slots + [self._groups[REST].numel]  # REST has its own slot, last
-        host_block = max(self._host_numel(self._groups[i]) for i in range(len(self.blocks)))
-        host_sizes = [host_block] * num_slots + [self._host_numel(self._groups[REST])]
-        # the gradient landing buffers: compute dtype, except a sharded store's block slots (its
-        # reduce-scatter averages in the masters' dtype: _landing_dtype)
-        land = [self._landing_dtype(k < num_slots) for k in range(len(host_sizes))]
-        le = [torch.empty((), dtype=dt).element_size() for dt in land]
-        self._staging_arena = HostArena.for_sizes([n * x for n, x in zip(host_sizes, le)], pin=pin, name="staging")
         lazy = set(lazy_slots)
         if not lazy <= set(range(num_slots)):
             raise ValueError(f"lazy_slots must be in 0..{num_slots - 1}, got {sorted(lazy)}")
-        self._slots = [self._new_slot(n, lazy=k in lazy, host_numel=h, landing=land[k])
-                       for k, (n, h) in enumerate(zip(sizes, host_sizes))]
+        self._slots = [self._new_slot(n, lazy=k in lazy) for k, n in enumerate(sizes)]
         self._pin = pin
+        self._staging_arena: HostArena | None = None
+        self._make_staging()
         # The cast buffers of the slots' H2Ds (an arena of their own), or the kept copies instead
         # (Note: [kept compute copy]); neither when no master needs a cast.
         self._cast_arena: HostArena | None = None
@@ -271,8 +280,10 @@ class ParamStore(GradWriteBack):
         return {}
 
     def _landing_dtype(self, block_slot: bool) -> torch.dtype:
-        """The dtype of a slot's gradient landing buffer (the D2H's destination)."""
-        return self.compute_dtype
+        """The dtype of a slot's gradient landing buffer (the D2H's destination): the compute dtype,
+        or the masters' where the plan widens that slot's gradients on the device."""
+        widened = any(j != REST for j in self._device_widen) if block_slot else REST in self._device_widen
+        return torch.float32 if widened else self.compute_dtype
 
     def sharded(self, layer: int) -> bool:
         """Does this process hold only its shard of group ``layer``'s host state?"""
@@ -297,7 +308,7 @@ class ParamStore(GradWriteBack):
     def _pack(self, g: _Group, arena: HostArena) -> None:
         n = self._host_numel(g)
         g.master = arena.take(n, g.dtype)
-        g.grad = torch.zeros(n, dtype=g.dtype)
+        g.grad = self._grads_arena.take(n, g.dtype)  # zero-filled
         with torch.no_grad():
             for info in g.params:
                 view = self._host_view(g.master, info)
@@ -316,20 +327,32 @@ class ParamStore(GradWriteBack):
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, *, lazy: bool = False, host_numel: int | None = None,
-                  landing: torch.dtype | None = None) -> _Slot:
+    def _new_slot(self, numel: int, *, lazy: bool = False) -> _Slot:
         # Device gradient buffers are allocated at the first bind with grads: a slot used only for
         # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
-        # staging comes from the staging arena (its cast buffer from the cast arena: keep_copies), so
-        # no pinned allocation happens mid-step.
-        dt, arena = self.compute_dtype, self._staging_arena
-        host_numel = numel if host_numel is None else host_numel
-        grad_host = arena.take(host_numel, landing or dt)
-        s = _Slot(numel=numel, weights=None, grads=None, cast=None, grad_host=grad_host, lazy=lazy)
-        s.host_numel = host_numel
+        # staging comes from the staging arena (_make_staging; its cast buffer from the cast arena:
+        # keep_copies), so no pinned allocation happens mid-step.
+        s = _Slot(numel=numel, weights=None, grads=None, cast=None, grad_host=torch.empty(0), lazy=lazy)
         if not lazy:
             self._allocate(s)
         return s
+
+    def _make_staging(self) -> None:
+        """(Re)make every slot's gradient landing buffer, in one arena: the compute dtype, except a
+        sharded store's block slots (its reduce-scatter averages in the masters' dtype) and slots
+        whose gradients the plan widens on the device (``_landing_dtype``)."""
+        if self._staging_arena is not None:
+            self.engine.synchronize()  # no D2H still lands in the buffers that go
+            self._staging_arena.release()
+        n = self.num_slots
+        host_block = max(self._host_numel(self._groups[i]) for i in range(len(self.blocks)))
+        host_sizes = [host_block] * n + [self._host_numel(self._groups[REST])]
+        land = [self._landing_dtype(k < n) for k in range(len(host_sizes))]
+        le = [torch.empty((), dtype=dt).element_size() for dt in land]
+        self._staging_arena = HostArena.for_sizes([h * x for h, x in zip(host_sizes, le)], pin=self._pin,
+                                                  name="staging")
+        for s, h, dt in zip(self._slots, host_sizes, land):
+            s.grad_host, s.host_numel = self._staging_arena.take(h, dt), h
 
     def _allocate(self, s: _Slot) -> None:
         # never an inference tensor (a lazy slot first staged under the user's inference_mode in a
@@ -534,6 +557,10 @@ class ParamStore(GradWriteBack):
             s.prior_ready = s.ready
         src = g.master[lo:hi]
         after = [s.free] if s.free is not None else []
+        if layer in self._device_cast:  # fp32 over the link, cast by the device (Note: [conversion on the device])
+            s.ready = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}", via=self._via["h2d"])
+            s.gid = layer
+            return s.ready
         if g.copy is not None:  # Note: [kept compute copy]
             src, cast = self._from_copy(g, layer, lo, hi, index)
             after.append(cast)
@@ -557,7 +584,7 @@ class ParamStore(GradWriteBack):
         """Keep (``on``) each group's host compute-dtype copy, or cast per fetch through the slots'
         cast buffers; returns whether copies are kept (never when no master needs a cast). Either
         way only one of the two arenas exists (``host_pinned_bytes``)."""
-        groups = [g for g in self._groups.values() if self._needs_cast(g)]
+        groups = [g for g in self._groups.values() if self._needs_cast(g) and g.gid not in self._device_cast]
         if getattr(self, "_slots", None) and any(s.bound for s in self._slots):
             raise RuntimeError("keep_copies() inside bind()")
         self.engine.synchronize()  # no H2D or cast still reads the buffers that go
@@ -591,6 +618,48 @@ class ParamStore(GradWriteBack):
     @property
     def keeps_copies(self) -> bool:
         return self._copies is not None
+
+    # ---- where the dtype conversions run (Note: [conversion on the device] in copy_engine.py) -----
+    def set_placement(self, *, cast_on_device: Iterable[int] = (), widen_on_device: Iterable[int] = ()) -> dict:
+        """Put groups' conversions on the device: ``cast_on_device`` groups' masters cross the link in
+        their own dtype and the device casts them into the slot (no host cast, no kept copy);
+        ``widen_on_device`` groups' 16-bit gradients are widened by the device and cross in the
+        masters' dtype, so the host adds like to like or the copy lands in the host gradient
+        directly (Note: [direct landing] in grad_writeback.py). Only groups with something to convert
+        count (masters in another dtype than the compute copies; not a sharded group). Between
+        micro-batches. Returns what was set (group ids)."""
+        if any(s.bound for s in self._slots):
+            raise RuntimeError("set_placement() inside bind()")
+        cast = frozenset(j for j in cast_on_device if self.convertible(j))
+        widen = frozenset(j for j in widen_on_device if self.convertible(j))
+        if (cast, widen) == (self._device_cast, self._device_widen):
+            return {"cast_on_device": sorted(cast), "widen_on_device": sorted(widen)}
+        self.engine.synchronize()  # nothing in flight reads the buffers that change
+        copies = self.keeps_copies
+        self._device_cast, self._device_widen = cast, widen
+        self._via = {}
+        for lane, groups in (("h2d", cast), ("d2h", widen)):
+            if groups:
+                n = min(VIA_NUMEL, max(self._group(j).numel for j in groups))
+                with torch.inference_mode(False):
+                    self._via[lane] = torch.empty(n, dtype=torch.float32, device=self.device)
+        self._make_staging()
+        self.keep_copies(copies)  # the third arena serves the groups still cast on the host
+        return {"cast_on_device": sorted(cast), "widen_on_device": sorted(widen)}
+
+    def convertible(self, layer: int) -> bool:
+        """Has group ``layer`` conversions the plan may place (fp32 masters, 16-bit compute copies)?"""
+        g = self._group(layer)
+        return self._needs_cast(g) and g.dtype == torch.float32 and not self.sharded(layer)
+
+    @property
+    def placement(self) -> dict[str, list[int]]:
+        return {"cast_on_device": sorted(self._device_cast), "widen_on_device": sorted(self._device_widen)}
+
+    @property
+    def conversion_device_bytes(self) -> int:
+        """Device bytes of the lanes' conversion buffers (``VIA_NUMEL`` fp32 at most, each)."""
+        return sum(t.nbytes for t in self._via.values())
 
     def invalidate_copies(self) -> None:
         """The masters may have changed: the next stage of each group casts again."""

@@ -108,5 +108,34 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         partial_recompute_bytes=[float(stats.partial_recompute_bytes.get(j, 0)) for j in range(L)],
         partial_seconds=[float(stats.partial_seconds.get(j, 0.0)) for j in range(L)],
         tokens=tokens, grad_accum=grad_accum, name="measured")
+    return _placed(wl, executor)
+
+
+def _placed(wl: Workload, executor: Executor) -> Workload:
+    """The profiled step's conversion placement in the workload (planner/placement.py, Note:
+    [conversion placement]): the compute copies' element size where the masters are fp32 and the
+    copies 16-bit (0: nothing to place), which conversions ran on the device, and their link bytes
+    (fp32 weights over the H2D, widened gradients over the D2H) and device buffers."""
+    from dataclasses import replace
+
+    from lightning_lazytrain.planner.placement import Placement
+
+    store = executor.params
+    assert store is not None
+    L = len(executor.stack)
+    if not all(store.convertible(j) for j in (REST, *range(L))):
+        return wl
+    e = torch.empty((), dtype=executor.compute_dtype).element_size()
+    cast, widen = (set(store.placement[k]) for k in ("cast_on_device", "widen_on_device"))
+    blocks = set(range(L))
+    p = Placement(cast_blocks=blocks <= cast, widen_blocks=blocks <= widen, cast_rest=REST in cast,
+                  widen_rest=REST in widen)
+    four = 4 / e
+    layers = tuple(replace(layer, param_bytes=layer.param_bytes * (four if p.cast_blocks else 1),
+                           grad_widen=four if p.widen_blocks else 1.0) for layer in wl.layers)
+    return replace(wl, layers=layers, compute_bytes=e, device_conversions=p.names,
+                   nonblock_param_bytes=wl.nonblock_param_bytes * (four if p.cast_rest else 1),
+                   nonblock_grad_widen=four if p.widen_rest else 1.0,
+                   conversion_gpu_bytes=float(store.conversion_device_bytes)).validate()
     # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast
     return dataclasses.replace(wl, kept_copies=True) if executor.params.keeps_copies else wl

@@ -225,9 +225,10 @@ class ShardedParamStore(ParamStore):
         return ready
 
     # ---- gradients ------------------------------------------------------------------------------
-    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None) -> PendingGrads:
+    def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None,
+                   direct: bool = True) -> PendingGrads:
         if layer not in self._layouts:
-            return super().send_grads(layer, slot, part=part)
+            return super().send_grads(layer, slot, part=part, direct=direct)
         if part is not None:
             raise ValueError("a sharded group's gradients move whole (no non-block parts)")
         g, s = self._group(layer), self._slot(layer, slot)

@@ -75,6 +75,9 @@ class MilpOptions:
     time_limit: float = 60.0
     threads: int | None = None
     seed: bool = True  # warm-start HiGHS from the best feasible baseline (see solve())
+    # where the dtype conversions run (placement.py, Note: [conversion placement]): "plan" (the plan
+    # chooses per parameter group class), "host" (all on the host) or "device" (all on the device)
+    conversions: str = "plan"
 
     def optimizer_modes(self) -> tuple[str, ...]:
         """The optimizer modes the MILP may choose from: ``("serial", "pipelined")`` for ``auto``, else

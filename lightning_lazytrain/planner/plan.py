@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import InfeasibleBudget, InfeasibleSchedule
+from .errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
 from .hardware import Hardware
 from .milp import MilpOptions
+from .placement import HOST_ONLY, Placement, candidates, price
 from .solve import SolveResult, solve
 from .model import ModelSpec, TrainSpec
 from .policies import BASELINES, baseline, min_memory
@@ -34,6 +35,8 @@ class PlanResult:
     # the budgets the replayed plan exceeds (see ``cap_violations``): only possible when the MILP checks memory
     # as one aggregate sum (``MilpOptions.window_memory=False``, the paper's constraint)
     violations: list[dict] = field(default_factory=list)
+    # where each parameter group's dtype conversions run (placement.py); ``workload`` is priced for it
+    placement: Placement = HOST_ONLY
 
     @property
     def over_cap(self) -> bool:
@@ -60,6 +63,7 @@ class PlanResult:
                             for v in self.violations},
             "solver": self.solver,
             "schedule": self.schedule.to_json(nonblock_parts=self.workload.nonblock_part_count),
+            "conversions_on_device": list(self.placement.names),
             "predicted": self.sim.predicted(),
             "baselines": base,
             "hardware": self.hardware.name,
@@ -146,17 +150,68 @@ def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy:
     """Plan one run. ``policy``: milp | megatrain | keep_all | recompute_all."""
     wl = workload or Workload.analytic(model, train, hardware)
     diagnose(wl, hardware, model, train)
-    results, schedules = evaluate_baselines(wl, hardware, K)
-    if policy == "milp":
-        sol: SolveResult = solve(wl, hardware, options)
-        schedule, sim, status, solver = sol.schedule, sol.simulated, sol.status, sol.solver_json()
-    else:
-        schedule = baseline(policy, wl.num_layers, K)
-        sim = simulate(schedule, wl, hardware)  # raises InfeasibleSchedule naming the resource
-        status, solver = "policy", {"name": "none", "policy": schedule.policy}
-    return PlanResult(status=status, schedule=schedule, sim=sim, workload=wl, hardware=hardware, solver=solver,
-                      baselines=results, baseline_schedules=schedules, model=model, train=train,
-                      violations=cap_violations(sim, hardware))
+    fixed = None if policy == "milp" else baseline(policy, wl.num_layers, K).in_mode(wl.data_parallel)
+    result = plan_workload(wl, hardware, fixed=fixed, options=options, K=K)
+    result.model, result.train = model, train
+    return result
+
+
+def plan_workload(wl: Workload, hw: Hardware, *, fixed: Schedule | None = None, options: MilpOptions | None = None,
+                  K: int = 4, start: Schedule | None = None) -> PlanResult:
+    """Place the conversions, evaluate the baselines and solve (or simulate the ``fixed`` schedule)
+    on a workload that has passed ``diagnose``; ``start``: a re-plan's current schedule (``solve``).
+
+    Note: [conversion placement] (placement.py): the placement whose priced workload runs the
+    candidate schedules (the baselines, or the fixed one) fastest is solved for; the solved schedule
+    is then simulated under every placement, and a faster one is solved once more."""
+    mode = (options or MilpOptions()).conversions
+    trial = [fixed] if fixed is not None else [s.in_mode(wl.data_parallel) for s in
+                                                (baseline(name, wl.num_layers, K) for name in BASELINES)]
+    placement, wl = place_conversions(wl, hw, mode, trial)
+    results, schedules = evaluate_baselines(wl, hw, K)
+    if fixed is not None:
+        sim = simulate(fixed, wl, hw)  # raises InfeasibleSchedule naming the resource
+        return PlanResult(status="policy", schedule=fixed, sim=sim, workload=wl, hardware=hw,
+                          solver={"name": "none", "policy": fixed.policy}, baselines=results,
+                          baseline_schedules=schedules, violations=cap_violations(sim, hw), placement=placement)
+    sol: SolveResult = solve(wl, hw, options, start=start)
+    if mode == "plan":
+        better, better_wl = place_conversions(wl, hw, mode, [sol.schedule])
+        if better != placement:
+            again = solve(better_wl, hw, options, start=sol.schedule)
+            if again.simulated.iteration_seconds < sol.simulated.iteration_seconds:
+                sol, placement, wl = again, better, better_wl
+                results, schedules = evaluate_baselines(wl, hw, K)
+    return PlanResult(status=sol.status, schedule=sol.schedule, sim=sol.simulated, workload=wl, hardware=hw,
+                      solver=sol.solver_json(), baselines=results, baseline_schedules=schedules,
+                      violations=cap_violations(sol.simulated, hw), placement=placement)
+
+
+def place_conversions(wl: Workload, hw: Hardware, mode: str, schedules: list[Schedule]) -> tuple[Placement, Workload]:
+    """Where the conversions run (Note: [conversion placement] in placement.py): ``mode`` "host" or
+    "device" forces it (as far as the workload has conversions); "plan" takes the candidate whose
+    priced workload runs the fastest of ``schedules`` (a tie keeps the host: no device buffers).
+    Returns the placement and the workload priced for it."""
+    options = candidates(wl)
+    if mode not in ("plan", "host", "device"):
+        raise InvalidInput("conversions", mode, "must be 'plan', 'host' or 'device'")
+    if mode != "plan" or len(options) == 1:
+        chosen = options[-1] if mode == "device" else HOST_ONLY if HOST_ONLY in options else options[0]
+        return chosen, price(wl, chosen, hw)
+    best: tuple[float, int, Placement, Workload] | None = None
+    for rank, p in enumerate(options):
+        priced = price(wl, p, hw)
+        for s in schedules:
+            try:
+                seconds = simulate(s, priced, hw).iteration_seconds
+            except InfeasibleSchedule:
+                continue
+            key = (seconds * (1 + 1e-9), rank)  # a tie: the candidate with fewer device conversions
+            if best is None or key < best[:2]:
+                best = (*key, p, priced)
+    if best is None:  # nothing fits anywhere: the host, and let the solve say why
+        return HOST_ONLY, price(wl, HOST_ONLY, hw)
+    return best[2], best[3]
 
 
 def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:

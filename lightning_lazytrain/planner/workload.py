@@ -74,17 +74,21 @@ def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, maste
 
 
 def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware) -> tuple[float, float]:
-    """Host-lane seconds per parameter (one thread streaming ``hardware.host_bytes_per_s``):
+    """Host-lane seconds per parameter, conversions on the host (the plan may move them to the
+    device: planner/placement.py):
 
     - cast, before each weight fetch: read the master, write the compute copy into pinned staging
-      (``HOST_MASTER_BYTES + compute_bytes``; 0 when the masters already are in the compute dtype);
+      (``HOST_MASTER_BYTES + compute_bytes`` at ``host_bytes_per_s``; 0 when the masters already are in
+      the compute dtype);
     - accumulate, after each gradient D2H: read the landed gradient (``grad_bytes``), read and write
-      the fp32 host gradient (``2 * HOST_GRAD_BYTES``), read it again for the squared norm
-      (``HOST_GRAD_BYTES``).
+      the fp32 host gradient (``2 * HOST_GRAD_BYTES``; a 16-bit gradient's widening add at
+      ``host_widen_bytes_per_s``), read it again for the squared norm (``HOST_GRAD_BYTES``).
     """
+    same = hardware.host_bytes_per_s
+    widen = (hardware.host_widen_bytes_per_s or same) if grad_bytes != HOST_GRAD_BYTES else same
     cast = HOST_MASTER_BYTES + compute_bytes if compute_bytes != HOST_MASTER_BYTES else 0
-    accum = grad_bytes + 3 * HOST_GRAD_BYTES
-    return cast / hardware.host_bytes_per_s, accum / hardware.host_bytes_per_s
+    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / same
+    return cast / same, accum
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,6 +173,12 @@ class Workload:
     # compute copy]): a group's first fetch in a micro-batch casts (its forward's, or T's), the H and
     # B windows' fetches of the same weights (backward, re-runs) do not
     kept_copies: bool = False
+    # Note: [conversion placement] (placement.py): bytes per element of the streamed compute copies
+    # (0: unknown, no placement to choose), the conversions these figures put on the device
+    # (``Placement`` field names) and the device's conversion buffers for them (static device bytes)
+    compute_bytes: int = 0
+    device_conversions: tuple[str, ...] = ()
+    conversion_gpu_bytes: float = 0.0
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -208,8 +218,9 @@ class Workload:
 
     @property
     def static_gpu_bytes(self) -> float:
-        """Device bytes present in every window: resident non-block weights/grads + weight buffers."""
-        return self.nonblock_gpu_bytes + self.weight_buffer_bytes
+        """Device bytes present in every window: resident non-block weights/grads + weight buffers
+        (+ the copy lanes' conversion buffers, placement.py)."""
+        return self.nonblock_gpu_bytes + self.weight_buffer_bytes + self.conversion_gpu_bytes
 
     def validate(self) -> Workload:
         if not self.layers:
@@ -223,7 +234,7 @@ class Workload:
                     raise InvalidInput(f"workload.layers[{j}].{key}", value, "must be a finite number >= 0")
         for key in ("head_seconds", "head_work_bytes", "nonblock_gpu_bytes", "nonblock_param_bytes", "nonblock_grad_bytes",
                     "nonblock_opt_seconds", "nonblock_cast_seconds", "nonblock_accum_seconds",
-                    "host_static_bytes"):
+                    "host_static_bytes", "conversion_gpu_bytes"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
@@ -256,6 +267,7 @@ class Workload:
         data["layers"] = tuple(LayerWork(**layer) for layer in data["layers"])
         data["boundary_bytes"] = tuple(data["boundary_bytes"])
         data["nonblock_parts"] = tuple(data.get("nonblock_parts", ()))
+        data["device_conversions"] = tuple(data.get("device_conversions", ()))
         return cls(**data).validate()
 
     def dumps(self) -> str:
@@ -367,6 +379,7 @@ class Workload:
             tokens=n_tok,
             grad_accum=train.grad_accum,
             total_params=model.total_params,
+            compute_bytes=e,
             # the embedding, then the final norm and the LM head (one part when tied)
             nonblock_parts=(model.embedding_params, model.head_params) if not model.tied_embeddings else (),
             name=f"{model.name}/b{train.micro_batch_size}x{train.seq_len}",

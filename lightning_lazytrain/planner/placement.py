@@ -1,0 +1,174 @@
+"""Where each parameter group's dtype conversions run: a decision of the plan.
+
+Note: [conversion placement] With fp32 masters and 16-bit compute copies (``fp32_masters``, the
+papers' setup) every weight fetch needs a cast and every gradient copy a widening. The engine runs
+each on either side of the link (engine/copy_engine.py, Note: [conversion on the device]):
+
+============  =====================================  ===========================================
+              host (the host lane)                   device
+============  =====================================  ===========================================
+cast masters  reads 4 + writes e bytes per parameter  4 bytes per parameter cross the link (not
+              before a fetch (once per micro-batch    e); the device casts at memory speed
+              with kept copies); e bytes cross
+widen grads   e bytes cross; the host widens and      4 bytes cross; the host adds fp32 to fp32
+              adds them into the fp32 gradient (a     (16 bytes per parameter, norm included), or,
+              mixed-dtype add: slow on CPUs)          for a step's first copy of a group, nothing
+                                                      but the norm: the copy lands in the host
+                                                      gradient itself (Note: [direct landing])
+============  =====================================  ===========================================
+
+So a device conversion moves work from the host lane to a link (and adds one bounded fp32 buffer
+per lane on the device). Which is faster depends on the rates: a host lane that cannot keep up with
+the device wants the device; a slow link with a fast host wants the host. The choice is per
+parameter group class (the blocks; the non-block group), priced by :func:`price` from the hardware's
+host rates and link bandwidths, and made by the plan (``plan.make_plan``/``autoplan``): every
+candidate's workload is simulated over the baseline schedules, the MILP solves for the best, and its
+schedule is re-simulated under every candidate (another candidate that is faster there is solved
+once more). The priced workload is the one the plan's figures come from.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields, replace
+
+from .hardware import Hardware
+from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, PARAM_SLOTS, Workload
+
+__all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "candidates", "price"]
+
+# Elements of the device buffer each copy lane converts through (the engine's ``VIA_NUMEL``): 64 MiB
+# in fp32; larger groups are copied through it in chunks.
+CONVERSION_BUFFER_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """True: that conversion runs on the device; False: on the host."""
+
+    cast_blocks: bool = False
+    widen_blocks: bool = False
+    cast_rest: bool = False
+    widen_rest: bool = False
+
+    @classmethod
+    def from_names(cls, names: tuple[str, ...] | list[str]) -> Placement:
+        known = {f.name for f in fields(cls)}
+        unknown = set(names) - known
+        if unknown:
+            raise ValueError(f"unknown conversions {sorted(unknown)}; they are {sorted(known)}")
+        return cls(**{name: True for name in names})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The conversions on the device."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+
+    def label(self) -> str:
+        """One line for the plan's report, e.g. ``blocks: cast device, widen host; non-block: ...``."""
+        side = {True: "device", False: "host"}
+        return (f"blocks: cast on {side[self.cast_blocks]}, grads widened on {side[self.widen_blocks]}; "
+                f"non-block: cast on {side[self.cast_rest]}, grads widened on {side[self.widen_rest]}")
+
+    def groups(self, num_layers: int) -> dict[str, list[int]]:
+        """The engine's ``Executor.set_placement`` arguments (group ids; -1: the non-block group)."""
+        blocks = list(range(num_layers))
+        return {"cast_on_device": (blocks if self.cast_blocks else []) + ([-1] if self.cast_rest else []),
+                "widen_on_device": (blocks if self.widen_blocks else []) + ([-1] if self.widen_rest else [])}
+
+
+HOST_ONLY = Placement()
+
+
+def candidates(wl: Workload) -> list[Placement]:
+    """Every placement that changes something: none (the host) when nothing is converted (masters
+    in the compute dtype, or compute copies of unknown size, ``Workload.compute_bytes == 0``)."""
+    if not 0 < wl.compute_bytes < HOST_MASTER_BYTES or wl.data_parallel == "shard":
+        return [HOST_ONLY]
+    return [Placement(cast_blocks=a, widen_blocks=b, cast_rest=c, widen_rest=d)
+            for a, b, c, d in itertools.product((False, True), repeat=4)]
+
+
+def _host_rates(hw: Hardware) -> tuple[float, float]:
+    """Bytes/s of the host lane's like-to-like work (casts, fp32 adds, norms) and of its widening
+    add (16-bit into fp32; ``Hardware.host_widen_bytes_per_s``, default the same)."""
+    return hw.host_bytes_per_s, hw.host_widen_bytes_per_s or hw.host_bytes_per_s
+
+
+def _cast_seconds(params: float, e: int, device: bool, hw: Hardware) -> tuple[float, float]:
+    """(link bytes, host seconds) of one weight fetch."""
+    if device:
+        return params * HOST_MASTER_BYTES, 0.0
+    return params * e, params * (HOST_MASTER_BYTES + e) / _host_rates(hw)[0]
+
+
+def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, hw: Hardware) -> tuple[float, float]:
+    """(grad_widen, host seconds per gradient copy, on average over a step's ``copies_per_step``).
+
+    Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write), then the
+    norm reads it (``HOST_GRAD_BYTES``). Device: a step's first copy lands in the host gradient (the
+    norm only), the others add fp32 to fp32 (read 4, read + write 8, norm 4)."""
+    same, widen = _host_rates(hw)
+    if not device:
+        return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / same)
+    n = max(1.0, copies_per_step)
+    per_copy = (HOST_GRAD_BYTES + (n - 1) * 4 * HOST_GRAD_BYTES) / n
+    return HOST_MASTER_BYTES / e, params * per_copy / same
+
+
+def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
+    """``wl`` with its conversions placed as ``p`` (what moves over each link, what the host lane
+    does, the device's conversion buffers, the host's landing and cast buffers). Groups whose
+    conversions stay where ``wl`` has them keep its (possibly measured) figures."""
+    e = wl.compute_bytes
+    cur = Placement.from_names(wl.device_conversions)
+    if p == cur or p not in candidates(wl):
+        return wl
+    g = wl.grad_accum
+    layers = []
+    for layer in wl.layers:
+        new = {}
+        if p.cast_blocks != cur.cast_blocks:
+            new["param_bytes"], new["cast_seconds"] = _cast_seconds(layer.params, e, p.cast_blocks, hw)
+        if p.widen_blocks != cur.widen_blocks:
+            new["grad_widen"], new["accum_seconds"] = _accum_seconds(layer.params, e, p.widen_blocks, g, hw)
+        layers.append(replace(layer, **new) if new else layer)
+    out: dict = {"layers": tuple(layers), "device_conversions": p.names}
+    n = wl.nonblock_params
+    if p.cast_rest != cur.cast_rest:
+        out["nonblock_param_bytes"], out["nonblock_cast_seconds"] = _cast_seconds(n, e, p.cast_rest, hw)
+    if p.widen_rest != cur.widen_rest:  # one copy per step (accumulated on the device over micro-batches)
+        out["nonblock_grad_widen"], out["nonblock_accum_seconds"] = _accum_seconds(n, e, p.widen_rest, 1, hw)
+    out["conversion_gpu_bytes"] = float(_conversion_gpu_bytes(wl, p))
+    out["host_static_bytes"] = wl.host_static_bytes + _host_delta(wl, cur, p)
+    return replace(wl, **out).validate()
+
+
+def _conversion_gpu_bytes(wl: Workload, p: Placement) -> int:
+    """The device's fp32 conversion buffer per lane in use (``CONVERSION_BUFFER_ELEMENTS`` at most)."""
+    largest_block = max(layer.params for layer in wl.layers)
+    total = 0
+    for blocks, rest in ((p.cast_blocks, p.cast_rest), (p.widen_blocks, p.widen_rest)):
+        numel = max(largest_block if blocks else 0, wl.nonblock_params if rest else 0)
+        total += min(CONVERSION_BUFFER_ELEMENTS, numel) * HOST_MASTER_BYTES
+    return total
+
+
+def _host_buffers(wl: Workload, p: Placement) -> float:
+    """Host bytes of the buffers a placement changes (approximate: parameters, not aligned elements):
+    the slots' gradient landing buffers (e bytes, or 4 where the device widens) and the host casts'
+    buffers (a cast buffer per slot, or every group's kept copy; none where the device casts)."""
+    e = wl.compute_bytes
+    block_slot, rest_slot = max(layer.params for layer in wl.layers), wl.nonblock_params
+    landing = (PARAM_SLOTS * block_slot * (HOST_MASTER_BYTES if p.widen_blocks else e)
+               + rest_slot * (HOST_MASTER_BYTES if p.widen_rest else e))
+    if wl.kept_copies:
+        casts = (sum(layer.params for layer in wl.layers) if not p.cast_blocks else 0) + (
+            rest_slot if not p.cast_rest else 0)
+    else:
+        casts = (PARAM_SLOTS * block_slot if not p.cast_blocks else 0) + (rest_slot if not p.cast_rest else 0)
+    return landing + casts * e
+
+
+def _host_delta(wl: Workload, cur: Placement, p: Placement) -> float:
+    return _host_buffers(wl, p) - _host_buffers(wl, cur)

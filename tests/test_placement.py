@@ -1,0 +1,127 @@
+"""Where the dtype conversions run (engine/copy_engine.py, Note: [conversion on the device]; the
+plan's ``planner.placement``): fp32 masters cast into 16-bit compute copies on the host or by the
+device, 16-bit gradients widened on the host or by the device, a gradient copy landing in the host
+gradient itself (grad_writeback.py, Note: [direct landing]). Every placement trains bit-equal to the
+host path, moves the bytes it says over each link, and does the host work it says."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+from lightning_lazytrain.engine.copy_engine import LinkSpec
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.engine.param_store import REST
+from test_executor import SCHEDULES, SPEC, LlamaLM
+
+L = SPEC.num_layers
+BLOCKS = tuple(range(L))
+PLACEMENTS = {
+    "host": {},
+    "cast": {"cast_on_device": BLOCKS + (REST,)},
+    "widen": {"widen_on_device": BLOCKS + (REST,)},
+    "both": {"cast_on_device": BLOCKS + (REST,), "widen_on_device": BLOCKS + (REST,)},
+    "mixed": {"cast_on_device": (0, 2, REST), "widen_on_device": (1, 3)},
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    return LlamaLM(SPEC), torch.randint(0, SPEC.vocab, (4, 33))
+
+
+def train(model, tokens, schedule, placement, tmp_path, *, micro=2, steps=2, dtype=torch.bfloat16, keep=False,
+          links=None, zero_to_none=True):
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES[schedule], nvme_dir=tmp_path, compute_dtype=dtype, keep_compute_copy=keep, links=links)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, lanes, tags = [], [], []
+    try:
+        set_to = ex.set_placement(**placement)
+        for _ in range(steps):
+            for k in range(micro):
+                ex.begin_microbatch(first=k == 0, last=k == micro - 1)
+                loss = m.loss(tokens[k::micro])
+                loss.backward()
+                stats = ex.end_microbatch()
+                losses.append(loss.detach())
+            lanes.append(dict(stats.lane_bytes))
+            tags.append(Counter((r.lane, (r.tag or "").split(":")[0]) for r in ex.engine.records()))
+            opt.step()
+            opt.zero_grad(set_to_none=zero_to_none)
+        direct = ex.params.direct_landings
+    finally:
+        ex.close()
+    return m, losses, lanes, tags, set_to, direct
+
+
+@pytest.mark.parametrize("schedule", ["megatrain_K2", "recompute_all", "cpu_homes", "kept_internals_resident"])
+@pytest.mark.parametrize("name", ["cast", "widen", "both", "mixed"])
+def test_every_placement_trains_bit_equal_to_the_host_path(reference, tmp_path, schedule, name):
+    model, tokens = reference
+    want_model, want, want_lanes, _, _, _ = train(model, tokens, schedule, {}, tmp_path)
+    links = {"h2d": LinkSpec(2e8, 1e-4), "d2h": LinkSpec(2e8, 1e-4)}  # copies queue: ordering is tested
+    got_model, got, lanes, _, set_to, _ = train(model, tokens, schedule, PLACEMENTS[name], tmp_path, links=links)
+    assert set_to == {k: sorted(PLACEMENTS[name].get(k, ())) for k in ("cast_on_device", "widen_on_device")}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (n, p), q in zip(got_model.named_parameters(), want_model.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q), n
+    # the link bytes: fp32 (4 bytes) instead of bf16 (2) for what the device converts
+    for got_step, want_step in zip(lanes, want_lanes):
+        if name in ("cast", "both"):
+            assert got_step["h2d"] > want_step["h2d"]
+        else:
+            assert got_step["h2d"] == want_step["h2d"] or name == "mixed"
+        if name in ("widen", "both"):
+            assert got_step["d2h"] > want_step["d2h"]
+
+
+def test_widened_gradients_land_in_the_host_gradient_without_a_host_addition(reference, tmp_path):
+    """Note: [direct landing]: with ``zero_grad(set_to_none=True)`` a step's first copy of each group
+    lands in the host gradient; with ``set_to_none=False`` (the grads are zeros, not None) it cannot
+    know, and adds. Both train bit-equal to the host path."""
+    model, tokens = reference
+    want_model, want, _, _, _, none = train(model, tokens, "megatrain_K2", {}, tmp_path, micro=1)
+    assert none == 0  # bf16 gradients into fp32 host grads: a host addition each
+    for to_none in (True, False):
+        got_model, got, _, _, _, direct = train(model, tokens, "megatrain_K2", PLACEMENTS["widen"], tmp_path, micro=1,
+                                                zero_to_none=to_none)
+        # two steps, every group once per step: L blocks and the non-block group; the first step's
+        # grads are None from the start, the second's only after set_to_none
+        assert direct == (2 if to_none else 1) * (L + 1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        for (n, p), q in zip(got_model.named_parameters(), want_model.parameters()):
+            assert torch.equal(p, q), n
+
+
+def test_fp32_compute_lands_directly_and_trains_as_before(reference, tmp_path):
+    """fp32 compute: the gradients already have the masters' dtype, so a step's first copy of each
+    group lands in the host gradient (no placement needed) and later micro-batches add."""
+    model, tokens = reference
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for _ in range(2):
+        for k in range(2):
+            loss = ref.loss(tokens[k::2])
+            loss.backward()
+            want.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    got_model, got, _, _, _, direct = train(model, tokens, "cpu_homes", {}, tmp_path, dtype=torch.float32)
+    assert direct >= 2 * L  # each step's first copy of every block (layer 0's, non-block: device-accumulated)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (n, p), q in zip(got_model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_device_conversions_leave_the_host_lane_without_casts(reference, tmp_path):
+    model, tokens = reference
+    _, _, _, host_tags, _, _ = train(model, tokens, "megatrain_K2", {}, tmp_path, steps=1)
+    _, _, _, dev_tags, _, _ = train(model, tokens, "megatrain_K2", PLACEMENTS["both"], tmp_path, steps=1)
+    assert host_tags[0][("host", "cast")] > 0
+    assert dev_tags[0][("host", "cast")] == 0  # every cast ran on the device side of the H2D
