@@ -398,13 +398,15 @@ def test_host_pinned_bytes_equal_the_planner_formula(case: str) -> None:
 
 
 def test_widened_accumulation_is_bit_identical_to_the_mixed_dtype_add() -> None:
-    """16-bit grads are added into fp32 host grads through a chunked fp32 scratch (faster on the
-    host); the sums must be those of the plain mixed-dtype ``add_``, across chunk boundaries."""
-    from lightning_lazytrain.engine.param_store import WIDEN_CHUNK
+    """16-bit grads are added into fp32 host grads through a chunked fp32 scratch over the host's
+    threads (engine/host_ops.py; faster on the host); the sums must be those of the plain
+    mixed-dtype ``add_``, across chunk and widening-piece boundaries."""
+    from lightning_lazytrain.engine.host_ops import HostOps
 
-    ps = ParamStore(Tiny(tied=False), "layers")
+    ops = HostOps(2, chunk_bytes=1 << 20, widen_bytes=64 << 10)
+    ps = ParamStore(Tiny(tied=False), "layers", host_ops=ops)
     try:
-        n = 2 * WIDEN_CHUNK + 5
+        n = 2 * ops.chunk + 5
         for dtype in (torch.bfloat16, torch.float16):
             base = torch.randn(n)
             src = torch.randn(n).to(dtype)
@@ -414,6 +416,7 @@ def test_widened_accumulation_is_bit_identical_to_the_mixed_dtype_add() -> None:
             assert torch.equal(got, want), dtype
     finally:
         ps.close()
+        ops.close()
 
 
 # --------------------------------------------------------------- grad write-back ordering

@@ -29,10 +29,9 @@ from lightning_lazytrain.engine.copy_engine import CopyHandle
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.param_store import _Group, _Slot
 
-__all__ = ["REST", "WIDEN_CHUNK", "GradWriteBack", "PendingGrads", "sq_sum"]
+__all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
 
 REST: Final[int] = -1  # group id of the non-block parameters (param_store.py)
-WIDEN_CHUNK: Final[int] = 1 << 20  # elements of the fp32 scratch that widens 16-bit grads (4 MiB)
 
 
 @dataclass(eq=False)
@@ -243,8 +242,8 @@ class GradWriteBack:
         params = [info.param for info in g.params if info.param.grad is not None]
         if not params:
             return {}
-        with torch.no_grad():
-            return dict(zip(params, torch._foreach_norm([p.grad for p in params], 2.0)))
+        with torch.no_grad():  # torch._foreach_norm's, bit for bit, over the host threads (engine/host_ops.py)
+            return dict(zip(params, self._ops.norms([p.grad for p in params])))
 
     def flat_host_grads(self, layer: int, *, wait: bool = True
                         ) -> tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]:
@@ -279,20 +278,10 @@ class GradWriteBack:
                     self._add(self._host_view(g.grad, info), self._host_view(grads, info))
 
     def _add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst += src``. A 16-bit ``src`` into an fp32 ``dst`` is widened chunk by chunk into a
-        small fp32 scratch first: the same sums bit for bit (widening is exact), ~3x faster on the
-        host than the mixed-dtype kernel."""
-        if src.dtype == dst.dtype:
-            dst.add_(src)
-            return
-        if self._scratch is None or self._scratch.dtype != dst.dtype:
-            self._scratch = torch.empty(WIDEN_CHUNK, dtype=dst.dtype)
-        d, s_ = dst.reshape(-1), src.reshape(-1)
-        for i in range(0, d.numel(), WIDEN_CHUNK):
-            n = min(WIDEN_CHUNK, d.numel() - i)
-            tmp = self._scratch[:n]
-            tmp.copy_(s_[i:i + n])
-            d[i:i + n].add_(tmp)
+        """``dst += src`` over the host threads (engine/host_ops.py): a 16-bit ``src`` into an fp32
+        ``dst`` is widened piece by piece into a per-thread fp32 scratch first, the same sums bit for
+        bit (widening is exact), without the slow mixed-dtype kernel."""
+        self._ops.add_into(dst, src)
 
     def zero_grad(self) -> None:
         self.wait_host()

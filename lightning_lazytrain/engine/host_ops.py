@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "BYTES_PER_ELEM", "HostOps", "default_host_ops", "measure_host_rates"]
+__all__ = ["ALIGN", "BYTES_PER_ELEM", "HostOps", "default_host_ops", "default_host_threads", "measure_host_rates"]
 
 ALIGN = 64  # elements: chunk boundaries, a multiple of every SIMD width in every dtype
 _WIDEN = (torch.bfloat16, torch.float16)
@@ -265,12 +265,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_default)  # a forked child makes its own pool
 
 
+def default_host_threads() -> int:
+    """Threads of the engine's host kernels: torch's thread count at first use, less two on a host
+    with more than four (the thread that launches the device's work and the copy lanes need cores
+    of their own while the host lane runs)."""
+    n = torch.get_num_threads()
+    return n - 2 if n > 4 else n
+
+
 def default_host_ops() -> HostOps:
-    """A process-wide ``HostOps()`` (torch's thread count at first use), created on first use."""
+    """A process-wide ``HostOps(default_host_threads())``, created on first use."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = HostOps()
+            _default = HostOps(default_host_threads())
         return _default
 
 

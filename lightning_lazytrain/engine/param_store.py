@@ -92,11 +92,12 @@ from torch import nn
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
-from lightning_lazytrain.engine.grad_writeback import REST, WIDEN_CHUNK, GradWriteBack, PendingGrads, sq_sum
+from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
+from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
-__all__ = ["REST", "WIDEN_CHUNK", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
+__all__ = ["REST", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 
 # The device buffer each copy lane converts through (Note: [conversion on the device] in copy_engine.py):
 # 16M elements, 64 MiB in fp32; the copies of larger groups run through it in chunks.
@@ -169,6 +170,7 @@ class ParamStore(GradWriteBack):
         pin_memory: bool | None = None,
         lazy_slots: Iterable[int] = (),
         keep_copies: bool = False,
+        host_ops: HostOps | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -180,7 +182,8 @@ class ParamStore(GradWriteBack):
         self._own_engine = copy_engine is None
         self.engine = copy_engine if copy_engine is not None else make_copy_engine(self.device)
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
-        self._scratch: torch.Tensor | None = None  # see _add (host lane only)
+        # the host lane's casts, adds and norms, over the host's threads (Note: [host lane])
+        self._ops = host_ops if host_ops is not None else default_host_ops()
         # Called by ``finish_grads`` with ``norm`` (a step's last accumulation of a group) as
         # ``on_final_grads(store, layer, accumulated_handle, param_norms, sq_norm)``: several processes
         # average a group's gradients as soon as they are complete (distributed.GradSync, overlap).
@@ -568,7 +571,8 @@ class ParamStore(GradWriteBack):
             # Cast on the host so only compute-dtype bytes cross the link, on the host lane (Note:
             # [host lane]); the cast buffer may still feed this slot's previous H2D.
             src, master = s.cast[lo:hi], g.master[lo:hi]
-            after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
+            after.append(self.engine.host(lambda: self._ops.cast_into(src, master),
+                                          after=[s.prior_ready] if s.prior_ready else [],
                                           tag=f"cast:{index}", nbytes=master.nbytes + src.nbytes))
         s.ready = self.engine.h2d(s.weights[lo:hi], src, after=after, tag=f"param:{index}")
         if g.copy is not None:
@@ -673,7 +677,7 @@ class ParamStore(GradWriteBack):
         cast = self._copy_cast.get(key)
         if cast is None:
             dst, master = g.copy[lo:hi], g.master[lo:hi]
-            cast = self.engine.host(lambda: dst.copy_(master), after=[g.copy_read] if g.copy_read else [],
+            cast = self.engine.host(lambda: self._ops.cast_into(dst, master), after=[g.copy_read] if g.copy_read else [],
                                     tag=f"cast:{index}", nbytes=master.nbytes + dst.nbytes)
             self._copy_cast[key] = cast
         return g.copy[lo:hi], cast

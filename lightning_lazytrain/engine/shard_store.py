@@ -199,7 +199,8 @@ class ShardedParamStore(ParamStore):
         elif s.cast is not None and g.master.dtype != s.cast.dtype:
             # the cast buffer may still feed this slot's previous shard H2D
             src, master = s.cast[:n], g.master[:n]
-            after.append(self.engine.host(lambda: src.copy_(master), after=[s.prior_ready] if s.prior_ready else [],
+            after.append(self.engine.host(lambda: self._ops.cast_into(src, master),
+                                          after=[s.prior_ready] if s.prior_ready else [],
                                           tag=f"cast:{layer}", nbytes=master.nbytes + src.nbytes))
         # a fresh buffer the H2D stream owns (CUDA: memory compute freed may still be read by kernels
         # queued before; copy_cuda's Note: [allocator ownership])
