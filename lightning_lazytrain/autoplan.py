@@ -128,6 +128,9 @@ class AutoPlan:
 
     result: PlanResult
     timings: dict[str, float] = field(default_factory=dict)
+    # the 8-bit fraction the plan gave HybridAdamW(eight_bit="plan") optimizers (optim/plan_states.py;
+    # every process applies it), None when none was pending
+    state_fraction: float | None = None
 
     @property
     def schedule(self) -> Schedule:

@@ -97,7 +97,9 @@ class CausalLMModule(LightningModule):
         lr_schedule: ``constant`` or ``cosine`` (both with linear warmup over ``warmup_steps``).
         warmup_steps: linear warmup steps.
         min_lr_ratio: the cosine schedule ends at ``min_lr_ratio * lr``.
-        eight_bit: ``hybrid_adamw`` only: "none", "all" or the fraction of parameters with 8-bit states.
+        eight_bit: ``hybrid_adamw`` only: "plan" (default: under ``strategy="lazytrain"`` the plan gives
+            the smallest 8-bit slice that fits host memory, none when 32-bit states fit; otherwise
+            32-bit states), "none", "all" or the fraction of parameters with 8-bit states.
         max_grad_norm: ``hybrid_adamw`` only: clip the global gradient norm inside the optimizer.
         loss_chunk_tokens: the ``LlamaLM`` training loss goes through the LM head this many tokens at a time
             (``models/loss.py``; the planner's ``train.loss_chunk_tokens``); other models compute full logits.
@@ -117,7 +119,7 @@ class CausalLMModule(LightningModule):
         lr_schedule: str = "cosine",
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
-        eight_bit: Any = "none",
+        eight_bit: Any = "plan",
         max_grad_norm: Optional[float] = None,
         loss_chunk_tokens: int = 4096,
     ) -> None:

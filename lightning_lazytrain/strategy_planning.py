@@ -73,10 +73,12 @@ class StrategyPlanning:
                 wl = workload_from_stats(ex, stats, tokens=self._tokens or 1,
                                          grad_accum=accum, micro_batches=micro_batches,
                                          opt_params_per_s=hardware.cpu_adam_params_per_s)
+                wl, fraction = self._plan_optimizer_states(wl, hardware)
                 wl = self._rank_workload(wl)
                 plan = plan_from_workload(wl, hardware, policy=self.policy,
                                           options=MilpOptions(conversions=self.conversions),
                                           start=ex.schedule if replan is not None else None)
+                plan.state_fraction = fraction
                 plan.timings["hardware"] = t_hw
                 plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw
                 if replan is not None:
@@ -97,6 +99,8 @@ class StrategyPlanning:
             if plan is None:
                 raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
         assert plan is not None
+        if plan.state_fraction is not None:  # the other processes' optimizers take rank 0's choice
+            self._hybrid_optimizers(pending=True, fraction=plan.state_fraction)
         if replan is not None:
             assert current_s is not None
             new_s = plan.result.sim.iteration_seconds
@@ -132,6 +136,42 @@ class StrategyPlanning:
         out = artifact_dir(trainer)
         if out and trainer.is_global_zero:
             plan.write(out)
+
+    def _hybrid_optimizers(self, *, pending: bool = False, fraction: float | None = None) -> list:
+        """The HybridAdamW optimizers (``pending``: those still without states; given a ``fraction``,
+        each gets that 8-bit slice)."""
+        from lightning_lazytrain.optim import HybridAdamW
+
+        out = [inner for opt in self.optimizers if isinstance(inner := getattr(opt, "optimizer", opt), HybridAdamW)
+               and (inner.bits_pending or not pending)]
+        if fraction is not None:
+            for o in out:
+                if o.bits_pending:
+                    o.set_state_bits("none" if fraction == 0 else fraction)
+        return out
+
+    def _plan_optimizer_states(self, wl: Any, hardware: Hardware) -> tuple[Any, float | None]:
+        """Note: [planned 8-bit slice] (optim/plan_states.py): ``HybridAdamW(eight_bit="plan")`` gets the
+        smallest 8-bit slice that fits host memory; every HybridAdamW is priced as its states are
+        (the 8-bit update's rate measured when there is one)."""
+        from lightning_lazytrain.optim.bnb8bit import measure_adamw_8bit_params_per_s
+        from lightning_lazytrain.optim.plan_states import choose_state_bits, price_optimizers
+
+        hybrids = self._hybrid_optimizers()
+        if not hybrids:
+            return wl, None
+        fraction = choose_state_bits(hybrids, wl.host_static_bytes, hardware.cpu_memory_bytes)
+        if fraction is not None:
+            rank_zero_info(f"lazytrain: HybridAdamW(eight_bit='plan'): {fraction:.1%} of its parameters with 8-bit "
+                           "states" + (" (the host holds 32-bit states for all)" if fraction == 0 else
+                                       " (the smallest slice that fits host memory)"))
+        rate8 = hardware.cpu_adam8_params_per_s
+        if any(o.bits_of(p) == 8 for o in hybrids for g in o.param_groups for p in g["params"]):
+            rate8 = measure_adamw_8bit_params_per_s() or rate8
+        ex = self.executor
+        assert ex is not None and ex.params is not None
+        groups = {j: ex.params.group_parameters(j) for j in (REST_GROUP, *range(len(ex.stack)))}
+        return price_optimizers(wl, hybrids, groups, hardware.cpu_adam_params_per_s, rate8), fraction
 
     def _rank_workload(self, wl: Any) -> Any:
         """With several processes: the plan is one rank's, with the host all-reduce of every group

@@ -150,7 +150,7 @@ class OptimConfig:
     lr_schedule: str = "cosine"  # cosine | constant (both after a linear warmup)
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
-    eight_bit: Any = "none"  # hybrid_adamw: none | all | fraction
+    eight_bit: Any = "plan"  # hybrid_adamw: plan | none | all | fraction
     max_grad_norm: Optional[float] = None  # hybrid_adamw: clip inside the optimizer
 
 

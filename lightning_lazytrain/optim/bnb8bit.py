@@ -69,8 +69,7 @@ def require_bnb() -> ModuleType:
     if _bnb_functional is not None:
         return _bnb_functional
     try:
-        import bitsandbytes
-        import bitsandbytes.functional as bnb_f
+        bitsandbytes, bnb_f = _import_bnb()
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "8-bit optimizer states need bitsandbytes>=0.50 (pip install 'lightning-lazytrain[train]'); "
@@ -83,6 +82,32 @@ def require_bnb() -> ModuleType:
         )
     _bnb_functional = bnb_f
     return bnb_f
+
+
+def _import_bnb() -> tuple[ModuleType, ModuleType]:
+    """Import bitsandbytes without its network access. On a CPU with AVX512-BF16, bitsandbytes
+    (0.50) fetches a 4-bit GEMM kernel from the Hugging Face hub at import (``kernels.get_kernel``)
+    and, offline or untrusted, logs "could not verify publisher trust status". The 8-bit optimizer
+    never uses that kernel, and nothing may reach the network at run time: the ``kernels`` package
+    is hidden for the import (bitsandbytes then keeps its own CPU path) and that one warning is
+    not shown."""
+    import logging
+    import sys
+
+    hide = "kernels" not in sys.modules
+    if hide:
+        sys.modules["kernels"] = None  # type: ignore[assignment]  # an import of it raises ImportError
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = cpu_ops.level
+    cpu_ops.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional as bnb_f
+    finally:
+        cpu_ops.setLevel(level)
+        if hide and sys.modules.get("kernels", 0) is None:
+            del sys.modules["kernels"]
+    return bitsandbytes, bnb_f
 
 
 def blocks_for(numel: int) -> int:
@@ -319,3 +344,25 @@ def dequantized_moments(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
         state["state2"], absmax=state["absmax2"], code=state["qmap2"], blocksize=BNB_BLOCK_SIZE
     )
     return m, v
+
+
+def measure_adamw_8bit_params_per_s(numel: int = 1 << 22, repeats: int = 2) -> float | None:
+    """Parameters per second of the 8-bit AdamW update on the host (bitsandbytes' CPU kernel, as
+    HybridAdamW runs it), best of ``repeats`` after a warm-up; None without bitsandbytes. The plan
+    prices an 8-bit slice with it (Note: [planned 8-bit slice] in hybrid_adamw.py)."""
+    import time
+
+    if not bnb_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=gen)
+    grad = torch.randn(numel, generator=gen).mul_(1e-3)
+    state = init_8bit_state(p, *make_qmaps(p.device))
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, gnorm_scale=1.0, grads_finite=True)
+    adamw_8bit_update(p, grad, state, **kw)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        adamw_8bit_update(p, grad, state, **kw)
+        best = min(best, time.perf_counter() - t0)
+    return numel / best

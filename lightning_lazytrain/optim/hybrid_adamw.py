@@ -39,7 +39,7 @@ from .assign import (
     log_assignment,
 )
 from .bnb8bit import adamw_8bit_update, init_8bit_state, make_qmaps, validate_block_size
-from .checkpoint import load_param_state
+from .checkpoint import load_param_state, saved_bits
 from .clip import (
     ClipDecision,
     SqNormInbox,
@@ -83,7 +83,10 @@ class HybridAdamW(Optimizer):
         params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or param group
             dicts (``"params"`` of either kind, optional ``"layer"``, per-group lr etc.). Names feed
             the 8-bit policy; unnamed parameters are called ``"g<group>.p<index>"``.
-        eight_bit: "none" | "all" | fraction in (0, 1] | predicate ``(name, shape) -> bool``.
+        eight_bit: "none" | "all" | fraction in (0, 1] | predicate ``(name, shape) -> bool``, or
+            "plan": the states are allocated once the plan has chosen the smallest 8-bit slice that
+            fits host memory (``LazyTrainStrategy`` calls :meth:`set_state_bits` before the first
+            step); without a plan, 32-bit states at the first step (logged). Note: [planned 8-bit slice].
         block_size: must be 256 (bitsandbytes' fixed block; anything else raises).
         max_grad_norm: clip the global L2 gradient norm to this (None: no clipping).
         min_8bit_numel: tensors smaller than this keep 32-bit states.
@@ -143,6 +146,30 @@ class HybridAdamW(Optimizer):
         self._ready = True
         self._assign_and_init([p for g in self.param_groups for p in g["params"]])
 
+    @property
+    def bits_pending(self) -> bool:
+        """``eight_bit="plan"`` and no state allocated yet (:meth:`set_state_bits` decides)."""
+        return self.eight_bit == "plan"
+
+    def set_state_bits(self, policy: EightBitPolicy) -> StateBytes:
+        """Note: [planned 8-bit slice] Choose the states of an ``eight_bit="plan"`` optimizer (any
+        policy ``eight_bit`` takes, e.g. the fraction the plan found) and allocate them; before the
+        first step only. Returns the state bytes."""
+        if not self.bits_pending:
+            raise RuntimeError(f"set_state_bits() is for HybridAdamW(eight_bit='plan'); this one has "
+                               f"eight_bit={self.eight_bit!r} and its states already")
+        if policy == "plan":
+            raise ValueError("set_state_bits() needs a policy: 'none', 'all', a fraction or a predicate")
+        self.eight_bit = policy
+        self._assign_and_init([p for g in self.param_groups for p in g["params"]])
+        return self.state_bytes()
+
+    def _resolve_pending(self) -> None:
+        if self.bits_pending:  # no plan chose (not under strategy="lazytrain"): plain AdamW states
+            logger.info("HybridAdamW(eight_bit='plan'): no plan chose an 8-bit slice before the first step; "
+                        "32-bit states for every parameter")
+            self.set_state_bits("none")
+
     # ----------------------------------------------------------------- groups, assignment, state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("layer", len(self.param_groups))
@@ -160,6 +187,8 @@ class HybridAdamW(Optimizer):
             self._assign_and_init(group["params"])
 
     def _assign_and_init(self, params: Sequence[torch.Tensor]) -> None:
+        if self.bits_pending:  # Note: [planned 8-bit slice]: set_state_bits allocates them
+            return
         named = [(self._names[p], p) for p in params]
         bits = assign_state_bits(named, self.eight_bit, min_8bit_numel=self.min_8bit_numel)
         for name, p in named:
@@ -173,6 +202,10 @@ class HybridAdamW(Optimizer):
                 self._qmaps[p.device] = make_qmaps(p.device)
             return init_8bit_state(p, *self._qmaps[p.device])
         return init_32bit_state(p)
+
+    def bits_of(self, p: torch.Tensor) -> int | None:
+        """8 or 32: the bits of ``p``'s states (None: not one of this optimizer's, or still pending)."""
+        return self._bits.get(p)
 
     @property
     def assignment(self) -> dict[str, int]:
@@ -307,6 +340,7 @@ class HybridAdamW(Optimizer):
 
     # ------------------------------------------------------------------------------ stepping
     def _prepare(self) -> _StepPlan:
+        self._resolve_pending()
         decision = decide_clip(self._global_norm(), self.max_grad_norm)
         self.last_grad_norm = decision.grad_norm
         if decision.skip:
@@ -461,6 +495,10 @@ class HybridAdamW(Optimizer):
             if names is not None and saved_names is not None and list(names) != list(saved_names):
                 raise ValueError("loaded state dict names its parameters differently (different model or order)")
             id_map.update(zip(saved["params"], group["params"]))
+        if self.bits_pending:  # a resume: the states' bits are the checkpoint's
+            saved = {id_map[pid]: saved_bits(st) for pid, st in state_dict["state"].items() if pid in id_map}
+            self.set_state_bits(lambda name, shape, bits={self._names[p]: b for p, b in saved.items()}:
+                                bits.get(name, 32) == 8)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_map:
