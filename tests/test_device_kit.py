@@ -15,6 +15,7 @@ throughput stage's interval arithmetic) is tested here directly, on fake inputs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "bench" / "device"
 CUDA_STAGES = {"sanitizer", "sync_debug", "pytest_gpu"}
-CPU_STAGES = {"equivalence", "delays", "lightning", "throughput", "distributed", "nvme"}
+CPU_STAGES = {"equivalence", "delays", "lightning", "throughput", "fit", "distributed", "nvme"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def kit():
 
 # Modules the GPU image lacks (check.sh's NEEDED, by top-level name).
 HIDDEN = ("pyomo", "highspy", "hydra", "omegaconf", "bitsandbytes", "jsonargparse", "docstring_parser",
-          "typeshed_client", "antlr4")
+          "typeshed_client", "antlr4", "deepspeed")
 # An emulated device image: a sitecustomize that hides HIDDEN unless they come from $EMULATED_KIT_SITE,
 # the folder check.sh installs the carried wheels into (every stage process inherits it).
 HIDE = f"""import importlib.machinery, os, sys
@@ -142,9 +143,132 @@ def test_rehearsal_passes_every_cpu_stage_and_skips_the_cuda_ones(tmp_path, devi
         assert v["gpu_busy"]["status"] == "skipped" and "CUDA" in v["gpu_busy"]["reason"], name
         assert v["gpu_busy"]["profiled_step_seconds"] > 0 and v["gpu_busy_fraction"] is None, name
     assert stages["throughput"]["figures"]["variants"]["plain"]["gpu_busy"]["status"] == "skipped"
+    check_fit_rehearsal(stages["fit"])
     assert "6 GPU tests" in stages["pytest_gpu"]["reason"] or "GPU tests collected" in stages["pytest_gpu"]["reason"]
     assert not (out / "site").exists()  # installed packages do not travel back with the results
     assert "## equivalence" in log
+
+
+def check_fit_rehearsal(stage: dict) -> None:
+    """The fit stage's CPU rehearsal: each variant in its own process, lazytrain and auto measured,
+    FSDP2 measured on gloo, DeepSpeed skipped with the reason; ratios and targets recorded."""
+    fig = stage["figures"]
+    assert fig["device"] == "cpu" and fig["timed"] == 2 and fig["warmup"] == 0 and fig["model"]["num_layers"] == 4
+    assert fig["order"] == [f"{v} b2x32" for v in ("lazytrain", "auto", "fsdp2_offload", "deepspeed_offload")]
+    run = fig["runs"]["b2x32"]
+    v = run["variants"]
+    assert set(v) == {"lazytrain", "auto", "fsdp2_offload", "deepspeed_offload"}
+    for name in ("lazytrain", "auto", "fsdp2_offload"):  # FSDP2 + CPU offload work on the CPU (gloo)
+        r = v[name]
+        assert r["status"] == "measured", (name, r.get("reason"))
+        assert len(r["step_seconds"]) == 2 and r["tokens_per_s"] == 64 / r["median_step_seconds"], name
+        assert r["optimizer_seconds"] > 0 and r["parameters"] == 217_664 and r["settings"], name
+        busy = r["gpu_busy"]  # the profiled step ran; the GPU figure is CUDA only
+        assert busy["status"] == "skipped" and "CUDA" in busy["reason"] and busy["profiled_step_seconds"] > 0, name
+        assert r["gpu_busy_fraction"] is None and "max_memory_reserved_gb" not in r, name
+    lt = v["lazytrain"]
+    assert lt["untimed_step_seconds"] and len(lt["untimed_step_seconds"]) == 1  # the profiled step, untimed
+    assert lt["footprint_min_gb"] < lt["cap_gb"] < lt["footprint_keep_all_gb"] and lt["cap_frac"] == 0.4
+    assert lt["predicted_step_seconds"] > 0 and lt["measured_over_predicted"] > 0 and lt["predicted_peak_gb"] > 0
+    assert lt["plan"]["homes"] and lt["lane_busy_seconds"]["compute"] > 0 and lt["lane_gb_per_s"]["h2d"]["bytes"] > 0
+    assert lt["predicted_lane_busy_seconds"]["compute"] > 0 and lt["optimizer_update_seconds_per_step"] > 0
+    assert "HybridAdamW" in lt["settings"]["optimizer"] and lt["settings"]["precision"] == "32-true"
+    assert "fused" in v["auto"]["settings"]["optimizer"]
+    assert "CPUOffloadPolicy" in v["fsdp2_offload"]["settings"]["offload"]
+    ds = v["deepspeed_offload"]
+    assert ds["status"] == "skipped" and ds["reason"], ds
+    if importlib.util.find_spec("deepspeed") is not None:  # installed here: carried to the emulated image (or
+        # importable as it is): checked as far as the CPU goes
+        assert "CUDA only" in ds["reason"] and ds["preflight"]["deepspeed"], ds
+        assert "cpu_adam_compatible" in ds["preflight"], ds
+    else:  # fetch_wheels.py left it out (not installed where the wheels were fetched)
+        assert "not importable" in ds["reason"], ds
+    ratios = run["ratios"]
+    assert ratios["lazytrain_over_auto"] > 0 and ratios["lazytrain_over_fsdp2_offload"] > 0
+    assert ratios["lazytrain_over_deepspeed_offload"] is None and "skipped" in ratios["why_none"][
+        "lazytrain_over_deepspeed_offload"]
+    targets = run["targets"]  # the speed targets are for 8/32 x 1024; measured / predicted everywhere
+    assert set(targets) == {"measured_over_predicted", "note"}
+    assert targets["measured_over_predicted"]["value"] == lt["measured_over_predicted"]
+    assert isinstance(targets["measured_over_predicted"]["met"], bool)
+    assert stage["seconds"] < 120, stage["seconds"]  # each variant a process of its own, still quick
+
+
+def test_fit_ratios_and_targets(kit):
+    """The issue's targets as booleans: b32 >= 0.8x auto, >= 2x FSDP2 offload, GPU busy >= 0.8; b8 >=
+    0.35x auto, >= 1.5x FSDP2 offload; measured / predicted within 10%; None where not measured."""
+    from stage_fit import ratios_and_targets
+
+    lt = {"status": "measured", "tokens_per_s": 50_000.0, "gpu_busy_fraction": 0.85, "measured_over_predicted": 1.08}
+    peers = {"auto": {"status": "measured", "tokens_per_s": 60_000.0},
+             "fsdp2_offload": {"status": "measured", "tokens_per_s": 20_000.0},
+             "deepspeed_offload": {"status": "skipped", "reason": "no Python.h"}}
+    ratios, targets = ratios_and_targets(32, 1024, {"lazytrain": lt, **peers})
+    assert ratios["lazytrain_over_auto"] == 50 / 60 and ratios["lazytrain_over_fsdp2_offload"] == 2.5
+    assert ratios["lazytrain_over_deepspeed_offload"] is None
+    assert ratios["why_none"] == {"lazytrain_over_deepspeed_offload": "deepspeed_offload skipped: no Python.h"}
+    assert {k: t["met"] for k, t in targets.items()} == {
+        "lazytrain_over_auto": True, "lazytrain_over_fsdp2_offload": True, "gpu_busy_fraction": True,
+        "measured_over_predicted": True}
+    slow = {**lt, "tokens_per_s": 20_000.0, "gpu_busy_fraction": 0.5, "measured_over_predicted": 0.85}
+    _, targets = ratios_and_targets(32, 1024, {"lazytrain": slow, **peers})
+    assert {k: t["met"] for k, t in targets.items()} == {
+        "lazytrain_over_auto": False, "lazytrain_over_fsdp2_offload": False, "gpu_busy_fraction": False,
+        "measured_over_predicted": False}
+    # b8: 0.35x auto and 1.5x FSDP2 offload, no GPU busy target
+    _, targets = ratios_and_targets(8, 1024, {"lazytrain": {**lt, "tokens_per_s": 30_000.0}, **peers})
+    assert {k: t["met"] for k, t in targets.items()} == {
+        "lazytrain_over_auto": True, "lazytrain_over_fsdp2_offload": True, "measured_over_predicted": True}
+    assert targets["lazytrain_over_auto"]["target"] == ">= 0.35"
+    # an OOM'd auto: no ratio, the target unknown (None), the reason kept
+    ratios, targets = ratios_and_targets(32, 1024, {"lazytrain": lt, **peers, "auto": {"status": "oom",
+                                                                                       "reason": "CUDA OOM"}})
+    assert ratios["lazytrain_over_auto"] is None and targets["lazytrain_over_auto"]["met"] is None
+    assert ratios["why_none"]["lazytrain_over_auto"] == "auto oom: CUDA OOM"
+
+
+def test_fit_job_timeout_kills_the_run_and_what_it_started(kit, tmp_path):
+    """A variant past its timeout is killed with everything it started (its own session), and what it
+    wrote before is kept; a run that ends in time is left alone."""
+    import time
+
+    from stage_fit import Job
+
+    pidfile, out = tmp_path / "grandchild.pid", tmp_path / "run.json"
+    code = (f"import json, subprocess, time; p = subprocess.Popen(['sleep', '60']); open({str(pidfile)!r}, 'w')"
+            f".write(str(p.pid)); open({str(out)!r}, 'w').write(json.dumps({{'phase': 'fit'}})); time.sleep(60)")
+    t0 = time.perf_counter()
+    job = Job([sys.executable, "-c", code], out, timeout=3, env=dict(os.environ))
+    assert job.wait() and job.timed_out and job.rc != 0 and time.perf_counter() - t0 < 20
+    assert job.result() == {"phase": "fit"}
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):  # killed with its session (a zombie until init reaps it counts as gone)
+        try:
+            state = Path(f"/proc/{grandchild}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the run's child {grandchild} outlived the kill")
+    quick = Job([sys.executable, "-c", "pass"], tmp_path / "none.json", timeout=30, env=dict(os.environ))
+    assert quick.wait() and not quick.timed_out and quick.rc == 0 and quick.result() == {}
+
+
+def test_fit_stage_is_opt_in_on_the_device(tmp_path):
+    """A full device run records the fit stage as skipped with the command that runs it; KIT_ONLY runs it."""
+    sys.path.insert(0, str(KIT))
+    try:
+        import run_checks
+    finally:
+        sys.path.remove(str(KIT))
+    spec = next(s for s in run_checks.STAGES if s.name == "fit")
+    names = [s.name for s in run_checks.STAGES]
+    assert spec.opt_in and names.index("fit") == names.index("throughput") + 1
+    runner = run_checks.Runner(tmp_path, rehearse=False, budget_s=450, only=[])
+    r = runner.run_stage(spec, "cuda")
+    assert r["status"] == "skipped" and "KIT_ONLY=throughput,fit" in r["reason"]
 
 
 def test_delay_injection_exposes_a_planted_race_and_leaves_correct_runs_alone(kit, tmp_path):
@@ -185,13 +309,23 @@ def test_pytest_summary_parsing(kit):
     assert summary_counts("no tests ran in 0.01s") == {}
 
 
-def test_wheel_list_is_what_the_gpu_image_lacks(kit):
+def test_wheel_list_is_what_the_gpu_image_lacks(kit, monkeypatch):
     import fetch_wheels  # bench/device is on sys.path through the kit fixture
 
     wanted = fetch_wheels.wanted()
     assert {"pyomo", "highspy", "hydra-core", "omegaconf", "antlr4-python3-runtime", "bitsandbytes",
             "jsonargparse"} <= set(wanted)
     assert not {"torch", "lightning", "transformers", "numpy", "pytest", "matplotlib", "pyyaml"} & set(wanted)
+    # the fit stage's DeepSpeed peer: shipped with its dependencies when installed here, else left out
+    present, left_out = fetch_wheels.kit_extras()
+    if present:
+        assert {"deepspeed", "hjson", "ninja", "py-cpuinfo", "msgpack", "pydantic", "pydantic-core"} <= set(wanted)
+    else:
+        assert "deepspeed" not in wanted and "pip install deepspeed==" in left_out[0]
+    assert "deepspeed" not in fetch_wheels.wanted(extras=False)
+    monkeypatch.setattr(fetch_wheels, "KIT_EXTRAS", ("lazytrain-kit-no-such-dist",))
+    assert fetch_wheels.kit_extras() == ([], ["lazytrain-kit-no-such-dist: not installed here (pip install "
+                                              "lazytrain-kit-no-such-dist, then fetch again)"])
     needed = (KIT / "check.sh").read_text()
     for module in ("pyomo", "highspy", "hydra", "omegaconf", "bitsandbytes", "jsonargparse", "antlr4"):
         assert module in needed.split("NEEDED=", 1)[1].splitlines()[0], module
@@ -307,8 +441,8 @@ def test_fetch_wheels_for_the_device_python_fetches_cp312_manylinux_wheels(kit, 
     assert fetch_wheels.foreign_wheels(names, fetch_wheels.Target("3.12")) == []
     compiled = [n for n in names if fetch_wheels.wheel_python_tags([n])]
     assert compiled and all("-cp312-cp312-" in n and "manylinux" in n and n.endswith("_x86_64.whl") for n in compiled)
-    for n in set(names) - set(compiled):  # pure, or Python-independent with a native library (bitsandbytes)
-        assert "-py3-none-" in n or "-py2.py3-none-" in n, n
+    for n in set(names) - set(compiled):  # pure, Python-independent with a native library (bitsandbytes), or
+        assert "-py3-none-" in n or "-py2.py3-none-" in n or "-abi3-" in n, n  # the stable ABI (psutil)
     assert any(n.startswith("antlr4_python3_runtime-") and n.endswith("-none-any.whl") for n in names)
     assert {"highspy", "pyomo"} <= {n.split("-")[0] for n in compiled}
     assert doc["total_bytes"] == sum(p.stat().st_size for p in dest.glob("*.whl")) < 60 * fetch_wheels.MIB

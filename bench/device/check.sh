@@ -7,7 +7,9 @@
 # 1. Packages: if any module the project needs is missing (the GPU image lacks pyomo, highspy,
 #    hydra-core, omegaconf, bitsandbytes, jsonargparse), install the carried wheels of
 #    bench/device/wheels/ (made by fetch_wheels.py) offline into $KIT_SITE (default OUTDIR/site):
-#    `pip install --no-index --no-deps --target`; without pip, the wheels are unpacked.
+#    `pip install --no-index --no-deps --target`; without pip, the wheels are unpacked (their
+#    scripts, e.g. ninja, into $KIT_SITE/bin). DeepSpeed (the fit stage's peer) is optional: installed
+#    when carried, else that variant records skipped.
 #    PYTHONPATH=$KIT_SITE:<repo root>. OUTDIR/site is removed at the end (it would travel back
 #    with the results) unless KIT_KEEP_SITE=1.
 #    The wheels are for one CPython and platform (MANIFEST.json's python_tag, e.g. cp312, and the
@@ -20,7 +22,8 @@
 # python, on PATH -- set it when that is not the one with torch), KIT_SITE, KIT_KEEP_SITE, KIT_BUDGET_S
 # (seconds for all stages, default 450), KIT_ONLY (comma-separated stages), LAZYTRAIN_NVME_DIR,
 # KIT_WHEELS (the wheel folder, default bench/device/wheels), KIT_NEEDED (the modules to check,
-# space-separated; default: those the image lacks).
+# space-separated; default: those the image lacks), KIT_OPTIONAL (modules installed from the wheels
+# when missing, but not required; default: deepspeed).
 set -uo pipefail
 
 REHEARSE=()
@@ -28,7 +31,7 @@ OUT=""
 for arg in "$@"; do
   case "$arg" in
     --rehearse) REHEARSE=(--rehearse) ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     *) OUT="$arg" ;;
   esac
@@ -76,6 +79,9 @@ drop_site() { if [ "$SITE" = "$OUT/site" ] && [ "${KIT_KEEP_SITE:-0}" != "1" ]; 
 
 # Modules the package and its tests import that the GPU image does not ship.
 NEEDED="${KIT_NEEDED:-pyomo.environ highspy hydra omegaconf bitsandbytes jsonargparse docstring_parser typeshed_client antlr4}"
+# Modules only some stages use (the fit stage's DeepSpeed peer): installed from the carried wheels when
+# missing, but a kit without them still runs (that variant records skipped).
+OPTIONAL="${KIT_OPTIONAL:-deepspeed}"
 missing() {
   PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$@" <<'EOF'
 import importlib.util, sys
@@ -93,7 +99,17 @@ EOF
 
 note "python: $PY ($PY_VERSION)"
 MISSING="$(missing $NEEDED)" || { note "ERROR: $PY could not check the modules"; exit 2; }
-if [ -n "$MISSING" ]; then
+OPT_MISSING="$(missing $OPTIONAL)" || OPT_MISSING=""
+if [ -z "$MISSING" ] && [ -n "$OPT_MISSING" ]; then
+  shopt -s nullglob
+  opt_wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  if [ ${#opt_wheels[@]} -eq 0 ]; then
+    note "optional modules missing: $OPT_MISSING (no wheels in $WHEELS): the stages that use them record skipped"
+    OPT_MISSING=""
+  fi
+fi
+if [ -n "$MISSING" ] || [ -n "$OPT_MISSING" ]; then
   shopt -s nullglob
   wheels=("$WHEELS"/*.whl)
   if [ ${#wheels[@]} -eq 0 ]; then
@@ -142,7 +158,7 @@ if foreign:
 print(f"[check.sh] the wheels are for {', '.join(sorted(want)) or 'any Python (pure)'}; this Python is {here}")
 EOF
   [ $? -eq 0 ] || exit 2
-  note "missing modules: $MISSING; installing ${#wheels[@]} carried wheels into $SITE (offline)"
+  note "missing modules: ${MISSING:-none needed}${OPT_MISSING:+ (optional: $OPT_MISSING)}; installing ${#wheels[@]} carried wheels into $SITE (offline)"
   mkdir -p "$SITE"
   if "$PY" -m pip --version >/dev/null 2>&1; then
     "$PY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check -q --target "$SITE" "${wheels[@]}" \
@@ -150,13 +166,22 @@ EOF
   else
     note "no pip: unpacking the wheels into $SITE"
     "$PY" - "$SITE" "${wheels[@]}" <<'EOF' || { note "unpacking the wheels failed"; drop_site; exit 2; }
-import sys, zipfile
+import os, sys, zipfile
 site = sys.argv[1]
 for wheel in sys.argv[2:]:
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
-            if info.filename.split("/", 1)[0].endswith(".data"):
-                continue  # scripts and headers: not needed to import
+            top, _, rest = info.filename.partition("/")
+            if top.endswith(".data"):
+                kind, _, name = rest.partition("/")
+                if kind == "scripts" and name and "/" not in name and not info.is_dir():
+                    # executables (ninja, for DeepSpeed's JIT build) go to SITE/bin, as pip --target puts them
+                    path = os.path.join(site, "bin", name)
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, "wb") as f:
+                        f.write(z.read(info))
+                    os.chmod(path, 0o755)
+                continue  # headers and other data: not needed to import
             z.extract(info, site)
 EOF
   fi
@@ -166,6 +191,8 @@ EOF
     drop_site
     exit 2
   fi
+  OPT_MISSING="$(missing $OPTIONAL)" || OPT_MISSING=""
+  [ -z "$OPT_MISSING" ] || note "optional modules still missing: $OPT_MISSING (not carried): the stages that use them record skipped"
   note "installed in $(( $(date +%s) - T0 )) s"
 else
   note "every needed module is importable: no wheels installed"

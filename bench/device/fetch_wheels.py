@@ -21,7 +21,13 @@ image does not already hold, at the exact versions installed *here*, for the *de
      image runs torch's ``manylinux_2_28`` wheels, so its glibc is at least that);
      a distribution published only as an sdist (antlr4-python3-runtime 4.9.3) is built here with
      ``pip wheel --no-deps`` and must come out pure Python (``py3-none-any``, any Python 3);
-  3. bitsandbytes is repacked: its wheel carries a native library for every CUDA/ROCm/XPU release
+  3. the kit's own extras (``KIT_EXTRAS``: DeepSpeed, for the ``fit`` stage's ZeRO-3 offload peer)
+     with their dependencies, when installed here (``pip install deepspeed==0.19.8``); otherwise left
+     out with a warning (that variant then records ``skipped``), and ``MANIFEST.json`` says so
+     (``left_out``). PyPI has DeepSpeed as an sdist only: built here (``DS_BUILD_OPS=0``, no torch in
+     the build's isolated environment) into a pure ``py3-none-any`` wheel without prebuilt ops, whose
+     CPU Adam is JIT-built on the device with the image's compiler;
+  4. bitsandbytes is repacked: its wheel carries a native library for every CUDA/ROCm/XPU release
      (43 MB compressed). Kept: ``libbitsandbytes_cpu.so`` and the CUDA libraries named by
      ``--bnb-keep`` (default ``cuda128,cuda130``: the newest 12.x and the first 13.x; bitsandbytes
      loads the closest library of the runtime's major version, see its ``cextension.py``); every
@@ -45,6 +51,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -68,6 +75,18 @@ DEFAULT_DEST = Path(__file__).resolve().parent / "wheels"
 DEVICE_HAS = ("torch", "lightning", "transformers", "pytest", "hypothesis", "matplotlib")
 #: Extras of this project that the kit needs (``train``: bitsandbytes, jsonargparse; ``test``; ``hf``).
 EXTRAS = ("train", "test", "hf")
+#: What the kit's own stages use beyond the project's requirements: DeepSpeed (the ``fit`` stage's
+#: ``deepspeed_stage_3_offload`` peer). Shipped, with its dependencies, when installed here.
+KIT_EXTRAS = ("deepspeed",)
+#: The DeepSpeed the kit was written against (PyPI: sdist only, built here into a pure wheel).
+DEEPSPEED_VERSION = "0.19.8"
+#: Dependencies of ``KIT_EXTRAS`` shipped even though the image's closure, as computed here, holds them:
+#: here transformers 5.25 pulls pydantic in (through typer), the image's transformers 5.17 (through
+#: typer-slim) does not, and DeepSpeed cannot import without it. Shipped with their own dependencies
+#: less torch's.
+EXTRAS_SHIP_ANYWAY = ("pydantic",)
+#: Environment of sdist builds: DeepSpeed without prebuilt ops (its ops are JIT-built on the device).
+BUILD_ENV = {"DS_BUILD_OPS": "0"}
 BNB_KEEP_DEFAULT = "cuda128,cuda130"
 MIB = 1 << 20
 #: The device's Python (its image: Python 3.12.3); ``--python`` names another, ``current`` this one.
@@ -178,16 +197,35 @@ def closure(roots: list[Requirement], target: Target | None = None) -> dict[str,
     return seen
 
 
-def wanted(target: Target | None = None) -> dict[str, str]:
-    """{name: version} to ship for ``target`` (default: the device's Python)."""
+def kit_extras() -> tuple[list[Requirement], list[str]]:
+    """(the ``KIT_EXTRAS`` installed here, as requirements; why each other one is left out)."""
+    present, left_out = [], []
+    for name in KIT_EXTRAS:
+        try:
+            metadata.distribution(name)
+            present.append(Requirement(name))
+        except metadata.PackageNotFoundError:
+            pin = f"=={DEEPSPEED_VERSION}" if name == "deepspeed" else ""
+            left_out.append(f"{name}: not installed here (pip install {name}{pin}, then fetch again)")
+    return present, left_out
+
+
+def wanted(target: Target | None = None, extras: bool = True) -> dict[str, str]:
+    """{name: version} to ship for ``target`` (default: the device's Python): the project's requirements
+    and, with ``extras``, the ``KIT_EXTRAS`` installed here, with their dependencies, less the image's."""
     target = target or Target()
-    ship = closure(project_requirements(), target)
+    present = kit_extras()[0] if extras else []
+    ship = closure(project_requirements() + present, target)
     has = closure([Requirement(n) for n in DEVICE_HAS], target)
+    if present:
+        anyway = closure([Requirement(n) for n in EXTRAS_SHIP_ANYWAY], target)
+        has = set(has) - (set(anyway) - set(closure([Requirement("torch")], target)))
     return {k: v for k, v in sorted(ship.items()) if k not in has and k != canonicalize_name("lightning-lazytrain")}
 
 
-def pip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+def pip(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
+                          env={**os.environ, **env} if env else None)
 
 
 def fetch_one(name: str, version: str, tmp: Path, target: Target | None = None) -> tuple[Path, str]:
@@ -200,7 +238,7 @@ def fetch_one(name: str, version: str, tmp: Path, target: Target | None = None) 
         raise SystemExit(f"pip download {name}=={version} for {target.tag} failed:\n{r.stdout}\n{r.stderr}")
     if r.returncode != 0:
         # no wheel for the target (sdist only): build it here; it must be pure Python to install on the device.
-        r = pip("wheel", "--no-deps", "--no-binary", name, "-w", str(out), f"{name}=={version}")
+        r = pip("wheel", "--no-deps", "--no-binary", name, "-w", str(out), f"{name}=={version}", env=BUILD_ENV)
         how = "built from sdist"
         if r.returncode != 0:
             raise SystemExit(f"could not get {name}=={version} for {target.tag} (no wheel for it, and building "
@@ -300,12 +338,13 @@ def place(staged: Path, manifest: list[dict], dest: Path, max_bytes: float) -> i
     return total
 
 
-def write_manifest(dest: Path, manifest: list[dict], total: int, target: Target | None = None) -> None:
+def write_manifest(dest: Path, manifest: list[dict], total: int, target: Target | None = None,
+                   left_out: list[str] | None = None) -> None:
     target = target or Target()
     (dest / "MANIFEST.json").write_text(json.dumps(
         {"python": target.short, "python_tag": target.tag, "platforms": target.platforms(),
          "fetched_with": sys.version.split()[0], "device_has": list(DEVICE_HAS), "total_bytes": total,
-         "wheels": manifest}, indent=1) + "\n")
+         "kit_extras": list(KIT_EXTRAS), "left_out": list(left_out or []), "wheels": manifest}, indent=1) + "\n")
 
 
 def sha256(path: Path) -> str:
@@ -328,13 +367,18 @@ def main() -> int:
                     help="CUDA libraries of bitsandbytes to keep besides the CPU one (comma-separated)")
     ap.add_argument("--max-mib", type=float, default=60.0)
     ap.add_argument("--list", action="store_true", help="print what would be fetched and stop")
+    ap.add_argument("--no-kit-extras", action="store_true",
+                    help=f"leave out {', '.join(KIT_EXTRAS)} (the fit stage's DeepSpeed peer then records skipped)")
     args = ap.parse_args()
     if not (args.glibc.count(".") == 1 and all(p.isdigit() for p in args.glibc.split("."))
             and int(args.glibc.split(".")[0]) == 2 and int(args.glibc.split(".")[1]) >= 17):
         ap.error(f"--glibc {args.glibc!r}: give a glibc version such as 2.28 (2.17 or newer)")
     target = Target(args.python.version, args.glibc)
 
-    todo = wanted(target)
+    left_out = [f"{n}: --no-kit-extras" for n in KIT_EXTRAS] if args.no_kit_extras else kit_extras()[1]
+    todo = wanted(target, extras=not args.no_kit_extras)
+    for why in left_out:
+        print(f"warning: left out {why}; the fit stage's DeepSpeed peer will record skipped", file=sys.stderr)
     print(f"wheels for CPython {target.version} ({target.tag}, {target.platforms()[0]} and older manylinux tags), "
           f"fetched with Python {sys.version.split()[0]}; the device lacks {len(todo)} distributions:")
     for name, version in todo.items():
@@ -367,7 +411,7 @@ def main() -> int:
                 print(f"{e['file']:<78} {e['bytes'] / MIB:7.2f}  {e['source']}")
             print(f"ERROR: {err}", file=sys.stderr)
             return 1
-    write_manifest(args.dest, manifest, total, target)
+    write_manifest(args.dest, manifest, total, target, left_out)
     print(f"\n{'wheel':<78} {'MiB':>7}")
     for e in manifest:
         print(f"{e['file']:<78} {e['bytes'] / MIB:7.2f}  {e['source']}")

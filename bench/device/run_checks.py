@@ -36,7 +36,9 @@ ROOT = HERE.parents[1]
 @dataclass(frozen=True)
 class StageSpec:
     """``args`` (``--out``/``--device``/``--name`` are added); ``cpu_args`` replace ``args`` in a
-    rehearsal; ``cuda_only``: recorded as skipped in a rehearsal without starting it."""
+    rehearsal; ``cuda_only``: recorded as skipped in a rehearsal without starting it; ``opt_in``: on the
+    device, run only when ``KIT_ONLY`` names it (a stage that needs minutes of its own), else recorded
+    as skipped with the command that runs it (a rehearsal always runs it)."""
 
     name: str
     script: str
@@ -46,6 +48,7 @@ class StageSpec:
     cpu_args: tuple[str, ...] | None = None
     env: dict[str, str] = field(default_factory=dict)
     cuda_only: bool = False
+    opt_in: bool = False
 
 
 # In order of importance when the GPU machine is lent for a short time; timeouts are for one H200
@@ -73,6 +76,12 @@ STAGES: tuple[StageSpec, ...] = (
               cpu_args=("--steps", "4")),
     StageSpec("throughput", "stage_throughput.py", 200,
               "~1B LlamaLM: MILP plan vs megatrain vs plain bf16, tokens/s and memory vs the cap"),
+    # ~5 minutes on one H200 (8 Lightning fits and a DeepSpeed CPU Adam build): more than a full run
+    # leaves, so the device runs it when asked: KIT_ONLY=throughput,fit
+    StageSpec("fit", "stage_fit.py", 400,
+              "end to end, Lightning fit of the ~1B Llama with the optimizer, b32 and b8 x 1024: lazytrain vs auto vs "
+              "FSDP2 CPU offload vs DeepSpeed ZeRO-3 offload (tokens/s, GPU busy, optimizer seconds, memory)",
+              opt_in=True),
     StageSpec("distributed", "stage_distributed.py", 60,
               "NCCL default group of world size 1 + GradSync's overlapped all-reduce next to the CUDA executor: "
               "bitwise equal to no sync"),
@@ -174,6 +183,11 @@ class Runner:
             self.say("skipped: needs CUDA (the rehearsal runs on the CPU)")
             return {**base, "status": "skipped", "seconds": 0.0, "reason": "needs CUDA (rehearsal runs on the CPU)",
                     "figures": {}}
+        if spec.opt_in and not self.rehearse and spec.name not in self.only:
+            why = (f"opt-in on the device (about {spec.timeout_s} s of its own): run it with KIT_ONLY=throughput,"
+                   f"{spec.name} bash bench/device/check.sh OUTDIR")
+            self.say(f"skipped: {why}")
+            return {**base, "status": "skipped", "seconds": 0.0, "reason": why, "figures": {}}
         left = self.budget_s - (time.perf_counter() - self.t0)
         if left < 15:
             self.say(f"not started: the kit's {self.budget_s:.0f} s budget is spent")
@@ -186,7 +200,8 @@ class Runner:
         args = spec.cpu_args if (self.rehearse and spec.cpu_args is not None) else spec.args
         cmd = [sys.executable, str(HERE / spec.script), "--out", str(result_path), "--device", device,
                "--name", spec.name, "--workdir", str(self.out / "work" / spec.name), *args]
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        # KIT_STAGE_TIMEOUT_S: the stage's own time limit here, for a stage that budgets its parts
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "KIT_STAGE_TIMEOUT_S": str(int(timeout))}
         self.log("$ " + " ".join(cmd) + "".join(f"  [{k}={v}]" for k, v in spec.env.items()))
         t0 = time.perf_counter()
         timed_out = False
