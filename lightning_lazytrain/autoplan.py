@@ -23,6 +23,7 @@ from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.planner import Hardware, Schedule, Workload, baseline
 from lightning_lazytrain.planner.milp import MilpOptions
+from lightning_lazytrain.planner.placement import calibrate_host_rates
 from lightning_lazytrain.planner.plan import PlanResult, diagnose, plan_workload
 
 log = logging.getLogger(__name__)
@@ -171,10 +172,14 @@ def plan_for(executor: Executor, run_microbatch: Callable[[], None], hardware: H
 
 
 def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp", options: MilpOptions | None = None,
-                       K: int = 4, start: Schedule | None = None) -> AutoPlan:
+                       K: int = 4, start: Schedule | None = None, profiled: Schedule | None = None) -> AutoPlan:
     """Diagnose, evaluate the baselines and solve (or apply ``policy``) for a measured workload;
-    ``start``: the schedule a re-plan warm-starts from (``solve``)."""
+    ``start``: the schedule a re-plan warm-starts from (``solve``); ``profiled``: the schedule the
+    workload was measured on, whose host lane calibrates the host rates (planner/placement.py, Note:
+    [host rates in place])."""
     t0 = time.perf_counter()
+    if profiled is not None:
+        hardware = calibrate_host_rates(wl, profiled.in_mode(wl.data_parallel), hardware)
     diagnose(wl, hardware)  # an impossible budget: which tier is short, by how much
     fixed = None
     if policy != "milp":

@@ -254,7 +254,8 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         hardware = self._hardware()
         t_hw = time.perf_counter() - t0
         wl = workload_from_stats(ex, stats, tokens=self._tokens, opt_params_per_s=hardware.cpu_adam_params_per_s)
-        plan = plan_from_workload(wl, hardware, policy=self.policy)  # an impossible budget raises here
+        # an impossible budget raises here
+        plan = plan_from_workload(wl, hardware, policy=self.policy, profiled=ex.schedule)
         plan.timings.update(profile=t_profile, hardware=t_hw)
         nvme = int(plan.result.sim.nvme_bytes)
         if nvme:

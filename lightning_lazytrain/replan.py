@@ -4,17 +4,28 @@ The plan is solved from the first step's profile. If the link, the host or the d
 the schedule goes stale (the LazyTrain paper names this as its own limitation). ``DriftMonitor``
 watches each step's measured time against the plan's prediction. Their ratio is not expected to be
 1 (the measured step leaves out the optimizer, a prediction leaves out launch gaps): what counts
-is that it *moves*. The median ratio of the ``patience`` steps after a (re)plan is the baseline;
-when the median of the last ``patience`` steps leaves it by more than ``threshold`` the strategy
+is that it *moves*, and stays moved. The median ratio of the ``patience`` steps after a (re)plan is
+the baseline; when the median of the last ``patience`` steps has been more than a factor
+``1 + threshold`` away from it (slower, or faster) at ``patience`` steps in a row, the strategy
 re-profiles the next step (no extra call of user code: that step runs as usual with timing on),
 measures the links from that step's copies, re-solves, and switches the schedule at the step
 boundary when the new plan is predicted at least ``min_gain`` faster than the current schedule on
 the new profile. Exactness is unchanged: a switch happens between optimizer steps, as the first
 plan's does.
+
+Note: [drift back-off]. On a busy machine (a shared 2-core CPU) a burst of slow steps looks like
+drift, and the re-plan it triggers keeps the schedule: nothing changed. So every re-plan raises
+the bar for the next one: at back-off level ``k`` (the number of re-plans since the last switch)
+the window and the streak are ``patience * backoff**k`` steps and the factor is
+``(1 + threshold) ** (backoff**k)`` (defaults: 3 steps and x1.25, then 6 steps and x1.56, then 12
+steps and x2.44). A re-plan that switched the schedule (``replanned(switched=True)``) found a real
+change and brings the bar back down to level 0. A real, lasting change still passes a raised bar:
+it only takes longer to be seen. ``max_replans`` caps the total.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -27,15 +38,19 @@ __all__ = ["DriftMonitor", "ReplanOptions", "measured_link_rates"]
 @dataclass(frozen=True)
 class ReplanOptions:
     """``enabled``: watch for drift at all. ``threshold``: relative move of measured/predicted that
-    counts as drift. ``patience``: steps in each median (and steps of a new baseline). ``min_gain``:
-    switch only to a plan predicted at least this much faster than keeping the current schedule.
-    ``max_replans``: at most this many re-profiles in a run (no thrashing on a noisy machine)."""
+    counts as drift (a factor ``1 + threshold`` either way: 0.25 is +25% slower or -20% faster).
+    ``patience``: steps in each median, steps of a new baseline, and how many steps in a row the
+    median must stay moved. ``min_gain``: switch only to a plan predicted at least this much faster
+    than keeping the current schedule. ``max_replans``: at most this many re-profiles in a run.
+    ``backoff``: after each re-plan that did not switch, the window and the streak grow by this
+    factor and so does the threshold's logarithm (Note: [drift back-off]); 1 turns the back-off off."""
 
     enabled: bool = True
     threshold: float = 0.25
     patience: int = 3
     min_gain: float = 0.05
     max_replans: int = 5
+    backoff: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold:
@@ -46,6 +61,8 @@ class ReplanOptions:
             raise ValueError(f"replan min_gain={self.min_gain!r}: must be in [0, 1)")
         if not (isinstance(self.max_replans, int) and self.max_replans >= 0):
             raise ValueError(f"replan max_replans={self.max_replans!r}: must be an integer >= 0")
+        if isinstance(self.backoff, bool) or not (isinstance(self.backoff, (int, float)) and 1 <= self.backoff <= 16):
+            raise ValueError(f"replan backoff={self.backoff!r}: must be a number in [1, 16] (1: no back-off)")
 
     @classmethod
     def parse(cls, value: Any) -> ReplanOptions:
@@ -64,18 +81,41 @@ class ReplanOptions:
 
 
 class DriftMonitor:
-    """Decides, step by step, whether the run has drifted from its plan (see the module doc)."""
+    """Decides, step by step, whether the run has drifted from its plan (see the module doc).
+
+    The strategy calls ``observe`` after every planned step, and after each re-plan
+    ``replanned(switched)`` (or ``reset()``, which leaves the back-off level as it is)."""
 
     def __init__(self, options: ReplanOptions) -> None:
         self.options = options
         self.baseline: float | None = None
-        self._ratios: deque[float] = deque(maxlen=options.patience)
         self.replans = 0
+        self.level = 0  # back-off level: re-plans since the last switch (Note: [drift back-off])
+        self._ratios: deque[float] = deque(maxlen=self.window)
+        self._streak = 0  # consecutive steps whose window median was beyond the bar
+
+    @property
+    def window(self) -> int:
+        """Steps in each median, in a new baseline and in the streak, at the current level."""
+        return max(1, round(self.options.patience * self.options.backoff ** self.level))
+
+    @property
+    def factor(self) -> float:
+        """How far (a factor, either way) the median must move from the baseline, at the current level."""
+        return (1.0 + self.options.threshold) ** (self.options.backoff ** self.level)
 
     def reset(self) -> None:
-        """A (re)plan took effect: the next ``patience`` steps set a new baseline."""
+        """A (re)plan took effect: the next ``window`` steps set a new baseline."""
         self.baseline = None
-        self._ratios.clear()
+        self._ratios = deque(maxlen=self.window)
+        self._streak = 0
+
+    def replanned(self, switched: bool) -> None:
+        """A re-plan this monitor asked for is done: ``switched`` (a real change) brings the bar back to
+        level 0; a kept schedule leaves it raised (``observe`` raised it when it fired). Then ``reset``."""
+        if switched:
+            self.level = 0
+        self.reset()
 
     def observe(self, measured_s: float, predicted_s: float) -> str | None:
         """Record a step; the reason to re-plan, or None."""
@@ -83,19 +123,27 @@ class DriftMonitor:
         if not o.enabled or not predicted_s > 0 or not measured_s > 0:
             return None
         self._ratios.append(measured_s / predicted_s)
-        if len(self._ratios) < o.patience:
+        n = self.window
+        if len(self._ratios) < n:
             return None
         med = statistics.median(self._ratios)
         if self.baseline is None:
             self.baseline = med
             self._ratios.clear()
             return None
-        drift = med / self.baseline - 1.0
-        if abs(drift) <= o.threshold or self.replans >= o.max_replans:
+        factor = self.factor
+        moved = med > self.baseline * factor or med < self.baseline / factor
+        self._streak = self._streak + 1 if moved else 0
+        if self._streak < n or self.replans >= o.max_replans:
             return None
         self.replans += 1
-        reason = (f"measured/predicted step time moved from {self.baseline:.2f} to {med:.2f} ({drift:+.0%}, "
-                  f"threshold {o.threshold:.0%}) over the last {o.patience} steps")
+        drift = med / self.baseline - 1.0
+        reason = (f"measured/predicted step time moved from {self.baseline:.2f} to {med:.2f} ({drift:+.0%}; "
+                  f"bar {factor - 1:+.0%}/{1 / factor - 1:+.0%}) and stayed there for {n} steps "
+                  f"(median of {n} steps)")
+        # raise the bar until a switch says the change was real (a kept schedule: the usual case on a
+        # noisy machine); ``replanned(switched=True)`` lowers it again
+        self.level += 1
         self.reset()
         return reason
 

@@ -77,7 +77,7 @@ class StrategyPlanning:
                 wl = self._rank_workload(wl)
                 plan = plan_from_workload(wl, hardware, policy=self.policy,
                                           options=MilpOptions(conversions=self.conversions),
-                                          start=ex.schedule if replan is not None else None)
+                                          start=ex.schedule if replan is not None else None, profiled=ex.schedule)
                 plan.state_fraction = fraction
                 plan.timings["hardware"] = t_hw
                 plan.timings["profile"] = time.perf_counter() - self._t_step - plan.timings["solve"] - t_hw

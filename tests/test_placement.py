@@ -125,3 +125,75 @@ def test_device_conversions_leave_the_host_lane_without_casts(reference, tmp_pat
     _, _, _, dev_tags, _, _ = train(model, tokens, "megatrain_K2", PLACEMENTS["both"], tmp_path, steps=1)
     assert host_tags[0][("host", "cast")] > 0
     assert dev_tags[0][("host", "cast")] == 0  # every cast ran on the device side of the H2D
+
+
+# ---- the plan's side (planner/placement.py, Note: [conversion placement]) ----------------------------
+
+def _analytic(hw_name: str = "h800", **hw_changes):
+    from lightning_lazytrain.config import load_hardware, load_model
+    from lightning_lazytrain.planner import TrainSpec, Workload
+
+    hw = load_hardware(hw_name)
+    hw = hw.replace(**hw_changes) if hw_changes else hw
+    wl = Workload.analytic(load_model("qwen2.5-3b"), TrainSpec(micro_batch_size=4, seq_len=1024), hw)
+    return wl, hw
+
+
+def test_pricing_moves_the_conversions_work_between_the_host_lane_and_the_links():
+    from lightning_lazytrain.planner.placement import CONVERSION_BUFFER_ELEMENTS, Placement, price
+
+    wl, hw = _analytic()
+    assert wl.compute_bytes == 2 and wl.device_conversions == ()
+    dev = price(wl, Placement(cast_blocks=True, widen_blocks=True, cast_rest=True, widen_rest=True), hw)
+    a, b = wl.layers[1], dev.layers[1]
+    assert b.param_bytes == a.param_bytes and b.param_widen == 2.0  # fp32 over the link, bf16 on the device
+    assert b.cast_seconds == 0 < a.cast_seconds
+    assert b.grad_widen == 2.0 and b.accum_seconds < a.accum_seconds  # a step's copy lands: the norm only
+    assert b.accum_seconds == pytest.approx(b.params * 4 / hw.host_bytes_per_s)
+    assert dev.nonblock_param_widen == 2.0 and dev.nonblock_cast_seconds == 0
+    assert dev.conversion_gpu_bytes == 2 * 4 * CONVERSION_BUFFER_ELEMENTS  # one buffer per lane
+    assert dev.static_gpu_bytes == wl.static_gpu_bytes + dev.conversion_gpu_bytes
+    assert price(dev, Placement(), hw).layers[1] == a  # and back, exactly
+
+
+def test_the_plan_puts_the_conversions_where_they_are_fastest():
+    from lightning_lazytrain.planner import MilpOptions, simulate
+    from lightning_lazytrain.planner.plan import plan_workload
+
+    # a slow host lane beside a fast link: the device converts; a slow link beside a fast host: the host
+    slow_host, hw1 = _analytic(h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, host_bytes_per_s=5e9)
+    slow_link, hw2 = _analytic(h2d_bytes_per_s=4e9, d2h_bytes_per_s=4e9, host_bytes_per_s=100e9)
+    fast = plan_workload(slow_host, hw1)
+    assert {"cast_blocks", "widen_blocks"} <= set(fast.placement.names)
+    assert plan_workload(slow_link, hw2).placement.names == ()
+    host_only = plan_workload(slow_host, hw1, options=MilpOptions(conversions="host"))
+    assert host_only.placement.names == ()
+    assert fast.sim.iteration_seconds < host_only.sim.iteration_seconds
+    # the plan's figures are its priced workload's, and the MILP times it as the simulator does
+    again = simulate(fast.schedule, fast.workload, hw1)
+    assert again.iteration_seconds == pytest.approx(fast.sim.iteration_seconds, rel=1e-9)
+    assert fast.solver["objective"] == pytest.approx(fast.sim.iteration_seconds, rel=0.01)
+
+
+def test_the_profiled_host_lane_calibrates_the_rates():
+    """Note: [host rates in place]: a profile whose host lane ran k times slower than the rates say
+    scales the rates by 1/k; priced from them, the profiled schedule's host seconds are the measured."""
+    from dataclasses import replace
+
+    from lightning_lazytrain.planner import megatrain, simulate
+    from lightning_lazytrain.planner.placement import Placement, calibrate_host_rates, priced_from_rates
+
+    wl, hw = _analytic()
+    k = 2.5
+    measured = replace(wl, layers=tuple(replace(x, cast_seconds=k * x.cast_seconds, accum_seconds=k * x.accum_seconds)
+                                        for x in wl.layers),
+                       nonblock_cast_seconds=k * wl.nonblock_cast_seconds,
+                       nonblock_accum_seconds=k * wl.nonblock_accum_seconds)
+    s = megatrain(wl.num_layers, 4)
+    cal = calibrate_host_rates(measured, s, hw)
+    assert cal.host_bytes_per_s == pytest.approx(hw.host_bytes_per_s / k)
+
+    def host(w, h):
+        return sum(x.end - x.start for x in simulate(s, w, h, check=False).timeline if x.lane == "host")
+
+    assert host(priced_from_rates(measured, Placement(), cal), cal) == pytest.approx(host(measured, hw), rel=1e-6)

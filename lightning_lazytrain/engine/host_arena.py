@@ -15,7 +15,8 @@ Layout
     ``take`` hands out views at multiples of ``HOST_ARENA_ALIGN`` = 256 bytes (64 fp32 elements,
     like ``param_store.ALIGN``: CPU kernels round differently on misaligned operands); an arena is
     whole pages, so a slice that starts on a page boundary (the activation pool's) can do O_DIRECT
-    without a bounce copy. The memory is zero-filled and committed on first touch.
+    without a bounce copy. The memory is zero-filled and committed when the arena is made (``MAP_POPULATE``
+on Linux: no page faults inside a step).
 
 Note: [arena lifetime]
     Slices are views: the memory lives while any slice (or the arena) does, like any storage. The
@@ -86,7 +87,9 @@ class HostArena:
         if self.nbytes == 0:
             self._buf = torch.empty(0, dtype=torch.uint8)
             return
-        mm = mmap.mmap(-1, self.nbytes)  # anonymous: page aligned, zero-filled
+        # anonymous: page aligned, zero-filled; populated now (a first touch mid-step would fault every
+        # page: the first step, which is the profile, would run its host work at a fraction of its speed)
+        mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         view = memoryview(mm)
         self._buf = torch.frombuffer(view, dtype=torch.uint8)  # holds `view`, which holds `mm`
         if pin:

@@ -131,11 +131,10 @@ def _placed(wl: Workload, executor: Executor) -> Workload:
     p = Placement(cast_blocks=blocks <= cast, widen_blocks=blocks <= widen, cast_rest=REST in cast,
                   widen_rest=REST in widen)
     four = 4 / e
-    layers = tuple(replace(layer, param_bytes=layer.param_bytes * (four if p.cast_blocks else 1),
-                           grad_widen=four if p.widen_blocks else 1.0) for layer in wl.layers)
+    layers = tuple(replace(layer, param_widen=four if p.cast_blocks else 1.0, grad_widen=four if p.widen_blocks else 1.0)
+                   for layer in wl.layers)
     return replace(wl, layers=layers, compute_bytes=e, device_conversions=p.names,
-                   nonblock_param_bytes=wl.nonblock_param_bytes * (four if p.cast_rest else 1),
-                   nonblock_grad_widen=four if p.widen_rest else 1.0,
+                   nonblock_param_widen=four if p.cast_rest else 1.0, nonblock_grad_widen=four if p.widen_rest else 1.0,
                    conversion_gpu_bytes=float(store.conversion_device_bytes)).validate()
     # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast
     return dataclasses.replace(wl, kept_copies=True) if executor.params.keeps_copies else wl

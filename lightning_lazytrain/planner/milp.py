@@ -115,7 +115,7 @@ class ScheduleModel:
                                "micro-batch's B windows only; the MILP models it for grad_accum = 1 (simulate it)")
         # per layer: seconds over this rank's host link (link_fraction of the bytes; 1 on one GPU), and the
         # collective lane's all-gather / reduce-scatter / host all-reduce (0 on one GPU); index L: none
-        self.p_s = [l.param_bytes * l.link_fraction / hw.h2d_bytes_per_s for l in wl.layers] + [0.0]
+        self.p_s = [l.param_bytes * l.link_fraction * l.param_widen / hw.h2d_bytes_per_s for l in wl.layers] + [0.0]
         self.g_s = [l.grad_bytes * l.link_fraction * l.grad_widen / hw.d2h_bytes_per_s for l in wl.layers] + [0.0]
         shard, overlap = self.dp == "shard", self.dp == "replicate_overlap"
         self.gth = [l.gather_seconds if shard else 0.0 for l in wl.layers] + [0.0]
@@ -364,7 +364,8 @@ class ScheduleModel:
                         exprs.append(rs[0] + gth[1])
                 bound(m.tF[j], f"tF[{j}]", exprs + hull)
         if self.dp == "none":
-            h2d_h = (lay[L - 1].param_bytes * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
+            h2d_h = (lay[L - 1].param_bytes * lay[L - 1].param_widen * (1 - m.r[L - 1])
+                     + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
         else:
             h2d_h = self.p_s[L - 1] * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner) / h2d
         h2d_h += self.internals.h2d_seconds(L, h2d)  # behind the boundary reloads

@@ -121,9 +121,11 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
     host = 1.0 if sharded else float(n)
     intra, inter = hw.intra_node_bytes_per_s, hw.inter_node_bytes_per_s
 
-    def costs(params: int, param_bytes: float, grad_bytes: float, opt: float, cast: float, accum: float) -> dict:
+    def costs(params: int, param_bytes: float, grad_bytes: float, opt: float, cast: float, accum: float,
+              grad_widen: float = 1.0) -> dict:
+        # replicate modes keep the gradient copy's widening (a conversion placement's: placement.py)
         out = dict(opt=opt * host, cast=cast * host, accum=accum * host, link=1.0, gather=(0.0, 0.0),
-                   reduce=(0.0, 0.0), allreduce=(0.0, 0.0), grad_widen=1.0)
+                   reduce=(0.0, 0.0), allreduce=(0.0, 0.0), grad_widen=1.0 if sharded else grad_widen)
         if sharded:
             widen = 1.0
             if mode == "fsdp":  # fp32 masters and gradients cross the link; the cast runs on the device
@@ -151,14 +153,14 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
     layers = []
     for layer in wl.layers:
         c = costs(layer.params, layer.param_bytes, layer.grad_bytes, layer.opt_seconds, layer.cast_seconds,
-                  layer.accum_seconds)
+                  layer.accum_seconds, layer.grad_widen)
         layers.append(replace(layer, opt_seconds=c["opt"], cast_seconds=c["cast"], accum_seconds=c["accum"],
                               link_fraction=c["link"], grad_widen=c["grad_widen"],
                               gather_seconds=c["gather"][0], gather_bytes=c["gather"][1],
                               reduce_seconds=c["reduce"][0], reduce_bytes=c["reduce"][1],
                               allreduce_seconds=c["allreduce"][0], allreduce_bytes=c["allreduce"][1]))
     nb = costs(wl.nonblock_params, wl.nonblock_param_bytes, wl.nonblock_grad_bytes, wl.nonblock_opt_seconds,
-               wl.nonblock_cast_seconds, wl.nonblock_accum_seconds)
+               wl.nonblock_cast_seconds, wl.nonblock_accum_seconds, wl.nonblock_grad_widen)
     return replace(
         wl, layers=tuple(layers), data_parallel=_DATA_PARALLEL[mode], ranks=W, ranks_per_node=n,
         nonblock_opt_seconds=nb["opt"], nonblock_cast_seconds=nb["cast"], nonblock_accum_seconds=nb["accum"],

@@ -33,9 +33,11 @@ import itertools
 from dataclasses import dataclass, fields, replace
 
 from .hardware import Hardware
+from .schedule import Schedule
 from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, PARAM_SLOTS, Workload
 
-__all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "candidates", "price"]
+__all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "calibrate_host_rates", "candidates", "opposite", "price",
+           "priced_from_rates"]
 
 # Elements of the device buffer each copy lane converts through (the engine's ``VIA_NUMEL``): 64 MiB
 # in fp32; larger groups are copied through it in chunks.
@@ -96,10 +98,10 @@ def _host_rates(hw: Hardware) -> tuple[float, float]:
 
 
 def _cast_seconds(params: float, e: int, device: bool, hw: Hardware) -> tuple[float, float]:
-    """(link bytes, host seconds) of one weight fetch."""
+    """(param_widen: link bytes per byte of the device's copy, host seconds) of one weight fetch."""
     if device:
-        return params * HOST_MASTER_BYTES, 0.0
-    return params * e, params * (HOST_MASTER_BYTES + e) / _host_rates(hw)[0]
+        return HOST_MASTER_BYTES / e, 0.0
+    return 1.0, params * (HOST_MASTER_BYTES + e) / _host_rates(hw)[0]
 
 
 def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, hw: Hardware) -> tuple[float, float]:
@@ -129,19 +131,54 @@ def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
     for layer in wl.layers:
         new = {}
         if p.cast_blocks != cur.cast_blocks:
-            new["param_bytes"], new["cast_seconds"] = _cast_seconds(layer.params, e, p.cast_blocks, hw)
+            new["param_widen"], new["cast_seconds"] = _cast_seconds(layer.params, e, p.cast_blocks, hw)
         if p.widen_blocks != cur.widen_blocks:
             new["grad_widen"], new["accum_seconds"] = _accum_seconds(layer.params, e, p.widen_blocks, g, hw)
         layers.append(replace(layer, **new) if new else layer)
     out: dict = {"layers": tuple(layers), "device_conversions": p.names}
     n = wl.nonblock_params
     if p.cast_rest != cur.cast_rest:
-        out["nonblock_param_bytes"], out["nonblock_cast_seconds"] = _cast_seconds(n, e, p.cast_rest, hw)
+        out["nonblock_param_widen"], out["nonblock_cast_seconds"] = _cast_seconds(n, e, p.cast_rest, hw)
     if p.widen_rest != cur.widen_rest:  # one copy per step (accumulated on the device over micro-batches)
         out["nonblock_grad_widen"], out["nonblock_accum_seconds"] = _accum_seconds(n, e, p.widen_rest, 1, hw)
     out["conversion_gpu_bytes"] = float(_conversion_gpu_bytes(wl, p))
     out["host_static_bytes"] = wl.host_static_bytes + _host_delta(wl, cur, p)
     return replace(wl, **out).validate()
+
+
+def opposite(p: Placement) -> Placement:
+    """Every conversion on the other side."""
+    return Placement(**{f.name: not getattr(p, f.name) for f in fields(p)})
+
+
+def priced_from_rates(wl: Workload, p: Placement, hw: Hardware) -> Workload:
+    """``wl`` placed as ``p`` with every host-lane figure priced from ``hw``'s rates (none of the
+    workload's measured per-layer host seconds reused)."""
+    return price(replace(wl, device_conversions=opposite(p).names), p, hw)
+
+
+def calibrate_host_rates(wl: Workload, schedule: Schedule, hw: Hardware) -> Hardware:
+    """Note: [host rates in place] The host lane's rates measured alone (``autoplan.host_rates``)
+    are faster than the lane runs beside compute and the copy threads (cores and memory bandwidth
+    shared: 2.3-4x on a 2-core machine). A profiled step measured the lane as it runs: the rates are
+    scaled by one factor so that, priced from them, the profiled schedule's host-lane seconds are the
+    measured ones; the other placements are priced with the scaled rates. ``hw`` unchanged when the
+    workload has no conversions or no host work."""
+    from .simulator import simulate
+
+    cur = Placement.from_names(wl.device_conversions)
+    if len(candidates(wl)) == 1:
+        return hw
+
+    def host_seconds(w: Workload) -> float:
+        return sum(s.end - s.start for s in simulate(schedule, w, hw, check=False).timeline if s.lane == "host")
+
+    measured, predicted = host_seconds(wl), host_seconds(priced_from_rates(wl, cur, hw))
+    if measured <= 0 or predicted <= 0:
+        return hw
+    k = measured / predicted
+    return hw.replace(host_bytes_per_s=hw.host_bytes_per_s / k,
+                      host_widen_bytes_per_s=(hw.host_widen_bytes_per_s or hw.host_bytes_per_s) / k)
 
 
 def _conversion_gpu_bytes(wl: Workload, p: Placement) -> int:

@@ -95,8 +95,9 @@ def op_cost(op: Op, wl: Workload, hw: Hardware) -> tuple[float, float]:
                 "reduce": (layer.reduce_seconds, layer.reduce_bytes),
                 "allreduce": (layer.allreduce_seconds, layer.allreduce_bytes)}[op.kind]
     if op.kind in ("weights", "recompute_weights"):  # this rank's part of them (link_fraction; 1 on one GPU)
-        nbytes = (nb(wl.nonblock_param_bytes * wl.nonblock_link_fraction, op.index) if op.index < 0
-                  else layers[op.index].param_bytes * layers[op.index].link_fraction)
+        nbytes = (nb(wl.nonblock_param_bytes * wl.nonblock_link_fraction * wl.nonblock_param_widen, op.index)
+                  if op.index < 0 else
+                  layers[op.index].param_bytes * layers[op.index].link_fraction * layers[op.index].param_widen)
     elif op.kind == "grads":
         nbytes = (nb(wl.nonblock_grad_bytes * wl.nonblock_link_fraction * wl.nonblock_grad_widen, op.index)
                   if op.index < 0 else

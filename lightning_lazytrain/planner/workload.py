@@ -116,6 +116,9 @@ class LayerWork:
     # over the compute dtype's element size where the gradients land widened (the sharded mode
     # averages 16-bit gradients in fp32 before its D2H: 2)
     grad_widen: float = 1.0
+    # bytes a weight fetch moves per byte of param_bytes (the compute copy on the device): 1, or the
+    # masters' over the compute dtype's element size where the device casts them (placement.py: 2)
+    param_widen: float = 1.0
     gather_seconds: float = 0.0
     gather_bytes: float = 0.0
     reduce_seconds: float = 0.0
@@ -158,6 +161,7 @@ class Workload:
     ranks_per_node: int = 1
     nonblock_link_fraction: float = 1.0
     nonblock_grad_widen: float = 1.0  # as LayerWork.grad_widen
+    nonblock_param_widen: float = 1.0  # as LayerWork.param_widen
     nonblock_gather_seconds: float = 0.0
     nonblock_gather_bytes: float = 0.0
     nonblock_reduce_seconds: float = 0.0
@@ -240,7 +244,8 @@ class Workload:
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")
         if self.grad_accum < 1:
             raise InvalidInput("workload.grad_accum", self.grad_accum, "must be >= 1")
-        for key in ("nonblock_link_fraction", "nonblock_grad_widen", "nonblock_gather_seconds", "nonblock_gather_bytes",
+        for key in ("nonblock_link_fraction", "nonblock_grad_widen", "nonblock_param_widen", "nonblock_gather_seconds",
+                    "nonblock_gather_bytes",
                     "nonblock_reduce_seconds", "nonblock_reduce_bytes", "nonblock_allreduce_seconds",
                     "nonblock_allreduce_bytes"):
             value = getattr(self, key)
