@@ -7,8 +7,11 @@ gradient write-back, not the host optimizer), the link speeds by ``autoplan.meas
 The cap is set 40% of the way from the smallest to the keep-all footprint, so the MILP plan must
 offload or recompute. Then, one after the other:
 
-* ``milp``: the plan solved at that cap;
-* ``megatrain``: MegaTrain's policy (K=4) on the same executor;
+* ``milp``: the plan solved at that cap, the dtype conversions placed by the plan (planner/placement.py:
+  the masters cast and the gradients widened on the host or on the device, priced from the host lane's
+  rates as the profiled step ran it, ``placement.calibrate_host_rates``);
+* ``milp_host_conversions``: the plan with every conversion on the host (the engine before the placement);
+* ``megatrain``: MegaTrain's policy (K=4) on the same executor, conversions on the host;
 * ``plain``: the model in bf16 on the GPU with plain autograd (everything resident).
 
 Each runs one warm-up step and ``--repeats`` timed steps (median reported): tokens/s, measured vs
@@ -47,7 +50,9 @@ import time
 import torch
 
 from kit import GB, Stage, footprint_range, stage_main, tiny_spec
-from lightning_lazytrain.planner import ModelSpec, megatrain, min_memory, simulate, solve
+from lightning_lazytrain.planner import MilpOptions, ModelSpec, megatrain, min_memory, simulate
+from lightning_lazytrain.planner.placement import HOST_ONLY, calibrate_host_rates, price
+from lightning_lazytrain.planner.plan import plan_workload
 
 ONE_B = ModelSpec(name="kit-1b", num_layers=20, hidden=2048, intermediate=5632, heads=16, kv_heads=4, head_dim=128,
                   vocab=32000)
@@ -220,13 +225,15 @@ def body(st: Stage, args: argparse.Namespace) -> None:
     m = ex = None  # free the profile's copy before the timed variants
     gc.collect()
     hw = measure_hardware(torch.device(dev), opt_params_per_s=1e18)
+    # the host lane's rates as the profiled step ran it (planner/placement.py, Note: [host rates in place])
+    hw = calibrate_host_rates(wl, min_memory(spec.num_layers), hw)
     lo, hi = footprint_range(wl, hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
     # the cap must force the plan to move and to recompute activations (the setup): halve the
     # fraction until the MILP plan does both (at most 3 times), and say so if it never does
     frac = args.cap_frac
     for _ in range(4):
         used, cap = frac, lo + frac * (hi - lo)
-        sol = solve(wl, hw.replace(gpu_memory_cap_bytes=cap))
+        sol = plan_workload(wl, hw.replace(gpu_memory_cap_bytes=cap))  # conversions placed by the plan
         moved = sum(h in ("cpu", "nvme") for h in sol.schedule.homes)
         recomputed = sum(h == "recompute" for h in sol.schedule.homes) + sum(
             not k for k in sol.schedule.keep_internals)
@@ -244,15 +251,23 @@ def body(st: Stage, args: argparse.Namespace) -> None:
                        "footprint_min_gb": lo / GB, "footprint_keep_all_gb": hi / GB, "cap_gb": cap / GB,
                        "milp": {"status": sol.status, "homes": list(sol.schedule.homes),
                                 "keep_internals": list(sol.schedule.keep_internals),
-                                "resident_weights": list(sol.schedule.resident_weights)}})
+                                "resident_weights": list(sol.schedule.resident_weights),
+                                "conversions_on_device": list(sol.placement.names)},
+                       "host_gb_per_s": hw.host_bytes_per_s / GB,
+                       "host_widen_gb_per_s": (hw.host_widen_bytes_per_s or hw.host_bytes_per_s) / GB})
     print(f"cap {cap / GB:.4g} GB (smallest {lo / GB:.4g}, keep-all {hi / GB:.4g}); MILP {sol.status}: "
-          f"homes {''.join(h[0] for h in sol.schedule.homes)}", flush=True)
+          f"homes {''.join(h[0] for h in sol.schedule.homes)}; conversions: {sol.placement.label()}", flush=True)
+    # the plan with every conversion on the host (the engine before it could place them), for comparison
+    host = plan_workload(wl, hw.replace(gpu_memory_cap_bytes=cap), options=MilpOptions(conversions="host"))
 
     variants: dict[str, dict] = {}
-    for name, schedule in (("milp", sol.schedule), ("megatrain", megatrain(spec.num_layers, 4))):
-        pred = simulate(schedule, wl, hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
+    for name, plan in (("milp", sol), ("milp_host_conversions", host), ("megatrain", None)):
+        schedule = plan.schedule if plan is not None else megatrain(spec.num_layers, 4)
+        placement = plan.placement if plan is not None else HOST_ONLY
+        pred = simulate(schedule, price(wl, placement, hw), hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
         m = copy.deepcopy(model)
         ex = Executor(m, schedule, device=dev, compute_dtype=dtype, nvme_dir=args.workdir)
+        ex.set_placement(**placement.groups(spec.num_layers))
         peaks, last = [], {}
 
         def step(ex=ex, m=m, peaks=peaks, last=last):
@@ -276,7 +291,8 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         r.update({"tokens_per_s": ntok / r["median_step_seconds"], "predicted_step_seconds": pred.iteration_seconds,
                   "measured_over_predicted": r["median_step_seconds"] / pred.iteration_seconds,
                   "predicted_peak_gb": pred.peak_gpu_bytes / GB, "tracked_peak_gb": max(peaks) / GB,
-                  "homes": "".join(h[0] for h in schedule.homes)})
+                  "homes": "".join(h[0] for h in schedule.homes),
+                  "conversions_on_device": list(placement.names)})
         # Busy seconds per lane in the last step (the host lane: casts and gradient accumulation off
         # the launching thread), measured and predicted.
         busy: dict[str, float] = {}
@@ -339,7 +355,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
     plain = None
     st.figures["variants"] = variants
     if "plain" in variants and "tokens_per_s" in variants["plain"]:
-        for name in ("milp", "megatrain"):
+        for name in ("milp", "milp_host_conversions", "megatrain"):
             variants[name]["vs_plain"] = variants[name]["tokens_per_s"] / variants["plain"]["tokens_per_s"]
 
 
