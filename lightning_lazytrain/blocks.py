@@ -152,14 +152,20 @@ def _runs(mods: nn.Sequential | list[nn.Module]) -> list[tuple[int, int]]:
     return runs
 
 
-def _candidates(path: str, c: _Container, *, min_len: int) -> list[_Candidate]:
-    """The stacks container ``c`` offers: a ModuleList whose children share one class, or (a
-    Sequential) each run of consecutive children of one class; ``min_len`` children at least. A
-    Sequential of one class offers itself whole (a single run)."""
+def _sequential_stacks(path: str, seq: nn.Sequential) -> list[_Candidate]:
+    """The stacks a Sequential offers: itself whole when its children share one class, else each
+    run of >= 2 consecutive children of one class."""
+    runs = _runs(seq)
+    if len(runs) > 1:
+        runs = [(a, b) for a, b in runs if b - a >= 2]
+    return [_Candidate(path, seq, a, b) for a, b in runs]
+
+
+def _fallback_candidates(path: str, c: _Container) -> list[_Candidate]:
+    """Stacks of >= 2 blocks of one class: a ModuleList's children, or a Sequential's (runs)."""
     if isinstance(c, nn.ModuleList):
-        ok = len(c) >= min_len and (len(c) < 2 or len({type(m) for m in c}) == 1)
-        return [_Candidate(path, c, 0, len(c))] if ok else []
-    return [_Candidate(path, c, a, b) for a, b in _runs(c) if b - a >= max(min_len, 1)]
+        return [_Candidate(path, c, 0, len(c))] if len(c) >= 2 and len({type(m) for m in c}) == 1 else []
+    return [cand for cand in _sequential_stacks(path, c) if cand.stop - cand.start >= 2]
 
 
 def _best(cands: list[_Candidate]) -> _Candidate:
@@ -200,9 +206,9 @@ def _error(root: nn.Module, problem: str) -> BlockDiscoveryError:
         f"{problem}\nnn.ModuleList / nn.Sequential candidates in {type(root).__name__}:\n"
         f"{_candidates_text(root)}\n"
         "Pass the dotted path of the repeated transformer blocks explicitly, e.g. "
-        "blocks=\"model.layers\": an nn.ModuleList (every child is a block) or an nn.Sequential (its "
-        "children if they share one class, else its longest run of consecutive children of one class); "
-        "blocks=\"net[1:5]\" names children 1..4 of one."
+        "blocks=\"model.layers\": an nn.ModuleList (every child is a block) or an nn.Sequential (every "
+        "child if they share one class, else its largest run of consecutive children of one class); "
+        "blocks=\"net[1:5]\" takes children 1 to 4 of either."
     )
 
 
@@ -249,10 +255,7 @@ def _resolve_explicit(root: nn.Module, path: str) -> BlockStack:
         return _stack(root, _Candidate(path, target, start, stop))
     if isinstance(target, nn.ModuleList):  # every child, whatever their classes (as always)
         return _stack(root, _Candidate(path, target, 0, len(target)))
-    runs = _candidates(path, target, min_len=1)
-    if len(runs) == 1:  # one class: the whole Sequential
-        return _stack(root, runs[0])
-    runs = [r for r in runs if r.stop - r.start >= 2]
+    runs = _sequential_stacks(path, target)  # the whole Sequential when its children share one class
     if not runs:
         raise _error(
             root, f"blocks={path!r} is an nn.Sequential of mixed classes ({_kinds_in_order(list(target))}) without "
@@ -283,13 +286,12 @@ def find_blocks(module: nn.Module, blocks: str | None = None) -> BlockStack:
             if isinstance(c, nn.ModuleList):
                 hits.append(_Candidate(p, c, 0, len(c)))
             else:
-                runs = _candidates(p, c, min_len=1)
-                hits += runs if len(runs) == 1 else [r for r in runs if r.stop - r.start >= 2]
+                hits += _sequential_stacks(p, c)
         if hits:
             return _stack(module, max(hits, key=_Candidate.size))
 
     # Generic fallback: the biggest ModuleList of one class or Sequential run of one class.
-    cands = [cand for p, c in containers for cand in _candidates(p, c, min_len=2)]
+    cands = [cand for p, c in containers for cand in _fallback_candidates(p, c)]
     if cands:
         return _stack(module, _best(cands))
 
