@@ -44,6 +44,7 @@ from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
 from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
+from lightning_lazytrain.planner.placement import conversions_note
 
 __all__ = ["LazyTrainFabricStrategy"]
 
@@ -269,7 +270,8 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         from lightning_lazytrain.report import format_table
 
         rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {t_profile:.2f} s, "
-                       f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
+                       f"solve {plan.timings['solve']:.2f} s){conversions_note(plan.result.workload, plan.result.placement)}:\n"
+                       f"{format_table(plan.result.rows())}")
 
     def _hardware(self) -> Hardware:
         """As the Trainer's: the budget applies on every path, no NVMe tier without ``nvme_dir``."""

@@ -18,6 +18,7 @@ from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware
 from lightning_lazytrain.planner.milp import MilpOptions
+from lightning_lazytrain.planner.placement import conversions_note
 
 __all__ = ["StrategyPlanning", "artifact_dir"]
 
@@ -132,7 +133,8 @@ class StrategyPlanning:
         from lightning_lazytrain.report import format_table
 
         rank_zero_info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
-                       f"solve {plan.timings['solve']:.2f} s):\n{format_table(plan.result.rows())}")
+                       f"solve {plan.timings['solve']:.2f} s){conversions_note(plan.result.workload, plan.result.placement)}:\n"
+                       f"{format_table(plan.result.rows())}")
         out = artifact_dir(trainer)
         if out and trainer.is_global_zero:
             plan.write(out)

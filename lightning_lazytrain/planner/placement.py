@@ -146,6 +146,11 @@ def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
     return replace(wl, **out).validate()
 
 
+def conversions_note(wl: Workload, p: Placement) -> str:
+    """``"; conversions: <label>"`` for a report's header when ``wl`` has conversions to place, else ""."""
+    return f"; conversions: {p.label()}" if len(candidates(wl)) > 1 else ""
+
+
 def opposite(p: Placement) -> Placement:
     """Every conversion on the other side."""
     return Placement(**{f.name: not getattr(p, f.name) for f in fields(p)})
