@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero as _rank_zero
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_lazytrain.allocator import MemoryWatch, configure_allocator
 from lightning_lazytrain.autoplan import AutoPlan, measure_hardware, validate_options
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
@@ -127,6 +128,11 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             fp32 bytes cross the links, the host adds like to like, and a step's first gradient copy
             of a group lands in the host gradient with no host work). Bit-identical either way
             (planner/placement.py, Note: [conversion placement]).
+        chunked_loss: a Hugging Face causal LM in the module computes its loss with the project's
+            chunked linear + cross-entropy (``True``: 4096 tokens at a time, or that many tokens)
+            instead of its own, so the head window never holds the whole micro-batch's logits
+            (models/hf_loss.py, Note: [chunked loss for Hugging Face models]: its ``logits`` then
+            hold the last position only; the same loss up to summation order).
         keep_compute_copy: with ``fp32_masters``: keep each group's 16-bit copy in host memory
             (2 bytes per parameter, pinned on CUDA), cast from the masters at its first fetch of a
             micro-batch and reused by that micro-batch's later fetches (backward, re-runs), instead
@@ -145,7 +151,8 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
                  timeout: timedelta | None = None, replan: Any = True, checkpoint_format: str = "sharded",
                  overlap_grad_sync: bool = True, nonblock_parts: bool = True,
                  data_parallel: str = "replicate", shard_size: int | None = None, fp32_masters: bool = False,
-                 keep_compute_copy: bool | str = "auto", conversions: str = "plan") -> None:
+                 keep_compute_copy: bool | str = "auto", conversions: str = "plan",
+                 chunked_loss: bool | int = False) -> None:
         # imported here: checkpoint_io imports Lightning, whose import registers this module (a
         # module-level import would be circular when checkpoint_io is imported first)
         from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
@@ -187,6 +194,12 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         if conversions not in ("plan", "host", "device"):
             raise ValueError(f"conversions={conversions!r}: use 'plan' (the plan chooses), 'host' or 'device'")
         self.conversions = conversions
+        if isinstance(chunked_loss, bool):
+            chunked_loss = 4096 if chunked_loss else 0
+        if not isinstance(chunked_loss, int) or chunked_loss < 0:
+            raise ValueError(f"chunked_loss={chunked_loss!r}: use True, False or a number of tokens per chunk")
+        self.chunked_loss = chunked_loss
+        self._loss_hooks: list = []
         from lightning_lazytrain.replan import DriftMonitor, ReplanOptions
 
         self.replan = ReplanOptions.parse(replan)
@@ -211,6 +224,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         self._full_always = False  # ... for every step (setup: manual optimization, fp32 masters, hooks)
         self._norms_trusted = True  # no user code runs between the hand-over of norms and the step (setup)
         self._incomplete_profiles = 0  # steps meant as the profile whose backward skipped blocks
+        # the allocator's reserve against the budget (allocator.py, Note: [the budget is what the allocator reserves])
+        self._memory = MemoryWatch()
+        self._budget_bytes: float | None = None
         self._pending_metrics: dict[str, float] = {}
         self._inference = contextlib.ExitStack()
 
@@ -326,6 +342,8 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
             links = {"h2d": LinkSpec(bw, 0.0), "d2h": LinkSpec(bw, 0.0)}
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # expandable segments before the executor's buffers exist (Note: [the budget is what the allocator reserves])
+        self._memory = MemoryWatch.for_device(device, configure_allocator(device))
         if self.hardware == "measure" and fitting:  # free device memory before the executor's slots exist
             self._hardware_measured = measure_hardware(device, gpu_memory_budget_gb=self.gpu_memory_budget_gb,
                                                        nvme_dir=self.nvme_dir, link_gb_per_s=self.emulate_link_gb_per_s)
@@ -347,6 +365,7 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
 
         stack = find_blocks(module, self.blocks)
         L_provisional = len(stack)
+        self._install_chunked_loss(module)
         if self._fixed_schedule is not None and self._fixed_schedule.num_layers != L_provisional:
             raise ValueError(f"plan file {self.policy} is for {self._fixed_schedule.num_layers} layers, but the "
                              f"block stack {stack.path!r} has {L_provisional}: plan for this model")
@@ -371,6 +390,22 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
                 self.grad_sync.adhoc_probe = lambda: ex.late_grads
         rank_zero_info(f"lazytrain: {L_provisional} blocks at {stack.path!r}, executor on {device} "
                        f"({precision}) built in {time.perf_counter() - t0:.2f} s")
+
+    def _install_chunked_loss(self, module: Any) -> None:
+        """``chunked_loss``: hooks on the module's Hugging Face causal LMs (models/hf_loss.py)."""
+        for hooks in self._loss_hooks:
+            hooks.remove()
+        self._loss_hooks = []
+        if not self.chunked_loss:
+            return
+        from lightning_lazytrain.models.hf_loss import ChunkedLoss, chunked_loss_modules
+
+        found = chunked_loss_modules(module)
+        if not found:
+            raise ValueError("LazyTrainStrategy(chunked_loss=...) found no Hugging Face causal LM (a ...ForCausalLM) "
+                             f"in {type(module).__name__}: compute a chunked loss yourself "
+                             "(lightning_lazytrain.models.loss.chunked_lm_loss) or drop the option")
+        self._loss_hooks = [ChunkedLoss(m, self.chunked_loss) for m in found]
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -658,6 +693,7 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
         self._pending_metrics = stats.metrics(time.perf_counter() - self._t_step, self._predicted_seconds())
         if not profiled:  # a profiled step ran another schedule, with timing on
             self._watch_drift()
+            self._watch_memory(stats)
         if not self.lightning_module.automatic_optimization:
             self._begin_microbatch()  # later forwards of this training_step are passes with grad
 
@@ -777,6 +813,9 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
                 _write_measured_timeline(self.last_stats, artifact_dir(module.trainer))
             self.executor.close()
             self.executor = None
+        for hooks in self._loss_hooks:
+            hooks.remove()
+        self._loss_hooks = []
         self.plan = None
         self._hardware_measured = None
         self._tokens = None

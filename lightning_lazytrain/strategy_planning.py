@@ -5,6 +5,7 @@ several processes, and drift re-planning (``replan.py``).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -19,6 +20,8 @@ from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import conversions_note
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StrategyPlanning", "artifact_dir"]
 
@@ -222,7 +225,33 @@ class StrategyPlanning:
             hw = given_hardware(self.hardware, self.gpu_memory_budget_gb, self.nvme_dir)
         if self.num_processes > 1:
             hw = hw.replace(cpu_memory_bytes=hw.cpu_memory_bytes / self.num_processes)
-        return hw
+        # the budget bounds what the allocator reserves; the plan's allocated peak gets it less the
+        # allocator's reserve (allocator.py, Note: [the budget is what the allocator reserves])
+        self._budget_bytes = hw.gpu_memory_cap_bytes
+        return hw.replace(gpu_memory_cap_bytes=self._memory.cap(hw.gpu_memory_cap_bytes))
+
+    def _watch_memory(self, stats: StepStats) -> None:
+        """After a planned step on CUDA: the allocator's own peaks against the budget and the plan;
+        a re-plan when they say so (Note: [the budget is what the allocator reserves]). Rank 0
+        decides for all."""
+        if self.plan is None or self._budget_bytes is None or self._replan_reason:
+            return
+        reason = None
+        if self.is_global_zero:
+            reason = self._memory.observe(reserved=stats.max_memory_reserved, allocated=stats.max_memory_allocated,
+                                          budget_bytes=self._budget_bytes,
+                                          predicted_peak=self.plan.result.sim.peak_gpu_bytes)
+        if self.is_distributed:
+            reason, ratio = self.broadcast((reason, self._memory.ratio))
+            self._memory.ratio = ratio
+        if reason is None:
+            return
+        if self.policy != "milp" or not self.replan.enabled:
+            log.warning("lazytrain: %s (not re-planned: policy=%r, replan=%s)", reason, self.policy,
+                        self.replan.enabled)
+            return
+        self._replan_reason = reason
+        rank_zero_info(f"lazytrain: {reason}")
 
 
 def artifact_dir(trainer: Any) -> str | None:

@@ -427,10 +427,14 @@ class Executor:
         self._micro = None
         self.stats.lane_bytes = self.engine.bytes_moved
         self.stats.peak_tracked_bytes = self.tracker.peak
+        if self._mem is not None:  # Note: [untracked device bytes] in step_stats.py
+            real = self._static_device_bytes + self._mem.current
+            self.stats.untracked_bytes = max(0, real - self.tracker.current)
         self._stop_memory()
         if self.device.type == "cuda":
             self.stats.max_memory_allocated = max(self.stats.real_peak_bytes,
                                                   torch.cuda.max_memory_allocated(self.device))
+            self.stats.max_memory_reserved = int(torch.cuda.max_memory_reserved(self.device))
         self.stats.segments = self.trace.segments(self.engine.records())
         # the user's post-accumulate-grad hooks see the step's host grads (Note: [gradient hooks on
         # streamed parameters]); what they do to them comes after the norms were taken

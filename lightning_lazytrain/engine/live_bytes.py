@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveBytes", "DeviceBytes", "reset_cuda_peak", "max_memory_allocated"]
+__all__ = ["LiveBytes", "DeviceBytes", "reset_cuda_peak", "max_memory_allocated", "max_memory_reserved"]
 
 # Note: [peaks across resets]
 #     The executor starts a new CUDA peak at each step (``lazytrain/max_memory_allocated_gb`` is per
@@ -36,6 +36,7 @@ __all__ = ["LiveBytes", "DeviceBytes", "reset_cuda_peak", "max_memory_allocated"
 #     the run: call ``reset_cuda_peak(device, forget=True)`` instead, which clears the running maximum
 #     too), as if nothing had been reset.
 _RUNNING_PEAK: dict[int, int] = {}
+_RUNNING_RESERVED: dict[int, int] = {}  # the same for max_memory_reserved (what runs out of memory)
 
 
 def _index(device: torch.device) -> int:
@@ -48,6 +49,7 @@ def reset_cuda_peak(device: torch.device, *, forget: bool = False) -> None:
     i = _index(device)
     kept = 0 if forget else max(_RUNNING_PEAK.get(i, 0), int(torch.cuda.max_memory_allocated(device)))
     _RUNNING_PEAK[i] = kept
+    _RUNNING_RESERVED[i] = 0 if forget else max(_RUNNING_RESERVED.get(i, 0), int(torch.cuda.max_memory_reserved(device)))
     torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -56,6 +58,12 @@ def max_memory_allocated(device: torch.device | str | int | None = None) -> int:
     resets]): what ``torch.cuda.max_memory_allocated`` would say had no one reset it."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     return max(_RUNNING_PEAK.get(_index(device), 0), int(torch.cuda.max_memory_allocated(device)))
+
+
+def max_memory_reserved(device: torch.device | str | int | None = None) -> int:
+    """The CUDA allocator's peak reserved bytes across the executor's resets (as ``max_memory_allocated``)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return max(_RUNNING_RESERVED.get(_index(device), 0), int(torch.cuda.max_memory_reserved(device)))
 
 
 class LiveBytes(TorchDispatchMode):

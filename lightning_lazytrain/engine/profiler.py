@@ -108,6 +108,8 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         partial_recompute_bytes=[float(stats.partial_recompute_bytes.get(j, 0)) for j in range(L)],
         partial_seconds=[float(stats.partial_seconds.get(j, 0.0)) for j in range(L)],
         tokens=tokens, grad_accum=grad_accum, name="measured")
+    # what the device held after the step beyond the executor's buffers (Note: [untracked device bytes])
+    wl = dataclasses.replace(wl, device_overhead_bytes=float(stats.untracked_bytes))
     return _placed(wl, executor)
 
 

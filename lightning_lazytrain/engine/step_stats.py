@@ -27,6 +27,7 @@ class StepStats:
     boundary_bytes: dict[int, int] = field(default_factory=dict)  # boundary -> bytes (L: the last output)
     internal_bytes: dict[int, int] = field(default_factory=dict)  # layer -> saved bytes incl. its input
     max_memory_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
+    max_memory_reserved: int | None = None  # CUDA: torch.cuda.max_memory_reserved over the step (what OOMs)
     # With ``Executor.measure_memory`` (always while profiling): real device bytes, not bookkeeping
     # (``live_bytes``): per window, the transient working set (its real growth beyond what the
     # executor tracks); over the step, the real peak.
@@ -46,6 +47,12 @@ class StepStats:
     # gradient (its output detached or dropped): their backward windows moved data, computed nothing.
     # Such a step is not a profile (its backward times are missing).
     unreached: set[int] = field(default_factory=set)
+    # Note: [untracked device bytes] With memory measured: the real device bytes still allocated when
+    # the step ends that the executor does not track (CUDA: everything the allocator holds, e.g. the
+    # cuBLAS workspaces of the first matmul on a stream, module buffers, caches a model builds, the
+    # batch; CPU: what ops allocated during the step and kept). They live through every window of the
+    # next steps: the profile makes them the plan's ``device_overhead_bytes``.
+    untracked_bytes: int = 0
 
     def metrics(self, seconds: float, predicted_seconds: float) -> dict[str, float]:
         """The ``lazytrain/*`` figures of a step that took ``seconds`` (what the Trainer's strategy

@@ -21,7 +21,9 @@ import torch
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
-                chunk: int) -> torch.Tensor:
+                chunk: int, ignore_index: int | None = None, denominator: torch.Tensor | None = None) -> torch.Tensor:
+        if ignore_index is not None or denominator is not None:
+            return _masked_forward(ctx, hidden, weight, targets, chunk, ignore_index, denominator)
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.empty_like(hidden) if need_h else None
@@ -63,14 +65,61 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             dh.mul_(grad.to(dh.dtype))
         if dw is not None:
             dw.mul_(grad.to(dw.dtype))
-        return dh, dw, None, None
+        return dh, dw, None, None, None, None
+
+
+def _masked_forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                    ignore_index: int | None, denominator: torch.Tensor | None) -> torch.Tensor:
+    """The forward with rows to ignore (``targets == ignore_index``: no loss, no gradient) and the sum
+    divided by ``denominator`` (default: the rows not ignored), as ``F.cross_entropy(...,
+    ignore_index=...)`` with ``reduction="mean"`` or Hugging Face's ``num_items_in_batch`` sum."""
+    n = hidden.shape[0]
+    valid = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    denom = valid.sum().float() if denominator is None else torch.as_tensor(denominator, device=hidden.device).float()
+    scale = valid.to(torch.float32) / denom  # d(loss)/d(row loss): 1/denominator, 0 where ignored
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dh = torch.empty_like(hidden) if need_h else None
+    dw = torch.zeros_like(weight) if need_w else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for s in range(0, n, chunk):
+            hc, tc, sc = hidden[s:s + chunk].to(weight.dtype), safe[s:s + chunk], scale[s:s + chunk]
+            logits = (hc @ weight.t()).float()
+            picked = logits.gather(1, tc[:, None])
+            top = logits.amax(dim=-1, keepdim=True)
+            logits.sub_(top).exp_()
+            norm = logits.sum(dim=-1, keepdim=True)
+            total += ((norm.log() + top - picked).squeeze(1) * valid[s:s + chunk]).sum()
+            if dh is None and dw is None:
+                continue
+            probs = logits.div_(norm)
+            probs.scatter_add_(1, tc[:, None], torch.full_like(picked, -1.0))
+            probs.mul_(sc[:, None])
+            g = probs.to(weight.dtype)
+            del logits, probs
+            if dh is not None:
+                if dh.dtype == weight.dtype:
+                    torch.mm(g, weight, out=dh[s:s + chunk])
+                else:
+                    dh[s:s + chunk].copy_(g @ weight)
+            if dw is not None:
+                dw.addmm_(g.t(), hc)
+            del g
+    ctx.grads = (dh, dw)
+    return total / denom
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    chunk_tokens: int = 4096) -> torch.Tensor:
+                    chunk_tokens: int = 4096, *, ignore_index: int | None = None,
+                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` (``hidden [..., h]``, ``weight [V, h]``) against
-    ``targets [...]``, ``chunk_tokens`` rows of logits at a time (fp32 softmax)."""
+    ``targets [...]``, ``chunk_tokens`` rows of logits at a time (fp32 softmax). ``ignore_index``:
+    targets with that value add no loss and no gradient, and the mean is over the others;
+    ``num_items_in_batch``: the sum is divided by it instead (Hugging Face's gradient-accumulation
+    normalisation)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     h = hidden.shape[-1]
-    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, h), weight, targets.reshape(-1), int(chunk_tokens))
+    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, h), weight, targets.reshape(-1), int(chunk_tokens),
+                                            ignore_index, num_items_in_batch)

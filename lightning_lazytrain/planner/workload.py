@@ -183,6 +183,11 @@ class Workload:
     compute_bytes: int = 0
     device_conversions: tuple[str, ...] = ()
     conversion_gpu_bytes: float = 0.0
+    # device bytes present in every window that neither the engine's buffers nor the windows' working
+    # sets account for (measured: what the allocator still held after the profiled step beyond what the
+    # executor tracks: library workspaces, module buffers and caches; engine/step_stats.py, Note:
+    # [untracked device bytes]); 0 in an analytic workload
+    device_overhead_bytes: float = 0.0
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -223,8 +228,8 @@ class Workload:
     @property
     def static_gpu_bytes(self) -> float:
         """Device bytes present in every window: resident non-block weights/grads + weight buffers
-        (+ the copy lanes' conversion buffers, placement.py)."""
-        return self.nonblock_gpu_bytes + self.weight_buffer_bytes + self.conversion_gpu_bytes
+        (+ the copy lanes' conversion buffers, placement.py, + measured untracked bytes)."""
+        return self.nonblock_gpu_bytes + self.weight_buffer_bytes + self.conversion_gpu_bytes + self.device_overhead_bytes
 
     def validate(self) -> Workload:
         if not self.layers:
@@ -238,7 +243,7 @@ class Workload:
                     raise InvalidInput(f"workload.layers[{j}].{key}", value, "must be a finite number >= 0")
         for key in ("head_seconds", "head_work_bytes", "nonblock_gpu_bytes", "nonblock_param_bytes", "nonblock_grad_bytes",
                     "nonblock_opt_seconds", "nonblock_cast_seconds", "nonblock_accum_seconds",
-                    "host_static_bytes", "conversion_gpu_bytes"):
+                    "host_static_bytes", "conversion_gpu_bytes", "device_overhead_bytes"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"workload.{key}", value, "must be a finite number >= 0")

@@ -1,0 +1,78 @@
+"""The device budget is what the CUDA allocator reserves (allocator.py, Note: [the budget is what the
+allocator reserves]): the plan's allocated peak is held to budget / reserve ratio, and a step whose
+allocator reserved more than planned for (or allocated beyond the plan) re-plans before it can run
+out of memory. The allocator's figures are injected here (no GPU); the device kit measures them."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_lazytrain.allocator import RESERVE_RATIO, RESERVE_RATIO_EXPANDABLE, MemoryWatch
+from lightning_lazytrain.engine.executor import Executor
+from lightning_lazytrain.strategy import LazyTrainStrategy
+from test_conformance import Net, fit
+
+GB = 1e9
+
+
+def test_the_starting_ratio_and_the_cap():
+    assert MemoryWatch.for_device(torch.device("cpu"), False).ratio == 1.0
+    assert MemoryWatch.for_device(torch.device("cuda", 0), True).ratio == RESERVE_RATIO_EXPANDABLE
+    assert MemoryWatch.for_device(torch.device("cuda", 0), False).ratio == RESERVE_RATIO
+    assert MemoryWatch(ratio=1.25).cap(10 * GB) == pytest.approx(8 * GB)
+
+
+def test_a_step_over_its_reserve_raises_the_ratio_and_asks_for_a_re_plan():
+    w = MemoryWatch(ratio=1.05)
+    calm = dict(budget_bytes=20 * GB, predicted_peak=17 * GB)
+    assert w.observe(reserved=int(17.5 * GB), allocated=int(17 * GB), **calm) is None  # 1.03x: as planned
+    why = w.observe(reserved=int(19 * GB), allocated=int(16 * GB), **calm)  # 1.19x
+    assert why.startswith("memory: the allocator reserved 19 GB") and w.ratio == pytest.approx(19 / 16 * 1.02)
+    near = MemoryWatch(ratio=1.2)
+    assert "re-planning" in near.observe(reserved=int(19.8 * GB), allocated=int(17 * GB), **calm)  # near the budget
+    over = MemoryWatch(ratio=1.3)
+    assert "above the plan's peak" in over.observe(reserved=int(19 * GB), allocated=int(18 * GB), **calm)
+    assert w.observe(reserved=None, allocated=None, **calm) is None  # not CUDA
+    tired = MemoryWatch(ratio=1.0, max_replans=1)
+    assert tired.observe(reserved=int(19 * GB), allocated=int(10 * GB), **calm) is not None
+    assert tired.observe(reserved=int(19 * GB), allocated=int(10 * GB), **calm) is None  # at most max_replans
+
+
+def test_the_plan_gets_the_budget_less_the_reserve():
+    strategy = LazyTrainStrategy(hardware="cpu", gpu_memory_budget_gb=2.0)
+    strategy._memory = MemoryWatch(ratio=1.25)
+    assert strategy._hardware().gpu_memory_cap_bytes == pytest.approx(1.6 * GB)
+    assert strategy._budget_bytes == pytest.approx(2.0 * GB)
+
+
+def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
+    """The allocator's peaks of each step (CUDA's max_memory_reserved / max_memory_allocated) are
+    injected: from the third step on it reserves 1.3x what it allocates; the strategy re-plans once,
+    with that ratio, and says why; the training is unchanged (same losses as auto)."""
+    real_end = Executor.end_microbatch
+    steps = []
+
+    def end_microbatch(self):
+        stats = real_end(self)
+        if stats is not None:
+            steps.append(1)
+            allocated = int(stats.peak_tracked_bytes)
+            stats.max_memory_allocated = allocated
+            stats.max_memory_reserved = int(allocated * (1.3 if len(steps) >= 3 else 1.0))
+        return stats
+
+    monkeypatch.setattr(Executor, "end_microbatch", end_microbatch)
+    strategy = LazyTrainStrategy(policy="milp", hardware="cpu", gpu_memory_budget_gb=100.0)
+    ref, want = fit("auto", Net())
+
+    class Watch(L.Callback):
+        def on_fit_start(self, trainer, module):
+            trainer.strategy._memory = MemoryWatch(ratio=1.05)  # as on CUDA with expandable segments
+
+    got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[Watch()])
+    memory = [r for r in strategy.replans if r["reason"].startswith("memory:")]
+    assert len(memory) == 1 and "1.300x what it allocated" in memory[0]["reason"]
+    assert strategy._memory.ratio == pytest.approx(1.3 * 1.02, rel=1e-3)
+    assert got[:4] == want[:4]
