@@ -428,8 +428,14 @@ class Executor:
         self.stats.lane_bytes = self.engine.bytes_moved
         self.stats.peak_tracked_bytes = self.tracker.peak
         if self._mem is not None:  # Note: [untracked device bytes] in step_stats.py
-            real = self._static_device_bytes + self._mem.current
-            self.stats.untracked_bytes = max(0, real - self.tracker.current)
+            untracked = self._static_device_bytes + self._mem.current - self.tracker.current
+            self.stats.untracked_bytes = max(0, untracked)
+            left = max(0, untracked - self._untracked_base)  # P: what the step left behind for good
+            held, floors = left, {}
+            for w in reversed(list(self._untracked_start)):  # held from w's start to the end: P there
+                held = min(held, self._untracked_start[w])
+                floors[w] = left if held >= left else 0
+            self.stats.window_work = {w: max(0, u - floors.get(w, 0)) for w, u in self._untracked_peak.items()}
         self._stop_memory()
         if self.device.type == "cuda":
             self.stats.max_memory_allocated = max(self.stats.real_peak_bytes,
@@ -994,23 +1000,36 @@ class Executor:
         self.trace.window(name)
         self._memory_window(name, carried=carried)
 
+    # Note: [untracked device bytes] (step_stats.py) A window's working set is what the device holds
+    # beyond what the executor tracks, at the window's peak, above what it held untracked when the
+    # step began (U_base: workspaces and buffers of earlier steps, a model's caches): transients, the
+    # incoming gradient, what a layer's forward leaves for later (a KV cache), the head's gradients
+    # kept for the backward. What the step leaves behind for good (P: a cuBLAS workspace its first
+    # matmul made) becomes static in the plan (U_base + P = ``StepStats.untracked_bytes``), so a
+    # window's work is its peak less P when P was there already: when at least P untracked bytes were
+    # held at the start of it and of every later window (else its full peak). Static + work then
+    # covers every window, before and after P appeared, in this step and in the next ones (where P
+    # is there all along).
     def _memory_window(self, name: str, *, carried: int = 0) -> None:
         """Close the open memory window and open ``name`` (a no-op when ``name`` is open: F0 opens
         before the embedding runs, as the plan counts boundary 0 and its making in F0).
-        ``carried``: bytes alive at the mark that belong to the new window's working set."""
+        ``carried`` (bytes alive at the mark that belong to the new window's working set) is
+        counted by the untracked bytes themselves (Note: [untracked device bytes])."""
         mem = self._mem
         if mem is None or (self._mem_open is not None and self._mem_open[0] == name):
             return
         static = self._static_device_bytes
         if self._mem_open is not None:
-            prev, real0, tracked0 = self._mem_open
-            work = max(0, (mem.peak - real0) - (self.tracker.window_peak - tracked0))
-            self.stats.window_work[prev] = max(self.stats.window_work.get(prev, 0), work)
+            prev = self._mem_open[0]
+            untracked = static + mem.peak - self.tracker.window_peak - self._untracked_base
+            self._untracked_peak[prev] = max(self._untracked_peak.get(prev, 0), untracked)
             self.stats.window_peak_bytes[prev] = max(self.stats.window_peak_bytes.get(prev, 0), static + mem.peak)
             self.stats.real_peak_bytes = max(self.stats.real_peak_bytes, static + mem.peak)
         mem.mark()
         self.tracker.reset_window()
-        self._mem_open = (name, mem.current - carried, self.tracker.current)
+        self._mem_open = (name, mem.current, self.tracker.current)
+        start = static + mem.current - self.tracker.current - self._untracked_base
+        self._untracked_start[name] = min(self._untracked_start.get(name, start), start)
 
     def _start_memory(self) -> None:
         if not (self.measure_memory or self.profiling) or self._mem is not None:
@@ -1027,6 +1046,10 @@ class Executor:
         self._mem = DeviceBytes(self.device)
         self._mem.start()
         self._mem_open = None
+        # Note: [untracked device bytes]: what the device holds untracked as the step begins
+        self._untracked_base = self._static_device_bytes + self._mem.current - self.tracker.current
+        self._untracked_peak: dict[str, int] = {}
+        self._untracked_start: dict[str, int] = {}  # per window, in order: the least untracked at its start
 
     def _stop_memory(self) -> None:
         if self._mem is not None:
