@@ -285,6 +285,25 @@ def validate_options(hardware: object, budget: object, nvme_dir: object, policy:
     return schedule
 
 
+def check_option_names(cls: type, kwargs: dict) -> None:
+    """A keyword ``cls(...)`` does not take is a TypeError that names it, the closest option and
+    where the options are listed (Python's own says only "unexpected keyword argument")."""
+    import difflib
+    import inspect
+
+    known = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+             if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, known, n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(f"{cls.__name__} has no option {', '.join(hints)}; its options are {', '.join(known)} "
+                    f"(see help({cls.__name__}))")
+
+
 def given_hardware(hardware: str | Hardware, budget_gb: float | None, nvme_dir: object) -> Hardware:
     """The machine a named profile or a ``Hardware`` describes, as the options shape it: the budget
     applies on every path, and without ``nvme_dir`` the plan gets no NVMe tier (nowhere to spill).

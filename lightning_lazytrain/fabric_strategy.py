@@ -25,6 +25,7 @@ place and the next forward stages the updated weights.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -37,16 +38,19 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload, validate_options
+from lightning_lazytrain.autoplan import (AutoPlan, check_option_names, given_hardware, measure_hardware,
+                                          plan_from_workload, validate_options)
 from lightning_lazytrain.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
 from lightning_lazytrain.engine.profiler import workload_from_stats
-from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
+from lightning_lazytrain.planner import Hardware, InfeasibleBudget, min_memory, recompute_all
 from lightning_lazytrain.planner.placement import conversions_note
 
 __all__ = ["LazyTrainFabricStrategy"]
+
+log = logging.getLogger(__name__)
 
 # Fabric precisions the streamed engine reproduces: fp32 masters computed in fp32, or in fp32 slots
 # under Fabric's bf16 autocast (the executor's re-runs replay the autocast state).
@@ -89,6 +93,10 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
     """
 
     strategy_name = "lazytrain"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LazyTrainFabricStrategy:
+        check_option_names(cls, kwargs)  # a misspelt option, named with the closest one
+        return super().__new__(cls)
 
     def __init__(self, hardware: str | Hardware = "measure", gpu_memory_budget_gb: float | None = None,
                  nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,
@@ -255,8 +263,11 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
         hardware = self._hardware()
         t_hw = time.perf_counter() - t0
         wl = workload_from_stats(ex, stats, tokens=self._tokens, opt_params_per_s=hardware.cpu_adam_params_per_s)
-        # an impossible budget raises here
-        plan = plan_from_workload(wl, hardware, policy=self.policy, profiled=ex.schedule)
+        try:  # an impossible budget raises here, said first in the log
+            plan = plan_from_workload(wl, hardware, policy=self.policy, profiled=ex.schedule)
+        except InfeasibleBudget as err:
+            log.error("lazytrain cannot train this within its budget: %s", err)
+            raise
         plan.timings.update(profile=t_profile, hardware=t_hw)
         nvme = int(plan.result.sim.nvme_bytes)
         if nvme:

@@ -17,7 +17,7 @@ from lightning_lazytrain.engine.executor import StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
 from lightning_lazytrain.engine.param_store import REST as REST_GROUP
 from lightning_lazytrain.engine.profiler import workload_from_stats
-from lightning_lazytrain.planner import Hardware
+from lightning_lazytrain.planner import Hardware, InfeasibleBudget
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import conversions_note
 
@@ -93,6 +93,8 @@ class StrategyPlanning:
                     except Exception:  # the current schedule no longer fits: switch
                         current_s = float("inf")
             except BaseException as err:
+                if isinstance(err, InfeasibleBudget):  # the first line a user reads, before the traceback
+                    log.error("lazytrain cannot train this within its budget: %s", err)
                 if not self.is_distributed:
                     raise
                 failure = f"{type(err).__name__}: {err}"

@@ -127,3 +127,33 @@ def test_spill_check_on_the_real_file_system(tmp_path):
     assert check_spill_fits(Path(tmp_path), 1) >= 1
     with pytest.raises(NvmeDirError, match=r"short by"):
         check_spill_fits(tmp_path, free + (1 << 40))
+
+
+@pytest.mark.parametrize("which, typo, closest", [("trainer", "polcy", "policy"),
+                                                   ("trainer", "gpu_memory_budget", "gpu_memory_budget_gb"),
+                                                   ("fabric", "nvmedir", "nvme_dir")])
+def test_a_misspelt_option_is_named_with_the_closest_one(which, typo, closest):
+    if which == "trainer":
+        from lightning_lazytrain.strategy import LazyTrainStrategy as cls
+    else:
+        from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy as cls
+    with pytest.raises(TypeError, match=rf"{cls.__name__} has no option '{typo}' \(did you mean '{closest}'\?\)"):
+        cls(**{typo: 1})
+
+
+def test_an_impossible_budget_is_the_first_thing_the_log_says(caplog):
+    import lightning as L
+    import torch
+
+    from lightning_lazytrain.planner import InfeasibleBudget
+    from lightning_lazytrain.strategy import LazyTrainStrategy
+    from test_conformance import Net, data
+
+    trainer = L.Trainer(strategy=LazyTrainStrategy(hardware="cpu", gpu_memory_budget_gb=1e-7), accelerator="cpu",
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with caplog.at_level(logging.ERROR), pytest.raises(InfeasibleBudget):
+        trainer.fit(Net(), train_dataloaders=torch.utils.data.DataLoader(data(), batch_size=None))
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and errors[0].startswith("lazytrain cannot train this within its budget:")
+    assert "gpu memory short by" in errors[0]
