@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "peak_gpu_gb": ("peak GPU [GB]", "{:.2f}"),
     "peak_cpu_gb": ("peak CPU [GB]", "{:.1f}"),
     "exposed_s": ("exposed [s]", "{:.3f}"),
-    "homes": ("homes g/c/n/r", "{}"),
+    "homes": ("boundaries g/c/n/r", "{}"),  # planner.plan: boundaries by home (gpu/cpu/nvme/recompute)
+    "reruns": ("re-runs", "{}"),  # planner.plan: extra layer forwards per micro-batch
     "status": ("status", "{}"),
     "speedup": ("speedup [x]", "{:.3f}"),
     "infeasible": ("note", "{}"),
@@ -76,8 +79,11 @@ def _cell(key: str, value: Any) -> str:
         text = fmt.format(value)
     except (ValueError, TypeError):
         return str(value)
-    if isinstance(value, float) and value != 0 and not text.strip("0.,-"):
-        return f"{value:.3g}"  # a small nonzero value that the fixed format would print as 0.0
+    digits = re.fullmatch(r"\{:[,]?\.(\d+)f\}", fmt)
+    if isinstance(value, float) and value != 0 and digits and abs(value) < 10.0 ** (1 - int(digits[1])):
+        # a small nonzero value that the fixed format would print with one significant digit or none
+        # (0.001, 0.000): three, as 0.00062
+        return f"{value:.3g}"
     return text
 
 
@@ -89,12 +95,26 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+def format_value(key: str, value: Any) -> str:
+    """``value`` as the table prints it in column ``key`` (e.g. a summary line that quotes a table's figure)."""
+    return _cell(key, value)
+
+
+#: width the legend under a table wraps at (or the table's own width, when wider)
+LEGEND_WIDTH = 100
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, *,
+                 legend: Sequence[str] | None = None) -> str:
     """Aligned plain-text table of ``rows`` (dicts). Columns: ``columns`` or the union of the rows' keys in
     first-seen order. The last column, ``note``, holds an ``infeasible`` key's reason (as "infeasible: ...",
     the row's numbers shown as ``-``) or a ``note`` key's free text (e.g. a plan over its memory cap). Known
     keys get a header with its unit (see ``COLUMNS``); numbers are right-aligned, missing values shown as
-    ``-``."""
+    ``-``. ``legend``: lines that explain the columns, printed under the table (wrapped, each indented by two
+    spaces); by default the rows' own ``legend`` attribute if they have one (``PlanResult.rows()``), ``()``
+    for none."""
+    if legend is None:
+        legend = getattr(rows, "legend", None) or ()
     if not rows:
         return "(no rows)"
     note_keys = ("infeasible", "note")
@@ -125,6 +145,10 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
 
     lines = [fmt(headers), "  ".join("-" * w for w in widths)]
     lines += [fmt(line) for line in body]
+    width = max(LEGEND_WIDTH, len(lines[1]))
+    for text in legend:
+        lines += textwrap.wrap(text, width=width, initial_indent="  ", subsequent_indent="    ",
+                               break_on_hyphens=False)
     return "\n".join(lines)
 
 

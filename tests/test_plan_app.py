@@ -45,8 +45,14 @@ def test_plan_job_writes_plan_json_and_timeline(tmp_path, capsys):
     row = plan_job(cfg, tmp_path)
     printed = capsys.readouterr().out
     for name in ("plan (milp)", "megatrain", "keep_all", "recompute_all", "tokens/s", "TFLOPS",
-                 "peak GPU [GB]", "exposed [s]", "homes g/c/n/r", "iter [s]"):
+                 "peak GPU [GB]", "exposed [s]", "boundaries g/c/n/r", "re-runs", "iter [s]"):
         assert name in printed
+    # the legend under the table explains the columns (and where the figures come from)
+    legend = " ".join(line.strip() for line in printed.splitlines() if line.startswith("  "))
+    for text in ("exposed [s]: window time not covered by compute", "boundaries g/c/n/r: the 5 boundary activations",
+                 "re-runs: extra layer forwards per micro-batch", "1 GB = 1e9 bytes", "tokens/s: ",
+                 "predicted from the model's shapes and the cpu hardware profile"):
+        assert text in legend, legend
 
     data = json.loads((tmp_path / "plan.json").read_text())
     assert {"status", "solver", "schedule", "predicted", "baselines", "config", "micro_batch"} <= set(data)
@@ -148,7 +154,7 @@ def test_format_table_units_alignment_and_notes():
     text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split("  ")[0].strip() == "schedule"
-    for header in ("iter [s]", "tokens/s", "TFLOPS", "peak GPU [GB]", "exposed [s]", "homes g/c/n/r", "note"):
+    for header in ("iter [s]", "tokens/s", "TFLOPS", "peak GPU [GB]", "exposed [s]", "boundaries g/c/n/r", "note"):
         assert header in lines[0]
     assert "2,434" in lines[2] and "30.289" in lines[2]
     assert "infeasible: gpu_memory" in lines[3]
@@ -156,6 +162,59 @@ def test_format_table_units_alignment_and_notes():
     end = lines[0].index("TFLOPS") + len("TFLOPS")
     assert lines[2][:end].endswith("345.8")
     assert format_table([]) == "(no rows)"
+    # a small value keeps three significant digits (not 0.001 next to 0.000456)
+    small = format_table([{"exposed_s": 0.000456}, {"exposed_s": 0.00062}, {"exposed_s": 0.0123}]).splitlines()
+    assert [line.strip() for line in small[2:]] == ["0.000456", "0.00062", "0.012"]
+
+
+def test_format_table_prints_a_legend_under_the_table():
+    rows = [{"schedule": "a", "iteration_s": 1.0}]
+    text = format_table(rows, legend=["iter [s]: " + "word " * 40, "second"])
+    lines = text.splitlines()
+    assert len(lines) > 4 and lines[3].startswith("  iter [s]: word") and lines[4].startswith("    word")
+    assert lines[-1] == "  second" and all(len(line) <= 100 for line in lines)
+    assert format_table(rows) == "\n".join(lines[:3])  # plain rows: no legend
+
+
+def _tiny_plan(policy: str = "milp", **workload_changes):
+    from dataclasses import replace
+
+    from lightning_lazytrain.config import to_hardware, to_model, to_train
+    from lightning_lazytrain.planner import make_plan
+    from lightning_lazytrain.planner.workload import Workload
+
+    cfg = compose_cfg(*SMALL)
+    model, train, hw = to_model(cfg), to_train(cfg, micro_batch_size=4), to_hardware(cfg)
+    wl = replace(Workload.analytic(model, train, hw), **workload_changes)
+    return make_plan(model, train, hw, policy=policy, workload=wl)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_rows_say_where_boundaries_live_and_how_many_layers_re_run(grad_accum):
+    plan = _tiny_plan(grad_accum=grad_accum)
+    rows = {row["schedule"]: row for row in plan.rows()}
+    L = plan.workload.num_layers
+    # recompute_all keeps every boundary on the GPU and re-runs each layer before its backward (local
+    # recompute): L + 1 boundaries on the GPU, L re-runs; keep_all keeps everything, re-runs nothing;
+    # megatrain (K=4) recomputes boundaries 1..3 by re-running layers 0..2, and re-runs every layer too
+    assert (rows["recompute_all"]["homes"], rows["recompute_all"]["reruns"]) == (f"{L + 1}/0/0/0", L)
+    assert (rows["keep_all"]["homes"], rows["keep_all"]["reruns"]) == (f"{L + 1}/0/0/0", 0)
+    assert rows["megatrain"]["homes"] == "2/0/0/3" and rows["megatrain"]["reruns"] == 3 + L
+    # the column is the simulator's count of re-run forwards (per micro-batch), for every schedule
+    sims = {"plan (milp)": plan.sim, **plan.baselines}
+    for name, row in rows.items():
+        assert row["reruns"] * grad_accum == sum(sims[name].recomputed_forwards.values()), name
+    assert any(f"{grad_accum * plan.workload.tokens:,} tokens per step" in line for line in plan.rows().legend)
+
+
+def test_a_workload_without_tokens_has_no_tokens_per_s_column():
+    plan = _tiny_plan(tokens=1)
+    text = format_table(plan.rows())
+    header = text.splitlines()[0]
+    assert "tokens/s" not in header and "TFLOPS" not in header and "iter [s]" in header
+    assert "no tokens/s or TFLOPS: the batch carries no token count" in text
+    assert all("tokens_per_s" not in row for row in plan.rows())
+    assert "tokens_per_s" in _tiny_plan().rows()[0]
 
 
 def test_plot_timeline_takes_measured_segments(tmp_path):

@@ -15,8 +15,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_lazytrain.cli.train import LossHistory, TrainConfigError, summarize, train_job
+from lightning_lazytrain.cli.train import LossHistory, TrainConfigError, step_time_line, summarize, train_job
 from lightning_lazytrain.config import CONF_DIR
+from lightning_lazytrain.report import format_value
 
 try:
     import lightning_lazytrain.strategy  # noqa: F401
@@ -91,6 +92,40 @@ def test_app_trains_and_writes_loss_png_and_final_val_loss(tmp_path, capsys, str
     assert sum(1 for r in rows if r.get("train_loss")) == 5 and sum(1 for r in rows if r.get("val_loss")) == 2
     if strategy == "lazytrain":  # the strategy wrote its plan next to the logs
         assert (tmp_path / "logs" / "plan.json").exists()
+        # the summary's prediction is the table's plan row (iter [s]), in the table's rounding
+        plan = json.loads((tmp_path / "logs" / "plan.json").read_text())
+        assert result["step_seconds_predicted"] == plan["predicted"]["iteration_seconds"]
+        assert result["plan_predictions"][0] == {"step": 0, "predicted_s": plan["predicted"]["iteration_seconds"]}
+        table_figure = format_value("iteration_s", plan["predicted"]["iteration_seconds"])
+        (line,) = [line for line in printed.splitlines() if line.startswith("step time: measured")]
+        assert f"predicted {table_figure} s by the plan (iter [s] of its table, from one profiled step)" in line
+
+
+def test_step_time_line_names_the_prediction_it_quotes():
+    one = [{"step": 0, "predicted_s": 0.0563}]
+    assert step_time_line(0.0421, 0.0563, one, []) == (
+        "step time: measured 0.042 s (median after the first step), predicted 0.056 s by the plan (iter [s] of its "
+        "table, from one profiled step); measured / predicted 0.75x")
+    # a re-plan that kept the schedule: the table's figure, and what the re-profile predicts now
+    kept = [{"step": 216, "switched": False, "current_predicted_s": 0.0653, "new_predicted_s": 0.066,
+             "reason": "drift: measured/predicted step time moved from 0.70 to 0.95 (+36%; ...)"}]
+    line = step_time_line(0.0421, 0.0563, one, kept)
+    assert "predicted 0.056 s by the plan (iter [s] of its table" in line
+    assert line.endswith("; re-planned 1x (step 216: drift): kept the schedule (step 216's profile re-predicts it "
+                         "at 0.065 s, measured / that 0.64x: the drift monitor's reference since)")
+    # a switch printed a new table: the line quotes it, and says which plan it is
+    two = one + [{"step": 40, "predicted_s": 0.0312}]
+    switched = [{"step": 6, "switched": False, "current_predicted_s": 0.05, "new_predicted_s": 0.05,
+                 "reason": "profile check: the 5 steps after the plan ran 11.0x faster than ..."},
+                {"step": 40, "switched": True, "current_predicted_s": 0.09, "new_predicted_s": 0.0312,
+                 "reason": "a reason without a kind"}]
+    line = step_time_line(0.0421, 0.0312, two, switched)
+    assert line.endswith("predicted 0.031 s by the plan made at step 40 (iter [s] of its table; the first plan's: "
+                         "0.056 s); measured / predicted 1.35x; re-planned 2x (step 6: profile check; step 40): "
+                         "switched at 40")
+    # the table's rounding for small figures, and no prediction at all (strategy=auto)
+    assert "predicted 0.00062 s" in step_time_line(0.0005, 0.00062, [{"step": 0, "predicted_s": 0.00062}], [])
+    assert step_time_line(0.0421, None, [], []) == "step time: measured 0.042 s (median after the first step)"
 
 
 def test_summary_of_a_history():

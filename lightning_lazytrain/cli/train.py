@@ -17,9 +17,11 @@ step. Into Hydra's output directory it writes ``logs/metrics.csv`` / ``logs/hpar
 time), ``summary_row.json`` (the job's row of a sweep's ``sweep.csv``), ``train.log`` (what the job reported,
 the plan table) and ``solver.log`` (HiGHS).
 
-The console shows the header, the strategy's plan table, each validation's result, a progress bar that ends
-at ``trainer.max_steps`` and the summary; Lightning's tips, device banners and deprecation warnings are left
-out (``quiet_lightning``). ``main`` composes the command line against the typed schema before Hydra runs
+The console shows the header, the strategy's plan table (with its legend), each validation's result, a progress
+bar that ends at ``trainer.max_steps`` and the summary, whose predicted step time is the iter [s] of the plan row
+of the last table printed, in its rounding (``step_time_line``: after a re-plan that switched, "the plan made at
+step N"; a re-plan that kept the schedule is named with what its profile re-predicted); Lightning's tips,
+device banners and deprecation warnings are left out (``quiet_lightning``). ``main`` composes the command line against the typed schema before Hydra runs
 (``config.check_command_line``: a key the schema does not know, ``+`` or not, a renamed key such as
 ``data.val_every`` -> ``data.holdout_every``, a value of the wrong type), and ``validate_config`` checks the
 strategy name, the accelerator and the run length at start-up (the strategy's options, ``strategy.nvme_dir`` and
@@ -64,7 +66,7 @@ from ..config import (CONF_DIR, ConfigKeyError, HardwareConfig, ModelConfig, che
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
 from ..planner.units import format_bytes
-from ..report import format_table
+from ..report import format_table, format_value
 from .plan import ROW_FILE, SweepSummary, remove_run_dir
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
@@ -256,6 +258,24 @@ class StepTimer(Callback):
         """Median step time without the first step (the warm-up; with the lazytrain strategy, the profile)."""
         steady = self.seconds[1:] or self.seconds
         return statistics.median(steady) if steady else None
+
+
+class PlanPredictions(Callback):
+    """The predicted step seconds of each plan that took effect, in order (``seconds``: the plan row of each
+    table the strategy printed: the first plan's, then one per re-plan that switched the schedule; a re-plan
+    that kept the schedule prints no table and adds nothing)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._plan: Any = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        plan = getattr(trainer.strategy, "plan", None)
+        result = getattr(plan, "result", None)
+        if result is not None and plan is not self._plan:
+            self._plan = plan
+            self.seconds.append(float(result.sim.iteration_seconds))
 
 
 class _EndsWhereTheRunEnds:
@@ -562,7 +582,8 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
 
         history = LossHistory(out)
         timer = StepTimer()
-        callbacks: list = [history, timer, ValidateAfterLastStep(), LearningRateMonitor(logging_interval="step")]
+        plans = PlanPredictions()
+        callbacks: list = [history, timer, plans, ValidateAfterLastStep(), LearningRateMonitor(logging_interval="step")]
         if t.enable_progress_bar:
             callbacks.append(progress_bar())
         per_epoch = max(1, info["train_windows"] // info["batch_size"])
@@ -603,14 +624,20 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
 
     result = summarize(history, int(cfg.smooth_steps))
     tokens = result["steps"] * t.accumulate_grad_batches * info["batch_size"] * info["seq_len"]
-    predicted = trainer.callback_metrics.get("lazytrain/predicted_step_seconds")
-    predicted = float(predicted) if predicted is not None and math.isfinite(float(predicted)) else None
+    # the prediction the run ended with: a re-plan that kept the schedule re-predicts it from its profile (the
+    # drift monitor's reference from then on); the summary quotes the plan table's figure and says so
+    last = trainer.callback_metrics.get("lazytrain/predicted_step_seconds")
+    last = float(last) if last is not None and math.isfinite(float(last)) else None
+    replans = list(getattr(trainer.strategy, "replans", []))
+    plan_steps = [0] + [int(r["step"]) for r in replans if r.get("switched")]  # the steps the tables were made at
+    plan_predictions = [{"step": step, "predicted_s": seconds} for step, seconds in zip(plan_steps, plans.seconds)]
+    predicted = plans.seconds[-1] if plans.seconds else last
     result.update(model=cfg.model.name, params=module.num_parameters, strategy=cfg.strategy.name,
                   hardware=hw_name, accelerator=t.accelerator, precision=t.precision, seed=int(cfg.seed),
                   fit_seconds=wall, train_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else None,
                   step_seconds_measured=timer.median(), step_seconds_predicted=predicted,
-                  step_seconds_first=timer.seconds[0] if timer.seconds else None, data=info,
-                  replans=list(getattr(trainer.strategy, "replans", [])),
+                  step_seconds_predicted_last=last, plan_predictions=plan_predictions,
+                  step_seconds_first=timer.seconds[0] if timer.seconds else None, data=info, replans=replans,
                   output_dir=str(out_dir), pid=os.getpid())
     title = (f"{cfg.model.name} ({_params(module.num_parameters)}) on stdlib bytes, strategy {cfg.strategy.name}: "
              f"batch {info['batch_size']} x {info['seq_len']}, lr {cfg.optim.lr:g}")
@@ -634,15 +661,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
                      f"{result['last_train_loss_mean']:.4f} (down {result['train_loss_drop']:.4f})")
     measured = result["step_seconds_measured"]
     if measured is not None:
-        line = f"step time: measured {measured:.3f} s (median after the first step)"
-        if predicted is not None:
-            line += f", predicted {predicted:.3f} s by the plan (measured / predicted {measured / predicted:.2f}x)"
-        replans = result["replans"]
-        if replans:  # drift re-plans (each in result.json; only switches are printed as they happen)
-            switched = [r["step"] for r in replans if r["switched"]]
-            line += (f"; re-planned {len(replans)}x on drift (steps {', '.join(str(r['step']) for r in replans)}), "
-                     + (f"switched at {', '.join(map(str, switched))}" if switched else "kept the schedule"))
-        lines.append(line)
+        lines.append(step_time_line(measured, predicted, plan_predictions, replans))
     lines.append(f"wrote loss_curve.png, result.json, losses.json, logs/metrics.csv to {out_dir}")
     summary = (f"lazytrain-train: done, {result['steps']} steps in {wall:.1f} s "
                f"({result['tokens_per_s'] or 0:,.0f} tokens/s)")
@@ -654,6 +673,38 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
     for line in lines:
         say(line, out)
     return result
+
+
+def step_time_line(measured: float, predicted: float | None, plan_predictions: list[dict[str, Any]],
+                   replans: list[dict[str, Any]]) -> str:
+    """The summary's step-time line. ``predicted`` is the iter [s] of the plan row of the last table the
+    strategy printed, in the table's rounding: the first plan's, or after a re-plan that switched "the plan
+    made at step N"'s. A re-plan that kept the schedule printed no table; the line says what it re-predicted."""
+    def seconds(x: float) -> str:
+        return format_value("iteration_s", x)  # as the table prints iter [s]
+
+    line = f"step time: measured {seconds(measured)} s (median after the first step)"
+    if predicted is not None:
+        if len(plan_predictions) > 1:
+            which = (f"by the plan made at step {plan_predictions[-1]['step']} (iter [s] of its table; the first "
+                     f"plan's: {seconds(plan_predictions[0]['predicted_s'])} s)")
+        else:
+            which = "by the plan (iter [s] of its table, from one profiled step)"
+        line += f", predicted {seconds(predicted)} s {which}; measured / predicted {measured / predicted:.2f}x"
+    if replans:  # re-plans (each in result.json; a switch printed its table as it happened)
+        def when(r: dict[str, Any]) -> str:  # "step 6: profile check" (the reason's kind: drift, memory, ...)
+            head, colon, _ = str(r.get("reason", "")).partition(":")
+            return f"step {r['step']}" + (f": {head}" if colon and len(head) <= 16 else "")
+
+        switched = [str(r["step"]) for r in replans if r.get("switched")]
+        line += (f"; re-planned {len(replans)}x ({'; '.join(map(when, replans))}): "
+                 + (f"switched at {', '.join(switched)}" if switched else "kept the schedule"))
+        kept = replans[-1]
+        again = kept.get("current_predicted_s")
+        if not kept.get("switched") and again:
+            line += (f" (step {kept['step']}'s profile re-predicts it at {seconds(again)} s, measured / that "
+                     f"{measured / again:.2f}x: the drift monitor's reference since)")
+    return line
 
 
 SWEEP_TRAIN_COLUMNS = ("job", "status", "overrides", "model", "strategy", "hardware", "seed", "lr", "steps",

@@ -3,6 +3,7 @@ baselines, diagnose infeasible inputs, search the micro-batch size."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
@@ -73,24 +74,82 @@ class PlanResult:
                 "grad_accum": self.train.grad_accum, "dtype": self.train.dtype},
         }
 
-    def rows(self) -> list[dict]:
-        """One row per schedule (this plan first) for the comparison table; a plan over a cap says so in its
-        ``note``."""
-        out = [_row("plan (" + (self.schedule.policy or "milp") + ")", self.sim, self.schedule)]
+    def rows(self) -> PlanRows:
+        """One row per schedule (this plan first) for the comparison table, with the legend that explains
+        its columns (``PlanRows.legend``: ``report.format_table`` prints it under the table); a plan over a
+        cap says so in its ``note``. tokens/s and TFLOPS only when the workload counts tokens (more than
+        one per micro-batch: a batch without token ids is planned with a count of 1)."""
+        tokens = self.workload.tokens > 1
+        out = PlanRows([_row("plan (" + (self.schedule.policy or "milp") + ")", self.sim, self.schedule, tokens)])
         if self.over_cap:
             out[0]["note"] = "OVER CAP: " + self.over_cap_note()
         for name, r in self.baselines.items():
-            out.append(_row(name, r, self.baseline_schedules.get(name)))
+            out.append(_row(name, r, self.baseline_schedules.get(name), tokens))
+        schedules = [self.schedule, *self.baseline_schedules.values()]
+        out.legend = table_legend(self.workload, self.hardware, tokens=tokens,
+                                  partial=any(s.partial_layers for s in schedules))
         return out
 
 
-def _row(name: str, r: SimResult | str, s: Schedule | None) -> dict:
+class PlanRows(list):
+    """The rows of a plan's comparison table (dicts, ``report.format_table``'s input), and ``legend``: the
+    lines that explain its columns, printed under the table."""
+
+    def __init__(self, rows: Iterable[dict] = (), legend: Iterable[str] = ()) -> None:
+        super().__init__(rows)
+        self.legend = list(legend)
+
+
+#: the boundary homes the table's "boundaries g/c/n/r" column counts, in its order, with their letters
+HOME_LETTERS = (("gpu", "g"), ("cpu", "c"), ("nvme", "n"), ("recompute", "r"))
+
+
+def _row(name: str, r: SimResult | str, s: Schedule | None, tokens: bool = True) -> dict:
+    """A schedule's row: predicted seconds per step, tokens/s and TFLOPS (``tokens``: the workload counts
+    tokens), peak device memory, exposed seconds, the boundaries by home and the layer re-runs."""
     if not isinstance(r, SimResult):
         return {"schedule": name, "infeasible": r}
-    counts = s.count_homes() if s is not None else {}
-    return {"schedule": name, "iteration_s": r.iteration_seconds, "tokens_per_s": r.tokens_per_second,
-            "tflops": r.tflops, "peak_gpu_gb": r.peak_gpu_bytes / GB, "exposed_s": r.exposed_transfer_seconds,
-            "homes": "/".join(f"{counts.get(h, 0)}" for h in ("gpu", "cpu", "nvme", "recompute"))}
+    row: dict = {"schedule": name, "iteration_s": r.iteration_seconds}
+    if tokens:
+        row.update(tokens_per_s=r.tokens_per_second, tflops=r.tflops)
+    row.update(peak_gpu_gb=r.peak_gpu_bytes / GB, exposed_s=r.exposed_transfer_seconds)
+    if s is not None:
+        counts = s.count_homes()
+        row["homes"] = "/".join(f"{counts.get(h, 0)}" for h, _ in HOME_LETTERS)
+        row["reruns"] = s.recomputed_layers
+    return row
+
+
+def table_legend(wl: Workload, hw: Hardware, *, tokens: bool = True, partial: bool = False) -> list[str]:
+    """What the comparison table's columns mean, for this workload (its layer count, accumulation and
+    where its timings come from)."""
+    L, g = wl.num_layers, wl.grad_accum
+    step = "per optimizer step" + (f" ({g} micro-batches and the optimizer tail)" if g > 1 else "")
+    lines = [f"iter [s]: predicted seconds {step} (the simulator replays the schedule window by window)"]
+    if tokens:
+        lines.append(f"tokens/s: {wl.tokens * g:,} tokens per step / iter [s]; TFLOPS: 6 x parameters x tokens / "
+                     "iter (MegaTrain's convention)")
+    else:
+        lines.append("no tokens/s or TFLOPS: the batch carries no token count (no token ids): compare iter [s]")
+    lines += [
+        "peak GPU [GB]: the most compute-device memory any window of the step holds (1 GB = 1e9 bytes)",
+        ("exposed [s]: window time not covered by compute, per step (the compute lane waiting for copies, host "
+         "casts and gradient adds, or the optimizer)"),
+        (f"boundaries g/c/n/r: the {L + 1} boundary activations (each layer's input, and the head's) by where they "
+         "wait for the backward: g on the GPU, c in host memory, n on NVMe, r dropped and recomputed from an "
+         "earlier boundary"),
+        ("re-runs: extra layer forwards per micro-batch: those that recompute r boundaries, plus one for every layer "
+         "that does not keep its internals (re-run before its backward, from its kept input): keep_all 0; "
+         f"recompute_all {L}, its {L + 1} boundaries all on the GPU"
+         + ("; a partially kept layer re-runs only its elementwise ops and is not counted" if partial else "")),
+    ]
+    if wl.name == "measured":
+        lines.append("predicted from one profiled training step (its timings, measured once, vary from run to run "
+                     "on a busy machine); the drift monitor re-profiles if the measured step times move away from "
+                     "this prediction and stay there")
+    else:
+        lines.append(f"predicted from the model's shapes and the {hw.name} hardware profile (nothing measured)")
+    return lines
 
 
 def cap_violations(sim: SimResult, hw: Hardware) -> list[dict]:
