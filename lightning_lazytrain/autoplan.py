@@ -6,6 +6,7 @@ Used by the Lightning strategy; imports the engine and the planner, never Lightn
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,6 +285,15 @@ def validate_options(hardware: object, budget: object, nvme_dir: object, policy:
         raise ValueError(f"plan file {policy} puts activations on NVMe: pass nvme_dir= (a directory on an "
                          "NVMe drive), or use a plan without NVMe homes")
     return schedule
+
+
+class NamedOptions(abc.ABCMeta):
+    """The metaclass of the strategies: ``cls(typo=...)`` is refused by ``check_option_names`` before
+    ``__init__`` (the class's own signature stays what LightningCLI and ``help()`` read)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        check_option_names(cls, kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 def check_option_names(cls: type, kwargs: dict) -> None:

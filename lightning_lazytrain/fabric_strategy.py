@@ -38,7 +38,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import (AutoPlan, check_option_names, given_hardware, measure_hardware,
+from lightning_lazytrain.autoplan import (AutoPlan, NamedOptions, given_hardware, measure_hardware,
                                           plan_from_workload, validate_options)
 from lightning_lazytrain.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.engine.copy_engine import LinkSpec
@@ -70,7 +70,7 @@ class _StreamedModule(nn.Module):
         return self._strategy._forward(self.module, args, kwargs)
 
 
-class LazyTrainFabricStrategy(SingleDeviceStrategy):
+class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
     """Fabric strategy: one device, block weights streamed from the host, a planned activation schedule.
 
     Args (as ``LazyTrainStrategy``):
@@ -93,10 +93,6 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy):
     """
 
     strategy_name = "lazytrain"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> LazyTrainFabricStrategy:
-        check_option_names(cls, kwargs)  # a misspelt option, named with the closest one
-        return super().__new__(cls)
 
     def __init__(self, hardware: str | Hardware = "measure", gpu_memory_budget_gb: float | None = None,
                  nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lazytrain.allocator import MemoryWatch, configure_allocator
-from lightning_lazytrain.autoplan import AutoPlan, check_option_names, measure_hardware, validate_options
+from lightning_lazytrain.autoplan import AutoPlan, NamedOptions, measure_hardware, validate_options
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
@@ -59,7 +59,7 @@ _COMPUTE_DTYPE = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": t
                   "bf16-true": torch.bfloat16, "16-mixed": torch.float32, "16-true": torch.float16}
 
 
-class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy):
+class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy, metaclass=NamedOptions):
     """Train with weights streamed from host memory and a planned activation schedule, on one device
     or data parallel on several (one process per device; see ``distributed.py``).
 
@@ -142,10 +142,6 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy)
     """
 
     strategy_name = "lazytrain"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> LazyTrainStrategy:
-        check_option_names(cls, kwargs)  # a misspelt option, named with the closest one
-        return super().__new__(cls)
 
     def __init__(self, hardware: str | Hardware = "measure", gpu_memory_budget_gb: float | None = None,
                  nvme_dir: str | None = None, policy: str = "milp", blocks: str | None = None,
