@@ -287,6 +287,29 @@ def validate_options(hardware: object, budget: object, nvme_dir: object, policy:
     return schedule
 
 
+TOKEN_KEYS = ("input_ids", "tokens", "idx")
+
+
+def count_tokens(*items: Any, **named: Any) -> int:
+    """Tokens of a profiled micro-batch, for the plan's tokens/s (1: none, the report then leaves
+    tokens/s out): a ``TOKEN_KEYS`` entry of ``named`` or of a dict, else the first integer tensor
+    (token ids; float inputs such as images carry no tokens), looking one level into dicts, lists
+    and tuples."""
+    def ids(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
+
+    for key in TOKEN_KEYS:
+        if ids(named.get(key)):
+            return int(named[key].numel())
+    for item in (*items, *named.values()):
+        if isinstance(item, dict):
+            item = [item[k] for k in TOKEN_KEYS if k in item] + list(item.values())
+        for sub in item if isinstance(item, (list, tuple)) else (item,):
+            if ids(sub):
+                return int(sub.numel())
+    return 1
+
+
 class NamedOptions(abc.ABCMeta):
     """The metaclass of the strategies: ``cls(typo=...)`` is refused by ``check_option_names`` before
     ``__init__`` (the class's own signature stays what LightningCLI and ``help()`` read)."""

@@ -38,7 +38,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lazytrain.autoplan import (AutoPlan, NamedOptions, given_hardware, measure_hardware,
+from lightning_lazytrain.autoplan import (AutoPlan, NamedOptions, count_tokens, given_hardware, measure_hardware,
                                           plan_from_workload, validate_options)
 from lightning_lazytrain.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.engine.copy_engine import LinkSpec
@@ -228,7 +228,7 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
         self._t_step = time.perf_counter()
         if self.plan is None:  # this micro-batch is the profile
             ex.profiling = True
-            self._tokens = _count_tokens(args, kwargs)
+            self._tokens = count_tokens(*args, **kwargs)
             self._t_profile = self._t_step
         ex.begin_microbatch(first=True, last=True)
 
@@ -330,24 +330,6 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
         strategy_registry.register("lazytrain", cls, description="layer streaming with a MILP plan", override=True)
         strategy_registry.register("lazytrain_megatrain", cls, description="layer streaming, MegaTrain's policy",
                                    policy="megatrain", override=True)
-
-
-def _count_tokens(args: tuple, kwargs: dict) -> int:
-    """Tokens of the profiled micro-batch: ``input_ids``/``tokens``/``idx`` by keyword, else the
-    first tensor passed (looking one level into a dict, list or tuple), else 1."""
-    for key in ("input_ids", "tokens", "idx"):
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return int(kwargs[key].numel())
-    for item in (*args, *kwargs.values()):
-        if isinstance(item, torch.Tensor):
-            return int(item.numel())
-        if isinstance(item, dict):
-            item = [item[k] for k in ("input_ids", "tokens", "idx") if k in item] + list(item.values())
-        if isinstance(item, (list, tuple)):
-            for sub in item:
-                if isinstance(sub, torch.Tensor):
-                    return int(sub.numel())
-    return 1
 
 
 LazyTrainFabricStrategy.register_strategies(STRATEGY_REGISTRY)

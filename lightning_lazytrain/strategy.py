@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lazytrain.allocator import MemoryWatch, configure_allocator
-from lightning_lazytrain.autoplan import AutoPlan, NamedOptions, measure_hardware, validate_options
+from lightning_lazytrain.autoplan import AutoPlan, NamedOptions, count_tokens, measure_hardware, validate_options
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
@@ -629,7 +629,7 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy,
             # The first real step is the profile: it runs under the provisional schedule with timing
             # on, the plan is made from it before its optimizer step (no extra call of user code).
             batch = args[0] if args else kwargs.get("batch")
-            self._tokens = _count_tokens(batch)
+            self._tokens = count_tokens(batch)
             ex.profiling = True
         elif self._replan_reason is not None and self._micro_index == 0 and not ex.profiling:
             ex.profiling = True  # this step is the new profile (see replan.py)
@@ -837,21 +837,6 @@ class LazyTrainStrategy(StrategyCheckpoints, StrategyPlanning, ParallelStrategy,
                                    override=True)
         strategy_registry.register("lazytrain_megatrain", cls, description="layer streaming, MegaTrain's policy",
                                    policy="megatrain", override=True)
-
-
-def _count_tokens(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.numel())
-    if isinstance(batch, dict):
-        for key in ("input_ids", "tokens"):
-            if key in batch and isinstance(batch[key], torch.Tensor):
-                return int(batch[key].numel())
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            if isinstance(item, torch.Tensor):
-                return int(item.numel())
-    return 1
 
 
 def _write_measured_timeline(stats: StepStats, directory: str | None) -> None:

@@ -120,7 +120,7 @@ class StrategyPlanning:
             (rank_zero_info if switch else rank_zero_debug)(
                 f"lazytrain re-plan at step {trainer.global_step}: {replan}; current schedule {current_s:.3f} s, "
                 f"new plan {new_s:.3f} s ({gain:+.1%}): {'switching' if switch else 'keeping the current schedule'}")
-            self._drift.reset()
+            self._drift.replanned(switch)  # a kept schedule raises the bar for the next re-plan
             if not switch:
                 self._predicted = current_s
                 return
