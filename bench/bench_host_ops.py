@@ -1,4 +1,4 @@
-"""Host kernels (engine/host_ops.py) against the host's own fp32 copy rate, same run (issue 22, point 4:
+"""Host kernels (engine/host_ops.py) against the host's own fp32 copy rate, same run (the target:
 casts, adds and the 32-bit AdamW update at >= 0.7x of the copy rate).
 
     python bench/bench_host_ops.py [N | N1,N2,...] [--mib 256] [--repeats 5] [--rounds 3] [--inner 1]
@@ -8,7 +8,7 @@ For 1..N threads (N: default os.cpu_count(); or the listed counts, e.g. 1,4,8,16
 (chunked over n worker threads, one OpenMP thread each) and as the plain single torch call with
 ``torch.set_num_threads(n)``, median of ``--repeats`` timed calls after a warm-up
 (``measure_host_rates``). Bytes counted as read + written per element, as ``measure_host_rates`` and
-../shared/measurements/h200-2026-12-04/README.md count them: copy fp32 8, cast fp32 -> bf16 6, add
+the first GPU measurements (bench/RESULTS.md) count them: copy fp32 8, cast fp32 -> bf16 6, add
 bf16 into fp32 10, add fp32 into fp32 12, AdamW fp32 28 (p, g, m, v read; p, m, v written); a copy's
 write-allocate read of its destination is not counted, so the adds and AdamW (which read what they
 write) can exceed 1.0x. Ratios: to the plain torch fp32 copy at the same thread count in the same

@@ -1,4 +1,4 @@
-"""The analytic memory model against real layers, and what it implies (issue 12, item 1).
+"""The analytic memory model against real layers, and what it implies.
 
     python bench/bench_memory_model.py       # ~20 s on a 2-core machine (CPU only, no download)
 

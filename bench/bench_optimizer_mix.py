@@ -1,4 +1,4 @@
-"""The per-layer optimizer mode (issue 12, item 2): what it gains, and does the MILP find it?
+"""The per-layer optimizer mode: what it gains, and does the MILP find it?
 
     python bench/bench_optimizer_mix.py      # ~1 minute on a 2-core machine
 

@@ -85,7 +85,7 @@ def median_solve(wl: Workload, hw: Hardware, runs: int = 3, busy: int = 0, **opt
 
 
 def offloaded_internals(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
-    """Section 6 (issue 12, item 5): a kept layer's internals to host memory and back, 27B / H800 /
+    """Section 6: a kept layer's internals to host memory and back, 27B / H800 /
     batch 72, the MILP with and without the decision (``MilpOptions.offload_internals``), and what
     binds it: one layer's internals on the link against the windows' idle link time and memory."""
     print("\n## 6. Offloaded internals, 27B / H800 / batch 72 (the profile, calibrated), median of 3 solves, "
@@ -156,7 +156,7 @@ def offloaded_internals(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
 
 
 def partial_keep(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
-    """Section 7 (issue 12, item 5): partial keep (a layer keeps its matmul outputs, B{j} re-runs the
+    """Section 7: partial keep (a layer keeps its matmul outputs, B{j} re-runs the
     elementwise ops), 27B / H800 / batch 72, the MILP with and without ``MilpOptions.partial_keep``."""
     print("\n## 7. Partial keep, 27B / H800 / batch 72 (the profile, calibrated), median of 3 solves, target gap 0.1%")
     wl = Workload.analytic(m27, t27, hw)
@@ -196,7 +196,7 @@ def partial_keep(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
 
 
 def optimizer_mode_and_load(hw: Hardware, m27: ModelSpec, t27: TrainSpec) -> None:
-    """Section 5 (issue 12): the MILP's optimizer-mode binary against the two forced modes, and the
+    """Section 5: the MILP's optimizer-mode binary against the two forced modes, and the
     27B solve with other CPU-bound work on the machine."""
     print("\n## 5a. Optimizer mode: one model with the binary (auto) vs the two forced modes, 27B / H800 / "
           "batch 72, median of 3 solves")

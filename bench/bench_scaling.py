@@ -1,4 +1,4 @@
-"""Several GPUs, simulated (issue 11): 27B, batch 72 per GPU, seq 1024 on 1/2/4/8 H800 SXM in one node
+"""Several GPUs, simulated: 27B, batch 72 per GPU, seq 1024 on 1/2/4/8 H800 SXM in one node
 and on 2 nodes x 8, for each data-parallel mode of ``planner/multi.py``.
 
     python bench/bench_scaling.py          # ~1 minute on a 2-core machine (MILP solves of one rank)

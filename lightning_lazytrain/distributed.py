@@ -2,7 +2,7 @@
 
 Note: [replicate mode]
     By default every rank streams whole blocks from its own host copy of the masters and optimizer
-    states (the issue's ``replicate`` mode; ``LazyTrainStrategy(data_parallel="shard")`` shards every
+    states (the ``replicate`` mode; ``LazyTrainStrategy(data_parallel="shard")`` shards every
     group's host state instead, engine/shard_store.py, whose reduce-scatters average the gradients;
     this class then averages only groups a rank holds whole (none), and combines the shards' clip
     norms).
@@ -129,7 +129,7 @@ class GradSync:
         """Note: [hybrid sharding]
             ``data_parallel="shard"`` shards the host state over groups of ``shard_size`` consecutive
             ranks (by default one node's ranks: Lightning numbers them ``node * devices + local``)
-            and replicates it across the groups (the issue's "shard within a node, replicate
+            and replicates it across the groups ("shard within a node, replicate
             across nodes"): a block's all-gather and reduce-scatter run inside the shard group (on the
             devices' backend: NVLink / PCIe peer), and the reduce-scattered shard is then summed over
             the ranks that own the same shard in the other groups (one all-reduce of 1/S of the block

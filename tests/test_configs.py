@@ -180,7 +180,7 @@ def test_planner_messages_in_config_units():
     assert in_config_units("peak_gpu_bytes and tokens/s=3") == "peak_gpu_bytes and tokens/s=3"
 
 
-# ---- the schema refuses keys it does not know, + or not (issue 24) ------------------------------------------------
+# ---- the schema refuses keys it does not know, + or not ------------------------------------------------
 @pytest.mark.parametrize("override", ["+plan.time_limt=5", "++plan.foo=1", "+hardware.gpu_mem=3", "+model.layers=3",
                                       "+train.seq=4", "+extra=1", "+hardware.foo.bar=1"])
 def test_plus_keys_compose_but_the_schema_refuses_them(cfg_of, override):

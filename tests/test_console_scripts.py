@@ -77,8 +77,7 @@ RUN_MANY = ("import contextlib, io, json, os, sys\n"
 @pytest.mark.slow
 def test_lazytrain_train_exit_codes_one_line_and_no_directory_left(tmp_path):
     """Exit 0 after a run; a config that cannot run: exit 2, one line on stderr, no traceback, no output directory
-    left behind (issue 10, item 9): a strategy name nobody knows, trainer=gpu on a machine without one, and (issue
-    24) a key the schema does not know, + or not (Hydra's own hint after a typo), a renamed key, a value of the wrong
+    left behind: a strategy name nobody knows, trainer=gpu on a machine without one, a key the schema does not know, + or not (Hydra's own hint after a typo), a renamed key, a value of the wrong
     type, an nvme_dir that is a file, a precision the strategy does not run, an infinite budget. ``--help`` lists the
     app's own config groups only."""
     import torch

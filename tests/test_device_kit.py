@@ -195,7 +195,7 @@ def check_fit_rehearsal(stage: dict) -> None:
 
 
 def test_fit_ratios_and_targets(kit):
-    """The issue's targets as booleans: b32 >= 0.8x auto, >= 2x FSDP2 offload, GPU busy >= 0.8; b8 >=
+    """The speed targets as booleans: b32 >= 0.8x auto, >= 2x FSDP2 offload, GPU busy >= 0.8; b8 >=
     0.35x auto, >= 1.5x FSDP2 offload; measured / predicted within 10%; None where not measured."""
     from stage_fit import ratios_and_targets
 

@@ -1,4 +1,4 @@
-"""The analytic memory model against real decoder layers (issue 12, item 1).
+"""The analytic memory model against real decoder layers.
 
 Every case builds a one-layer Hugging Face model from a small config (no download), captures how the
 model calls its first decoder layer, and measures that layer on CPU the way the executor runs it:

@@ -195,7 +195,7 @@ def test_cpu_chunked_update_is_bitwise_identical() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# One semantics on CPU and CUDA (issue 9, item 6): torch AdamW's decay order, one non-finite
+# One semantics on CPU and CUDA: torch AdamW's decay order, one non-finite
 # policy, block-aligned chunks for any size, the caller's stream. See bnb8bit.py's module doc.
 # --------------------------------------------------------------------------------------------
 from lightning_lazytrain.optim import bnb8bit  # noqa: E402

@@ -358,7 +358,7 @@ def test_one_gpu_ignores_data_parallel(tmp_path, capsys):
     assert outputs[0] == outputs[1] == outputs[2] and plans[0] == plans[1] == plans[2]
 
 
-# ---- a config that cannot run: one line, exit 2, no output directory (issue 24) ----------------------------------
+# ---- a config that cannot run: one line, exit 2, no output directory ----------------------------------
 @pytest.mark.parametrize("args,expected", [
     (["+plan.time_limt=5"],
      "lazytrain-plan: unknown key plan.time_limt: plan (PlanConfig) has no key 'time_limt'"),

@@ -1,4 +1,4 @@
-"""Several GPUs and nodes in the planner (issue 11): the per-rank problem, the collective lane, the
+"""Several GPUs and nodes in the planner: the per-rank problem, the collective lane, the
 modes (shard, replicate, replicate_overlap, fsdp), the MILP's algebra against the simulator."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The optimizer mode (serial / pipelined) is a decision of the MILP (issue 12, item 2).
+"""The optimizer mode (serial / pipelined) is a decision of the MILP.
 
 ``MilpOptions.optimizer_mode="auto"`` (the default) puts one binary into the model; ``serial`` /
 ``pipelined`` force the mode (ablation), as does the older ``pipelined_optimizer=False`` (serial

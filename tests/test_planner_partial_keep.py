@@ -1,4 +1,4 @@
-"""Partial keep (issue 12, item 5): ``Schedule.partial_keep``, the simulator's rules for it and the
+"""Partial keep: ``Schedule.partial_keep``, the simulator's rules for it and the
 MILP decision (``planner/milp_partial.py``), against exhaustive enumeration of small instances."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A re-plan's solve starts from the schedule the run is on (issue 12: "re-solves warm-started from
+"""A re-plan's solve starts from the schedule the run is on ("re-solves warm-started from
 the current plan"): the MILP gets it as its MIP start when it still fits and beats the baselines,
 the answer is the same optimum, and a start that no longer fits or lies outside the model's space
 falls back to the best baseline without error."""

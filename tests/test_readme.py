@@ -25,7 +25,7 @@ def section(title: str) -> str:
     return README[start: end if end >= 0 else None]
 
 
-# ---- the H800 table (issue 10, item 4) -----------------------------------------------------------------
+# ---- the H800 table -----------------------------------------------------------------
 def h800_table() -> list[dict]:
     rows = []
     for line in section("Predicted vs measured (H800").splitlines():
@@ -81,7 +81,7 @@ def test_readme_h800_table_is_what_lazytrain_plan_prints(tmp_path, capsys):
     assert claim and float(claim.group(1)) == pytest.approx(speedup_27b, abs=0.005)
 
 
-# ---- every Python block runs as written (issue 10, item 7) ----------------------------------------------
+# ---- every Python block runs as written ----------------------------------------------
 # Blocks in sections whose text this test must not change run with these substitutions (tiny sizes, a
 # temporary spill directory); each `old` must appear in its block, so the README cannot drift from them.
 SUBSTITUTIONS = {
@@ -122,7 +122,7 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch, capsys):
         assert namespace["loss"].item() < 5.6  # a byte-level model, three steps from ln 256
 
 
-# ---- the test commands (issue 10, item 8) -----------------------------------------------------------------
+# ---- the test commands -----------------------------------------------------------------
 def test_readme_gives_the_test_time_and_a_quick_subset_that_ci_keeps_in_step():
     two = section("Two commands")
     assert "```bash\npython -m pytest -q\n```" in two

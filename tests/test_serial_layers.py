@@ -1,4 +1,4 @@
-"""The per-layer optimizer mode (issue 12, item 2): under a pipelined step, ``Schedule.serial_layers``
+"""The per-layer optimizer mode: under a pipelined step, ``Schedule.serial_layers``
 are updated in T instead of in their F window. The MILP chooses them (``MilpOptions.serial_layers``),
 the simulator times them, the engine runs them (the pipelined order puts them after layer 0 and T
 waits for them), exactly."""

@@ -1,4 +1,4 @@
-"""The sharded data-parallel mode in the engine (issue 11; engine/shard_store.py): two gloo processes,
+"""The sharded data-parallel mode in the engine (engine/shard_store.py): two gloo processes,
 each holding half of every block's host masters, train as one process with twice the batch."""
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_multirun_two_jobs_in_one_process(tmp_path):
     assert "sweep summary:" in proc.stdout and "final val loss" in proc.stdout and "failed" in proc.stdout
 
 
-# ---- the main job's output (issue 10, item 6) ------------------------------------------------------------
+# ---- the main job's output ------------------------------------------------------------
 def run_app(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
     env.pop("PYTHONWARNINGS", None)  # the app itself keeps deprecation noise away
@@ -243,7 +243,7 @@ def test_progress_bar_total_is_the_run_length():
         assert bar.total_train_batches == 3659  # a run longer than an epoch: the epoch's length
 
 
-# ---- start-up validation (issue 10, item 9; exit code, one line, no directory: tests/test_console_scripts.py) --
+# ---- start-up validation (exit code, one line, no directory: tests/test_console_scripts.py) --
 def test_validate_config_names_the_option(tmp_path):
     from lightning_lazytrain.cli.train import validate_config
 
@@ -260,7 +260,7 @@ def test_validate_config_names_the_option(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-# ---- issue 24: the schema refuses unknown keys (+ or not), config errors name the key, nothing is left behind ------
+# ---- the schema refuses unknown keys (+ or not), config errors name the key, nothing is left behind ------
 @pytest.mark.parametrize("override", ["+trainer.max_step=10", "++trainer.max_step=10", "+strategy.nvme=/x",
                                       "+model.layers=6", "+data.seq=64", "+optim.beta=0.9", "+hardware.gpu_mem=3",
                                       "+seeed=1"])

@@ -1,4 +1,4 @@
-"""format_bytes: byte counts in the unit that keeps three significant digits (issue 10, human units)."""
+"""format_bytes: byte counts in the unit that keeps three significant digits (human units)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Stage: end to end, a Lightning ``fit`` of the ~1B Llama with its optimizer -- lazytrain vs
-``strategy="auto"`` vs torch FSDP2 CPU offload vs DeepSpeed ZeRO-3 offload (issue 22, point 1).
+``strategy="auto"`` vs torch FSDP2 CPU offload vs DeepSpeed ZeRO-3 offload.
 
 CUDA: the 1.03B model of ``stage_throughput`` (20 layers, hidden 2048, GQA 16/4, SwiGLU 5632, vocab
 32000) at ``--batch 32,8`` x ``--seq 1024`` on random token ids (no download). Each variant runs in
@@ -44,7 +44,7 @@ peak, measured / predicted, busy seconds per lane of the last timed step
 (``strategy.last_stats.segments``) and as predicted, achieved GB/s per lane, the HybridAdamW update's
 own host seconds per step (overlapped with the GPU when pipelined), the plan's schedule and re-plans.
 
-Ratios: lazytrain's tokens/s over each peer's. Targets (issue 22, point 2; reported, never a
+Ratios: lazytrain's tokens/s over each peer's. Targets (reported, never a
 failure): b32 >= 0.8x auto, >= 2x FSDP2 offload, GPU busy >= 0.8; b8 >= 0.35x auto, >= 1.5x FSDP2
 offload; measured / predicted within 10%. Hard failures: only lazytrain's -- an error, an OOM, a
 timeout, or its ``max_memory_reserved`` over the timed steps above the cap.
@@ -229,7 +229,7 @@ def _label(batch: int, seq: int) -> str:
 
 def ratios_and_targets(batch: int, seq: int, variants: dict[str, dict]) -> tuple[dict, dict]:
     """lazytrain's tokens/s over each peer's (None where either was not measured, with the reason), and
-    the issue's targets for this shape as {name: {target, value, met}} (``met`` None: not measured)."""
+    the speed targets for this shape as {name: {target, value, met}} (``met`` None: not measured)."""
     lt = variants.get("lazytrain", {})
     ratios: dict[str, Any] = {}
     why: dict[str, str] = {}
@@ -260,7 +260,7 @@ def ratios_and_targets(batch: int, seq: int, variants: dict[str, dict]) -> tuple
     targets["measured_over_predicted"] = {"target": f"within {PREDICTION_TOL:.0%} of 1", "value": value,
                                           "met": None if value is None else abs(value - 1) <= PREDICTION_TOL}
     if not want:
-        targets["note"] = "the issue's speed targets are for 8 x 1024 and 32 x 1024; here only measured / predicted"
+        targets["note"] = "the speed targets are for 8 x 1024 and 32 x 1024; here only measured / predicted"
     return ratios, targets
 
 

@@ -236,7 +236,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
     # the host lane's rates as the profiled step ran it (planner/placement.py, Note: [host rates in place])
     hw = calibrate_host_rates(wl, min_memory(spec.num_layers), hw)
     lo, hi = footprint_range(wl, hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
-    # the cap must force the plan to move and to recompute activations (the setup): halve the
+    # the cap must force the plan to move and to recompute activations (the setup that shows the plan at work): halve the
     # fraction until the MILP plan does both (at most 3 times), and say so if it never does
     frac = args.cap_frac
     for _ in range(4):

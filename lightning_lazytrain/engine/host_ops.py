@@ -1,7 +1,7 @@
 """Host kernels at memory speed: casts, gradient adds, per-tensor norms and the fused AdamW update on
 the host, spread over a small persistent pool of threads, bit for bit what the plain torch op gives.
 
-Why (issue 22, point 4): torch's mixed-dtype ``add_`` (bf16 grads into fp32) runs at ~1/5 of the host's
+Why: torch's mixed-dtype ``add_`` (bf16 grads into fp32) runs at ~1/5 of the host's
 copy bandwidth, its CPU 2-norm is one serial loop, and a single caller gets only the cores torch's
 OpenMP team gives it.
 

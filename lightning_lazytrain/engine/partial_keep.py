@@ -1,5 +1,5 @@
 """Partial keep: a layer's forward keeps only the outputs of its matmul-class ops; its backward
-re-runs the elementwise ops (``Schedule.partial_keep``, issue 12 item 5).
+re-runs the elementwise ops (``Schedule.partial_keep``).
 
 Note: [partial keep]
     The forward of layer j runs in ``F{j}`` with grad inside PyTorch's selective activation

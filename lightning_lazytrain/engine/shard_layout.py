@@ -1,5 +1,5 @@
 """Per-parameter dim-0 sharding of a parameter group over the ranks of a node: the layout of the
-sharded data-parallel mode (issue 11; the design is in docs/ARCHITECTURE.md, "Several devices").
+sharded data-parallel mode (the design is in docs/ARCHITECTURE.md, "Several devices").
 
 Parameter ``p`` of shape ``(d0, *rest)`` (a 0-dim parameter counts as ``(1,)``) is cut into ``world``
 row blocks of ``k = ceil(d0 / world)`` rows; rank ``r`` owns rows ``[r k, min((r + 1) k, d0))``

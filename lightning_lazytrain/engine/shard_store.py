@@ -1,4 +1,4 @@
-"""``ShardedParamStore``: a ``ParamStore`` whose block masters are this rank's shard (issue 11, the
+"""``ShardedParamStore``: a ``ParamStore`` whose block masters are this rank's shard (the
 sharded data-parallel mode; layout in ``shard_layout.py``, design in docs/ARCHITECTURE.md).
 
 Every parameter's host master, host gradient and optimizer-facing ``param.data`` become this rank's

@@ -1,4 +1,4 @@
-"""The MILP's internals-offload decision (issue 12, item 5): a layer that keeps its internals may
+"""The MILP's internals-offload decision: a layer that keeps its internals may
 send them (its saved tensors but its input boundary: ``internal_bytes - boundary_bytes[j]`` bytes)
 to host memory over the D2H lane of a later forward window and bring them back over the H2D lane
 of a backward window (or ``H``) before its own backward. ``Schedule.internals_offload_window`` /

@@ -1,4 +1,4 @@
-"""The MILP's partial-keep decision (issue 12, item 5): a layer's forward keeps only the outputs of
+"""The MILP's partial-keep decision: a layer's forward keeps only the outputs of
 its matmul-class ops (``LayerWork.partial_bytes``, from ``F{j}`` to ``B{j}``) and ``B{j}`` re-runs
 only its elementwise ops (``partial_seconds``) instead of the whole layer (``fwd_seconds``).
 ``Schedule.partial_keep`` carries the choice; the simulator times and counts it from the ops.

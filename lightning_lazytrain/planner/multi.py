@@ -8,7 +8,7 @@ for the ``collective`` lane the workload's ``data_parallel`` adds to ``Schedule.
 
 Modes (``MODES``):
 
-- ``shard`` (hybrid sharding, issue 11's design): inside a node each local rank owns ``1/n`` of every
+- ``shard`` (hybrid sharding): inside a node each local rank owns ``1/n`` of every
   block's fp32 masters, gradients and optimizer states in host memory; it casts and stages only its
   shard over its own host link (``link_fraction = 1/n``), the devices assemble the block with an
   all-gather before each use (forward, backward prefetch, recompute); the backward reduce-scatters

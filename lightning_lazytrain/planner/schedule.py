@@ -39,7 +39,7 @@ Decisions:
   ``F{w}``, ``j < w <= L-1``, and come back over the H2D lane of ``B{t}`` (``H`` for ``t = L``),
   ``j < t <= L``, which ends before ``B{j}``. On the device they live in ``F{j}..F{w}`` and from
   the reload window to ``B{j}``. An empty tuple means no layer moves its internals.
-- ``partial_keep[j]`` (issue 12, item 5): layer j's forward runs with grad under selective
+- ``partial_keep[j]``: layer j's forward runs with grad under selective
   activation checkpointing and keeps only the outputs of its matmul-class ops (projections, the
   attention kernel's outputs; ``Workload`` ``partial_bytes``) from ``F{j}`` to ``B{j}``; ``B{j}``
   re-runs only the elementwise ops (``partial_recompute``, ``partial_seconds``) instead of the whole
@@ -49,7 +49,7 @@ Decisions:
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
   first micro-batch's ``F{j}`` updates layer ``j+1`` just before fetching it).
-- ``serial_layers`` (``pipelined`` only; issue 12, item 2, the per-layer mode): layers ``j >= 1``
+- ``serial_layers`` (``pipelined`` only; the per-layer mode): layers ``j >= 1``
   updated in T after layer 0 (the CPU lane, in ascending order; T ends when they are done) instead
   of in ``F{j-1}``: where a window's update -> cast -> fetch chain is longer than its forward, the
   update may cost less in T, under T's fetch tail. Empty: every layer but 0 rides its F window.
