@@ -139,9 +139,9 @@ def test_a_damaged_sharded_checkpoint_directory_is_refused_by_fit(tmp_path, keep
     ckpt = tmp_path / "sharded.ckpt"
     ckpt.mkdir()
     files = {"lightning.pt": b"", ".metadata": b"\x80\x02metadata", "__0_0.distcp": b"PK\x03\x04shard"}
-    for name, data in files.items():
-        (ckpt / name).write_bytes(data)
-    manifest = {name: [len(data), zlib.crc32(data)] for name, data in files.items()}
+    for name, content in files.items():
+        (ckpt / name).write_bytes(content)
+    manifest = {name: [len(content), zlib.crc32(content)] for name, content in files.items()}
     (ckpt / "crc32.json").write_text(json.dumps({"format": "lazytrain-dcp-1", "files": manifest}))
     for f in ckpt.iterdir():
         if f.name not in keep:
