@@ -78,6 +78,7 @@ class HardwareConfig:
     cpu_adam8_gparams_per_s: float = MISSING  # 8-bit blockwise AdamW update rate, whole host
     host_gb_per_s: float = 10.0  # the engine's host lane (casts, grad accumulation), elementwise streaming
     host_widen_gb_per_s: float = 0.0  # its widening add of 16-bit gradients into fp32 ones; 0 = host_gb_per_s
+    host_add_gb_per_s: float = 0.0  # its fp32 adds and norms after a gradient copy; 0 = host_gb_per_s
     # several devices (planner/multi.py); defaults: one GPU
     gpus_per_node: int = 1
     nodes: int = 1
@@ -219,7 +220,7 @@ _FROM_GB_KEYS = ("name", "gpu_memory_gb", "gpu_memory_cap_gb", "peak_tflops", "e
                  "d2h_gb_per_s", "nvme_read_gb_per_s", "nvme_write_gb_per_s", "nvme_capacity_gb",
                  "cpu_memory_gb", "cpu_adam_gparams_per_s", "cpu_adam8_gparams_per_s", "host_gb_per_s",
                  "gpus_per_node", "nodes", "intra_node_gb_per_s", "inter_node_gb_per_s", "host_link_share",
-                 "host_collective_gb_per_s", "gpu_memory_gb_per_s", "host_widen_gb_per_s")
+                 "host_collective_gb_per_s", "gpu_memory_gb_per_s", "host_widen_gb_per_s", "host_add_gb_per_s")
 
 
 def _config_key(field_name: str) -> tuple[str, float]:

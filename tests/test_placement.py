@@ -184,16 +184,21 @@ def test_the_profiled_host_lane_calibrates_the_rates():
     from lightning_lazytrain.planner.placement import Placement, calibrate_host_rates, priced_from_rates
 
     wl, hw = _analytic()
-    k = 2.5
-    measured = replace(wl, layers=tuple(replace(x, cast_seconds=k * x.cast_seconds, accum_seconds=k * x.accum_seconds)
-                                        for x in wl.layers),
+    k, k_acc = 2.5, 4.0  # the casts ran 2.5x, the gradient adds 4x slower than the rates say
+    measured = replace(wl, layers=tuple(replace(x, cast_seconds=k * x.cast_seconds,
+                                                accum_seconds=k_acc * x.accum_seconds) for x in wl.layers),
                        nonblock_cast_seconds=k * wl.nonblock_cast_seconds,
-                       nonblock_accum_seconds=k * wl.nonblock_accum_seconds)
+                       nonblock_accum_seconds=k_acc * wl.nonblock_accum_seconds)
     s = megatrain(wl.num_layers, 4)
     cal = calibrate_host_rates(measured, s, hw)
     assert cal.host_bytes_per_s == pytest.approx(hw.host_bytes_per_s / k)
+    assert cal.host_widen_bytes_per_s == pytest.approx((hw.host_widen_bytes_per_s or hw.host_bytes_per_s) / k_acc)
+    assert cal.host_add_bytes_per_s == pytest.approx((hw.host_add_bytes_per_s or hw.host_bytes_per_s) / k_acc)
 
-    def host(w, h):
-        return sum(x.end - x.start for x in simulate(s, w, h, check=False).timeline if x.lane == "host")
+    def host(w, h, kind):
+        return sum(x.end - x.start for x in simulate(s, w, h, check=False).timeline
+                   if x.lane == "host" and x.kind == kind)
 
-    assert host(priced_from_rates(measured, Placement(), cal), cal) == pytest.approx(host(measured, hw), rel=1e-6)
+    for kind in ("cast", "accumulate"):
+        assert host(priced_from_rates(measured, Placement(), cal), cal, kind) == pytest.approx(
+            host(measured, hw, kind), rel=1e-6)

@@ -47,6 +47,9 @@ class Hardware:
     # gradient, the fp32 one read and written); mixed-dtype adds run far below the like-to-like rate on
     # CPUs (measured on an H200 host: 19 vs 96 GB/s with 16 threads). 0: host_bytes_per_s
     host_widen_bytes_per_s: float = 0.0
+    # its like-to-like work after a gradient copy: an fp32 add into the fp32 gradient, the norms (bytes
+    # counted: read and written). 0: host_bytes_per_s (which then prices the casts and these alike)
+    host_add_bytes_per_s: float = 0.0
     # ---- several devices (``planner/multi.py``); the defaults are one GPU ----------------------
     gpus_per_node: int = 1  # ranks per node, sharing this node's host memory, optimizer and host-lane rates
     nodes: int = 1
@@ -84,7 +87,7 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"hardware.{key}", value, "must be an integer >= 1")
         for key in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_collective_bytes_per_s",
-                    "gpu_memory_bytes_per_s", "host_widen_bytes_per_s"):
+                    "gpu_memory_bytes_per_s", "host_widen_bytes_per_s", "host_add_bytes_per_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = none)")
@@ -119,7 +122,7 @@ class Hardware:
                 host_gb_per_s: float = DEFAULT_HOST_BYTES_PER_S / GB, gpus_per_node: int = 1, nodes: int = 1,
                 intra_node_gb_per_s: float = 0.0, inter_node_gb_per_s: float = 0.0, host_link_share: float = 1.0,
                 host_collective_gb_per_s: float = 0.0, gpu_memory_gb_per_s: float = 0.0,
-                host_widen_gb_per_s: float = 0.0) -> Hardware:
+                host_widen_gb_per_s: float = 0.0, host_add_gb_per_s: float = 0.0) -> Hardware:
         """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
         return cls(
             name=name,
@@ -144,4 +147,5 @@ class Hardware:
             host_collective_bytes_per_s=host_collective_gb_per_s * GB,
             gpu_memory_bytes_per_s=gpu_memory_gb_per_s * GB,
             host_widen_bytes_per_s=host_widen_gb_per_s * GB,
+            host_add_bytes_per_s=host_add_gb_per_s * GB,
         ).validate()

@@ -91,10 +91,12 @@ def candidates(wl: Workload) -> list[Placement]:
             for a, b, c, d in itertools.product((False, True), repeat=4)]
 
 
-def _host_rates(hw: Hardware) -> tuple[float, float]:
-    """Bytes/s of the host lane's like-to-like work (casts, fp32 adds, norms) and of its widening
-    add (16-bit into fp32; ``Hardware.host_widen_bytes_per_s``, default the same)."""
-    return hw.host_bytes_per_s, hw.host_widen_bytes_per_s or hw.host_bytes_per_s
+def _host_rates(hw: Hardware) -> tuple[float, float, float]:
+    """Bytes/s of the host lane's casts (``host_bytes_per_s``), its widening add (16-bit into fp32;
+    ``host_widen_bytes_per_s``) and its fp32 adds and norms (``host_add_bytes_per_s``); the last two
+    default to the first."""
+    return (hw.host_bytes_per_s, hw.host_widen_bytes_per_s or hw.host_bytes_per_s,
+            hw.host_add_bytes_per_s or hw.host_bytes_per_s)
 
 
 def _cast_seconds(params: float, e: int, device: bool, hw: Hardware) -> tuple[float, float]:
@@ -110,7 +112,7 @@ def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, 
     Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write), then the
     norm reads it (``HOST_GRAD_BYTES``). Device: a step's first copy lands in the host gradient (the
     norm only), the others add fp32 to fp32 (read 4, read + write 8, norm 4)."""
-    same, widen = _host_rates(hw)
+    _, widen, same = _host_rates(hw)
     if not device:
         return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / same)
     n = max(1.0, copies_per_step)
@@ -165,25 +167,34 @@ def priced_from_rates(wl: Workload, p: Placement, hw: Hardware) -> Workload:
 def calibrate_host_rates(wl: Workload, schedule: Schedule, hw: Hardware) -> Hardware:
     """Note: [host rates in place] The host lane's rates measured alone (``autoplan.host_rates``)
     are faster than the lane runs beside compute and the copy threads (cores and memory bandwidth
-    shared: 2.3-4x on a 2-core machine). A profiled step measured the lane as it runs: the rates are
-    scaled by one factor so that, priced from them, the profiled schedule's host-lane seconds are the
-    measured ones; the other placements are priced with the scaled rates. ``hw`` unchanged when the
-    workload has no conversions or no host work."""
+    shared: 2.2-3.5x on a 2-core machine), and not alike for every kind of work. A profiled step
+    measured the lane as it runs: the cast rate is scaled so that the profiled schedule's casts,
+    priced from it, take what they measured, the adds' rates (widening and like-to-like) so that its
+    gradient accumulations do; the other placements are priced with the scaled rates. ``hw``
+    unchanged when the workload has no conversions or no host work."""
     from .simulator import simulate
 
     cur = Placement.from_names(wl.device_conversions)
     if len(candidates(wl)) == 1:
         return hw
 
-    def host_seconds(w: Workload) -> float:
-        return sum(s.end - s.start for s in simulate(schedule, w, hw, check=False).timeline if s.lane == "host")
+    def host_seconds(w: Workload) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in simulate(schedule, w, hw, check=False).timeline:
+            if s.lane == "host":
+                out[s.kind] = out.get(s.kind, 0.0) + s.end - s.start
+        return out
 
     measured, predicted = host_seconds(wl), host_seconds(priced_from_rates(wl, cur, hw))
-    if measured <= 0 or predicted <= 0:
+    factors = {kind: measured[kind] / predicted[kind] for kind in ("cast", "accumulate")
+               if measured.get(kind, 0) > 0 and predicted.get(kind, 0) > 0}
+    if not factors:
         return hw
-    k = measured / predicted
-    return hw.replace(host_bytes_per_s=hw.host_bytes_per_s / k,
-                      host_widen_bytes_per_s=(hw.host_widen_bytes_per_s or hw.host_bytes_per_s) / k)
+    cast, widen, add = _host_rates(hw)
+    k_cast = factors.get("cast", factors.get("accumulate"))
+    k_acc = factors.get("accumulate", k_cast)
+    return hw.replace(host_bytes_per_s=cast / k_cast, host_widen_bytes_per_s=widen / k_acc,
+                      host_add_bytes_per_s=add / k_acc)
 
 
 def _conversion_gpu_bytes(wl: Workload, p: Placement) -> int:
