@@ -479,7 +479,7 @@ class Executor:
         ``first``: the block's forward (hooks fire), else a re-run (hooks silenced); ``rerun``: the
         forward will be re-run later (so hooks that change values are refused)."""
         args, kwargs = call.build(routed)
-        capture = HookCapture(self.stack[j], f"{self.stack.path}.{j}", first=first, refuse_changes=rerun)
+        capture = HookCapture(self.stack[j], self.stack.block_path(j), first=first, refuse_changes=rerun)
         with capture():
             result = self._orig[j](x, *args, **kwargs)
         spec, hidden, outs = BlockOutput.split(result)
@@ -869,7 +869,7 @@ class Executor:
             return
         hooked = tensor_hook_names(zip(self.params.param_names(t), self.params.group_parameters(t)))
         if hooked:
-            names = ", ".join(f"{self.stack.path}.{t}.{name}" for name in hooked)
+            names = ", ".join(f"{self.stack.block_path(t)}.{name}" for name in hooked)
             raise UnsupportedBlockPattern(
                 f"a gradient hook (register_hook) on {names}: block {t} ran two forwards with grad that both "
                 "reach this backward (e.g. the model called twice before one backward); strategy='lazytrain' "
