@@ -27,7 +27,7 @@ Note: [overlapped all-reduce]
     With ``overlap`` (``LazyTrainStrategy(overlap_grad_sync=True)``, the default with automatic
     optimization; the planner's ``replicate_overlap`` mode) a group's all-reduce does not wait for
     the step to end: the executor's last accumulation of a group in a step
-    (``ParamStore.on_final_grads``, in the last micro-batch's backward windows) hands the group to
+    (``ParamStore.set_final_grads_hook``, in the last micro-batch's backward windows) hands the group to
     a collective thread of its own (FIFO, a daemon: a rank that fails never waits on it at exit),
     which waits for that accumulation on the host lane, exchanges the group's "has a gradient"
     flags, sums and divides the flat gradient, and takes the group's norms again in place (the
@@ -38,7 +38,7 @@ Note: [overlapped all-reduce]
     so the collectives on the group match across ranks. Per element the arithmetic is the serial
     path's (one sum over the ranks, one division), so results are bit-identical to it and to DDP.
     A gradient added to a group after its final accumulation would be missed: that happens only
-    when a block ran a second, ad-hoc pass in the step (``Executor._adhoc_used``; e.g. two
+    when a block ran a second, ad-hoc pass in the step (``Executor.late_grads``; e.g. two
     forwards before one backward); the first job of a step therefore agrees over the ranks whether
     any rank did, and if so every group of that step is averaged at the end instead.
 
@@ -118,7 +118,7 @@ class GradSync:
         self.step_seconds = 0.0
         # Note: [overlapped all-reduce]
         self.overlap = False
-        self.adhoc_probe: Callable[[], bool] = lambda: False
+        self.adhoc_probe: Callable[[], bool] = lambda: False  # see set_late_grads_probe
         self.overlapped: list[int] = []  # groups the last step averaged during its backward
         self.hold = False  # Note: [one sync per step]: a micro-batch whose gradients are not averaged
         self._queue: queue.Queue | None = None
@@ -184,10 +184,16 @@ class GradSync:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._run, name="lazytrain-gradsync", daemon=True)
             self._thread.start()
-        params.on_final_grads = self._submit  # carried over when the executor rebuilds its ParamStore
+        params.set_final_grads_hook(self._submit)  # carried over when the executor rebuilds its ParamStore
+
+    def set_late_grads_probe(self, probe: Callable[[], bool]) -> None:
+        """``probe()``: may a group's gradients change after its final accumulation in this step
+        (``Executor.late_grads``)? The first job of a step asks it, and if any rank says yes, every
+        group of that step is averaged at the end instead (Note: [overlapped all-reduce])."""
+        self.adhoc_probe = probe
 
     def detach(self, params: ParamStore) -> None:
-        params.on_final_grads = None
+        params.set_final_grads_hook(None)
         self.overlap = False
 
     def close(self) -> None:

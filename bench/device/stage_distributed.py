@@ -44,7 +44,7 @@ def run_synced(model, schedule, batches, device: str, workdir, sync) -> tuple:
 
     def attach(ex):
         sync.attach(ex.params)
-        sync.adhoc_probe = lambda: ex._adhoc_used
+        sync.set_late_grads_probe(lambda: ex.late_grads)
         return lambda: sync.detach(ex.params)
 
     def average(ex, stats):

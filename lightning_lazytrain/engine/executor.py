@@ -129,7 +129,7 @@ class Executor:
         if self.params is None or self.params.num_slots != slots:
             hook = None
             if self.params is not None:
-                hook = self.params.on_final_grads  # (distributed.GradSync's, if any) carries over
+                hook = self.params.final_grads_hook  # (distributed.GradSync's, if any) carries over
                 self.params.close()
             # The recompute slot and the resident slots hold device memory only while the plan counts
             # them (lazy slots: allocated by stage, given back by evict).
@@ -146,7 +146,7 @@ class Executor:
                                                 group=group, replica_group=self.replica_group,
                                                 grad_group=self.grad_group,
                                                 keep_copies=self.keep_compute_copy)
-            self.params.on_final_grads = hook
+            self.params.set_final_grads_hook(hook)
             if self.rest_parts:
                 self.params.set_rest_parts(self.rest_parts)
             if self.placement:
@@ -161,6 +161,24 @@ class Executor:
                                         nvme_required_bytes=self._nvme_required)
         self.tracker = DeviceTracker()
         self._static_bytes()
+
+    @property
+    def nvme_required_bytes(self) -> int:
+        """The NVMe bytes the plan needs: the spill directory checks them for free space when the
+        activation store opens it (the next ``set_schedule`` whose schedule puts boundaries on NVMe).
+        Settable (a strategy sets it from a new plan before ``set_schedule``)."""
+        return self._nvme_required
+
+    @nvme_required_bytes.setter
+    def nvme_required_bytes(self, nbytes: int) -> None:
+        self._nvme_required = int(nbytes)
+
+    def set_wait_updated(self, fn: Callable[[int], None] | None) -> None:
+        """Wait for the pipelined optimizer: ``fn(j)`` returns once layer ``j``'s masters are
+        updated (``-1 - p``: the non-block group's part ``p``); None: nothing to wait for. Called
+        before a master is cast or fetched in a step's first micro-batch (the attribute
+        ``wait_updated`` holds it)."""
+        self.wait_updated = fn
 
     def set_keep_compute_copy(self, on: bool) -> bool:
         """Keep (or drop) the host compute-dtype copies (between micro-batches); returns whether

@@ -171,7 +171,7 @@ class GradWriteBack:
         ``param_norms`` dict is filled with them (replacing its contents) for exact clipping.
 
         ``final`` (default: ``norm``): the step's last accumulation of this group, handed to
-        ``on_final_grads``.
+        the final-grads hook (``ParamStore.set_final_grads_hook``).
 
         ``extra`` (from ``take_grads``): gradients of further uses of the same weights in this
         backward, summed with these *before* they join the host grad, as autograd sums every use of
@@ -204,8 +204,8 @@ class GradWriteBack:
         nbytes = g.grad[lo:hi].nbytes if pending.direct else 2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes
         s.accumulated = g.accumulating = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
                                                           nbytes=nbytes)
-        if out is not None and (norm if final is None else final) and self.on_final_grads is not None:
-            self.on_final_grads(self, layer, s.accumulated, param_norms, out)
+        if out is not None and (norm if final is None else final) and self._on_final_grads is not None:
+            self._on_final_grads(self, layer, s.accumulated, param_norms, out)
         if wait:
             s.accumulated.wait()
         return out

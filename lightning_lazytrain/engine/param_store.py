@@ -97,6 +97,9 @@ from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
+# ``fn(store, layer, accumulated_handle, param_norms, sq_norm)``: see ParamStore.set_final_grads_hook
+FinalGradsHook = Callable[["ParamStore", int, CopyHandle, "dict | None", torch.Tensor], None]
+
 __all__ = ["REST", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 
 # The device buffer each copy lane converts through (Note: [conversion on the device] in copy_engine.py):
@@ -184,10 +187,8 @@ class ParamStore(GradWriteBack):
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         # the host lane's casts, adds and norms, over the host's threads (Note: [host lane])
         self._ops = host_ops if host_ops is not None else default_host_ops()
-        # Called by ``finish_grads`` with ``norm`` (a step's last accumulation of a group) as
-        # ``on_final_grads(store, layer, accumulated_handle, param_norms, sq_norm)``: several processes
-        # average a group's gradients as soon as they are complete (distributed.GradSync, overlap).
-        self.on_final_grads: Callable[[ParamStore, int, CopyHandle, dict | None, torch.Tensor], None] | None = None
+        # see set_final_grads_hook
+        self._on_final_grads: FinalGradsHook | None = None
         # the user's post-accumulate-grad hooks on the masters (Note: [gradient hooks on streamed parameters])
         self.post_hooks = PostAccumulateHooks()
         self._groups = self._build_groups()
@@ -287,6 +288,17 @@ class ParamStore(GradWriteBack):
         or the masters' where the plan widens that slot's gradients on the device."""
         widened = any(j != REST for j in self._device_widen) if block_slot else REST in self._device_widen
         return torch.float32 if widened else self.compute_dtype
+
+    def set_final_grads_hook(self, fn: FinalGradsHook | None) -> None:
+        """Call ``fn(store, layer, accumulated_handle, param_norms, sq_norm)`` at a step's last
+        accumulation of a group (``finish_grads`` with ``norm``): several processes average a group's
+        gradients as soon as they are complete (distributed.GradSync, overlap). None: no hook."""
+        self._on_final_grads = fn
+
+    @property
+    def final_grads_hook(self) -> FinalGradsHook | None:
+        """The hook ``set_final_grads_hook`` set (None: none)."""
+        return self._on_final_grads
 
     def sharded(self, layer: int) -> bool:
         """Does this process hold only its shard of group ``layer``'s host state?"""
