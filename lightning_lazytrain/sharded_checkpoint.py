@@ -60,6 +60,16 @@ from typing import Any
 
 import torch
 
+from lightning_lazytrain.checkpoint_files import (
+    CheckpointWriteError,
+    CorruptCheckpoint,
+    check_integrity,
+    failed_write_cause,
+    gib_text,
+    short_reader_error,
+    write_error,
+)
+
 __all__ = ["MARKER", "META_FILE", "MANIFEST", "is_sharded_checkpoint", "load_sharded", "save_sharded",
            "split_tensors", "join_tensors", "check_sharded_integrity", "row_chunks"]
 
@@ -374,23 +384,17 @@ def save_sharded(checkpoint: dict[str, Any], path: Any, *, group: Any = None, la
     failure, code = box[0]
     if failure is not None:
         if code is not None:
-            from lightning_lazytrain.checkpoint_io import CheckpointWriteError
-
             raise CheckpointWriteError(failure, OSError(code, os.strerror(code)), target)
         raise RuntimeError(f"sharded checkpoint {target} was not written: {failure}")
 
 
 def _failed_write_cause(err: BaseException, tmp: Path, tensors: dict[str, torch.Tensor], world: int) -> OSError | None:
-    from lightning_lazytrain.checkpoint_io import failed_write_cause
-
     where = next((p for p in (tmp, *tmp.parents) if p.exists()), Path("/"))
     return failed_write_cause(err, where, sum(t.nbytes for t in tensors.values()) // max(world, 1))
 
 
 def _write_error(target: Path, cause: OSError, tensors: dict[str, torch.Tensor], world: int) -> OSError:
-    from lightning_lazytrain.checkpoint_io import _gb, write_error
-
-    offered = _gb(sum(t.nbytes for t in tensors.values()))
+    offered = gib_text(sum(t.nbytes for t in tensors.values()))
     size = (f"about {offered} of tensors" if world == 1 else
             f"its share of the tensors (this process offers about {offered}; {world} processes write a share each)")
     return write_error(target, cause, what="sharded checkpoint", size=size,
@@ -416,8 +420,6 @@ def _read_manifest(p: Path) -> dict[str, tuple[int, int]]:
 
 def _problem(group: Any, problem: str | None) -> None:
     """Raise ``CorruptCheckpoint`` with the first problem any rank of ``group`` found (collective)."""
-    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
-
     if group is not None:
         import torch.distributed as dist
 
@@ -490,8 +492,6 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
         missing = [name for name in (DCP_METADATA, META_FILE) if not (p / name).is_file()]
         _problem(None, f"sharded checkpoint {p} is incomplete: its file(s) {', '.join(missing)} are missing. {FIX}"
                  if missing else None)
-    from lightning_lazytrain.checkpoint_io import check_integrity
-
     check_integrity(p / META_FILE, crcs=False)  # its CRC is in the manifest; here what torch's reader needs
     skeleton = torch.load(p / META_FILE, map_location="cpu", weights_only=weights_only)
     reader = dcp.FileSystemReader(p)
@@ -539,10 +539,8 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
 def _unreadable(p: Path, err: BaseException, verify: bool) -> Exception:
     """``CorruptCheckpoint`` for a sharded checkpoint whose files torch cannot read (a rank's first
     failure, as DCP gathered it)."""
-    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint, _short
-
     failures = getattr(err, "failures", None)
     first = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else err
-    detail = f"{type(first).__name__}: {_short(first)}".rstrip(": ")
+    detail = f"{type(first).__name__}: {short_reader_error(first)}".rstrip(": ")
     unchecked = "" if verify else " (it was loaded unchecked, verify_checkpoints=False: a check names the damaged file)"
     return CorruptCheckpoint(f"sharded checkpoint {p} cannot be read ({detail}){unchecked}. {FIX}")

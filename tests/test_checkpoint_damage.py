@@ -251,11 +251,11 @@ def test_a_short_write_torch_reports_without_the_os_error_is_a_full_disk_when_th
 
     target = tmp_path / "a.ckpt"
     monkeypatch.setattr(checkpoint_io.torch, "save", short_save)
-    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 0))
     with pytest.raises(CheckpointWriteError, match=r"No space left on device \(ENOSPC\) while writing about "
                                                    r"1\.00 KiB \(its tensors\), 1004 B of it written; 0 B free"):
         VerifiedCheckpointIO().save_checkpoint({"w": torch.zeros(256)}, target)
-    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 0, 10**12))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 0, 10**12))
     with pytest.raises(RuntimeError, match="unexpected pos") as info:
         VerifiedCheckpointIO().save_checkpoint({"w": torch.zeros(256)}, target)
     assert not isinstance(info.value, OSError)

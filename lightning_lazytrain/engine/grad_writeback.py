@@ -19,15 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import torch
 from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
-
-if TYPE_CHECKING:
-    from lightning_lazytrain.engine.param_store import _Group, _Slot
+from lightning_lazytrain.engine.param_groups import ParamGroup, Slot
 
 __all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
 
@@ -39,7 +37,7 @@ class PendingGrads:
     """A gradient D2H in flight (``ParamStore.send_grads``); ``finish_grads`` completes it."""
 
     layer: int
-    slot: _Slot
+    slot: Slot
     handle: CopyHandle
     touched: frozenset = frozenset()  # ids of the _Params that received a gradient
     part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
@@ -56,7 +54,7 @@ class PendingGrads:
 class GradWriteBack:
     """The gradient methods of ``ParamStore`` (which provides the groups, slots, views and engine)."""
 
-    def _ensure_host_grads(self, g: _Group, touched: frozenset | set = frozenset()) -> None:
+    def _ensure_host_grads(self, g: ParamGroup, touched: frozenset | set = frozenset()) -> None:
         # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
         # without a host grad gets one (a zeroed view) only when a gradient reached it; the flat
         # buffer stays zero where no parameter has a grad, so norms of the flat buffer are right.
@@ -116,7 +114,7 @@ class GradWriteBack:
         touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
         return PendingGrads(layer, s, h, touched, part, direct=direct)
 
-    def _lands_directly(self, g: _Group, infos: Iterable, widened: bool) -> bool:
+    def _lands_directly(self, g: ParamGroup, infos: Iterable, widened: bool) -> bool:
         """Note: [direct landing]: the copy arrives in the gradients' dtype and their range is empty."""
         if self.sharded(g.gid) or not (widened or self.compute_dtype == g.grad.dtype):
             return False
@@ -124,7 +122,7 @@ class GradWriteBack:
             return False
         return all(info.param.grad is None for info in infos)
 
-    def _collect_grads(self, s: _Slot) -> torch.Tensor:
+    def _collect_grads(self, s: Slot) -> torch.Tensor:
         """The slot's flat grad buffer with every wrapper's gradient in it."""
         grads = self._ensure_grad_buffers(s)
         with torch.no_grad():
@@ -220,7 +218,7 @@ class GradWriteBack:
         total.add_(extra.to(self.compute_dtype))
         landed.copy_(total)
 
-    def _adopt_landed(self, g: _Group, infos: Iterable, touched: frozenset | set) -> None:
+    def _adopt_landed(self, g: ParamGroup, infos: Iterable, touched: frozenset | set) -> None:
         """After a direct landing (Note: [direct landing]): the parameters the gradient reached get
         their views of the host gradient as ``.grad``; the others' ranges go back to zero."""
         with torch.no_grad():

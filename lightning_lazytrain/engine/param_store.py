@@ -52,7 +52,7 @@ Note: [slot reuse] Staging into a slot overwrites weights the previous
 Note: [grad write-back ordering] ``send_grads`` issues the D2H after an
     event on the current (compute) stream, so it sees the finished backward;
     ``finish_grads`` accumulates into the fp32 master grad once the bytes have
-    landed. The compute stream waits for the D2H (``_Slot.sending``) only where
+    landed. The compute stream waits for the D2H (``Slot.sending``) only where
     it next writes the slot's grad buffer: ``bind`` with grads, before zeroing
     it. So compute queued meanwhile (the next micro-batch's F0 after layer 0's
     gradients leave, a forward-only bind) does not wait for the copy.
@@ -84,7 +84,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -95,6 +94,7 @@ from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
+from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
 # ``fn(store, layer, accumulated_handle, param_norms, sq_norm)``: see ParamStore.set_final_grads_hook
@@ -110,52 +110,6 @@ VIA_NUMEL: Final[int] = 1 << 24
 # in bf16), as a tensor of its own would: CPU GEMM and reduction kernels round differently on
 # misaligned operands, and the streamed training must compute what plain autograd computes.
 ALIGN: Final[int] = 64
-
-
-@dataclass(eq=False)
-class _Param:
-    name: str
-    param: nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-    sites: list[tuple[nn.Module, str]]  # every (module, attribute) registering this param
-
-
-@dataclass(eq=False)
-class _Group:
-    gid: int
-    params: list[_Param]
-    numel: int
-    dtype: torch.dtype = torch.float32  # of the master (16-bit when all its parameters are, else fp32)
-    master: torch.Tensor = field(init=False)  # flat host, a slice of the masters arena
-    grad: torch.Tensor = field(init=False)  # flat host, master dtype
-    copy: torch.Tensor | None = None  # flat host compute-dtype copy of the master (Note: [kept compute copy])
-    copy_read: CopyHandle | None = None  # the last H2D that read ``copy``
-    accumulating: CopyHandle | None = None  # the last host-lane accumulation into ``grad``
-
-
-@dataclass(eq=False)
-class _Slot:
-    numel: int
-    weights: torch.Tensor | None  # flat device, compute dtype (None: a lazy slot not staged)
-    grads: torch.Tensor | None  # flat device, compute dtype; allocated at the first bind with grads
-    cast: torch.Tensor | None  # host compute-dtype staging for the H2D (None when no master needs a cast)
-    grad_host: torch.Tensor  # host compute-dtype landing buffer for the grad D2H
-    gid: int | None = None  # group currently staged here
-    ready: CopyHandle | None = None  # its H2D
-    free: CopyHandle | None = None  # compute done with it (Note: [slot reuse])
-    sending: CopyHandle | None = None  # the last gradient D2H out of it
-    accumulated: CopyHandle | None = None  # the host work reading ``grad_host`` after that D2H
-    # REST in parts: the H2D / host work that read the staging buffers before the parts' sequence
-    # began (a later part's cast or D2H waits only for it, not for the earlier parts: disjoint ranges)
-    prior_ready: CopyHandle | None = None
-    prior_accumulated: CopyHandle | None = None
-    lazy: bool = False  # device buffers exist only from stage() to evict()
-    host_numel: int = 0  # elements of its host staging (landing buffer, cast buffer)
-    bound: bool = False
-    wrappers: list[tuple[_Param, nn.Parameter]] = field(default_factory=list)
-    touched: set = field(default_factory=set)  # ids of the _Params a gradient reached since the bind
 
 
 class ParamStore(GradWriteBack):
@@ -196,7 +150,7 @@ class ParamStore(GradWriteBack):
         self._owner = {id(info): gid for gid, grp in self._groups.items() for info in grp.params}
         self._layouts = self._make_layouts()  # sharded groups (engine/shard_store.py); none here
         g = self._groups[REST]
-        self._rest_parts: list[tuple[int, int, tuple[_Param, ...]]] = [(0, g.numel, tuple(g.params))]
+        self._rest_parts: list[tuple[int, int, tuple[ParamEntry, ...]]] = [(0, g.numel, tuple(g.params))]
         groups = list(self._groups.values())
         for g in groups:
             g.dtype = self._master_dtype(g)
@@ -233,15 +187,15 @@ class ParamStore(GradWriteBack):
         self.keep_copies(keep_copies)
 
     # ---- construction ----------------------------------------------------
-    def _build_groups(self) -> dict[int, _Group]:
+    def _build_groups(self) -> dict[int, ParamGroup]:
         where: dict[int, int] = {}  # id(module) -> block index
         for i, block in enumerate(self.blocks):
             for m in block.modules():
                 if where.setdefault(id(m), i) != i:
                     raise NotImplementedError(f"module {type(m).__name__} is shared by blocks {where[id(m)]} and {i}")
         owner: dict[int, int] = {}
-        infos: dict[int, _Param] = {}
-        order: dict[int, list[_Param]] = {i: [] for i in range(-1, len(self.blocks))}
+        infos: dict[int, ParamEntry] = {}
+        order: dict[int, list[ParamEntry]] = {i: [] for i in range(-1, len(self.blocks))}
         for mname, m in self.module.named_modules():
             gid = where.get(id(m), REST)
             for pname, p in m._parameters.items():
@@ -258,7 +212,7 @@ class ParamStore(GradWriteBack):
                 if id(p) in infos:
                     infos[id(p)].sites.append((m, pname))
                     continue
-                info = _Param(f"{mname}.{pname}".lstrip("."), p, 0, p.numel(), p.shape, [(m, pname)])
+                info = ParamEntry(f"{mname}.{pname}".lstrip("."), p, 0, p.numel(), p.shape, [(m, pname)])
                 infos[id(p)] = info
                 order[gid].append(info)
         groups = {}
@@ -267,11 +221,11 @@ class ParamStore(GradWriteBack):
             for info in params:
                 info.offset = off
                 off = -(-(off + info.numel) // ALIGN) * ALIGN
-            groups[gid] = _Group(gid, params, off)
+            groups[gid] = ParamGroup(gid, params, off)
         return groups
 
     @staticmethod
-    def _master_dtype(g: _Group) -> torch.dtype:
+    def _master_dtype(g: ParamGroup) -> torch.dtype:
         # Masters keep the module's dtype when all of the group's parameters share a 16-bit one
         # (precision="bf16-true": the optimizer updates bf16 parameters, as under plain Lightning);
         # otherwise fp32.
@@ -304,23 +258,23 @@ class ParamStore(GradWriteBack):
         """Does this process hold only its shard of group ``layer``'s host state?"""
         return layer in self._layouts
 
-    def _host_numel(self, g: _Group) -> int:
+    def _host_numel(self, g: ParamGroup) -> int:
         """Elements of the group's host master, host grad and host staging (its shard, if sharded)."""
         return self._layouts[g.gid].shard_numel if g.gid in self._layouts else g.numel
 
-    def _host_view(self, flat: torch.Tensor, info: _Param) -> torch.Tensor:
+    def _host_view(self, flat: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         """A parameter's view in a host flat buffer of its group (master, grad, landed grads)."""
         layout = self._layouts.get(self._gid_of(info))
         return self._view(flat, info) if layout is None else layout.local_view(flat, self._index[id(info)])
 
-    def _gid_of(self, info: _Param) -> int:
+    def _gid_of(self, info: ParamEntry) -> int:
         return self._owner[id(info)]
 
-    def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: _Param) -> None:
+    def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: ParamEntry) -> None:
         """Copy a full-shaped tensor of the parameter into its host view (a shard keeps its rows)."""
         view.copy_(full)
 
-    def _pack(self, g: _Group, arena: HostArena) -> None:
+    def _pack(self, g: ParamGroup, arena: HostArena) -> None:
         n = self._host_numel(g)
         g.master = arena.take(n, g.dtype)
         g.grad = self._grads_arena.take(n, g.dtype)  # zero-filled
@@ -342,12 +296,12 @@ class ParamStore(GradWriteBack):
                     m._buffers[name] = b.to(self.device)
                     self._moved_buffers.append((m, name, b.device))
 
-    def _new_slot(self, numel: int, *, lazy: bool = False) -> _Slot:
+    def _new_slot(self, numel: int, *, lazy: bool = False) -> Slot:
         # Device gradient buffers are allocated at the first bind with grads: a slot used only for
         # no-grad recompute (the executor's third slot) then costs weights only, as planned. Its host
         # staging comes from the staging arena (_make_staging; its cast buffer from the cast arena:
         # keep_copies), so no pinned allocation happens mid-step.
-        s = _Slot(numel=numel, weights=None, grads=None, cast=None, grad_host=torch.empty(0), lazy=lazy)
+        s = Slot(numel=numel, weights=None, grads=None, cast=None, grad_host=torch.empty(0), lazy=lazy)
         if not lazy:
             self._allocate(s)
         return s
@@ -369,7 +323,7 @@ class ParamStore(GradWriteBack):
         for s, h, dt in zip(self._slots, host_sizes, land):
             s.grad_host, s.host_numel = self._staging_arena.take(h, dt), h
 
-    def _allocate(self, s: _Slot) -> None:
+    def _allocate(self, s: Slot) -> None:
         # never an inference tensor (a lazy slot first staged under the user's inference_mode in a
         # training step): the copy lanes write it from their own threads, outside that mode
         with torch.inference_mode(False):
@@ -403,14 +357,14 @@ class ParamStore(GradWriteBack):
         """Does block slot ``slot`` hold device memory now (always, unless it is a lazy one)?"""
         return self._slot(0, slot).weights is not None
 
-    def _ensure_grad_buffers(self, s: _Slot) -> torch.Tensor:
+    def _ensure_grad_buffers(self, s: Slot) -> torch.Tensor:
         if s.grads is None:
             with torch.inference_mode(False):
                 s.grads = torch.zeros(s.numel, dtype=self.compute_dtype, device=self.device)
         return s.grads
 
     @staticmethod
-    def _view(flat: torch.Tensor, info: _Param) -> torch.Tensor:
+    def _view(flat: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         return flat[info.offset : info.offset + info.numel].view(info.shape)
 
     # ---- introspection ---------------------------------------------------
@@ -454,7 +408,7 @@ class ParamStore(GradWriteBack):
     def rest_part_parameters(self, part: int) -> list[nn.Parameter]:
         return [info.param for info in self._rest_parts[part][2]]
 
-    def _range(self, layer: int, part: int | None) -> tuple[int, int, tuple[_Param, ...] | list[_Param], int]:
+    def _range(self, layer: int, part: int | None) -> tuple[int, int, tuple[ParamEntry, ...] | list[ParamEntry], int]:
         """(lo, hi, params, op index) of a group, or of one part of REST (op index -1 - part)."""
         g = self._group(layer)
         if part is None:
@@ -514,10 +468,10 @@ class ParamStore(GradWriteBack):
         return self._held(self._slot(layer, slot))
 
     @staticmethod
-    def _held(s: _Slot) -> int:
+    def _held(s: Slot) -> int:
         return sum(t.nbytes for t in (s.weights, s.grads) if t is not None)
 
-    def slot(self, index: int) -> _Slot:
+    def slot(self, index: int) -> Slot:
         """Block slot ``index`` (identity is what ``PendingGrads.slot`` refers to)."""
         return self._slot(0, index)
 
@@ -532,12 +486,12 @@ class ParamStore(GradWriteBack):
         """Is ``layer`` the group staged in ``slot``?"""
         return self._slot(layer, slot).gid == layer
 
-    def _group(self, layer: int) -> _Group:
+    def _group(self, layer: int) -> ParamGroup:
         if layer not in self._groups:
             raise IndexError(f"layer {layer} out of range: blocks are 0..{len(self.blocks) - 1}, REST is {REST}")
         return self._groups[layer]
 
-    def _slot(self, layer: int, slot: int | None) -> _Slot:
+    def _slot(self, layer: int, slot: int | None) -> Slot:
         if not self._slots:
             raise RuntimeError("param store is closed")
         if layer == REST:
@@ -547,7 +501,7 @@ class ParamStore(GradWriteBack):
         return self._slots[slot]
 
     # ---- staging ---------------------------------------------------------
-    def _repair_master(self, g: _Group, infos: Iterable[_Param] | None = None) -> None:
+    def _repair_master(self, g: ParamGroup, infos: Iterable[ParamEntry] | None = None) -> None:
         # An optimizer that *replaced* p.data (instead of updating in place) broke the packing.
         with torch.no_grad():
             for info in g.params if infos is None else infos:
@@ -593,7 +547,7 @@ class ParamStore(GradWriteBack):
         return s.ready
 
     # ---- kept compute copies (Note: [kept compute copy]) ------------------------------------
-    def _needs_cast(self, g: _Group) -> bool:
+    def _needs_cast(self, g: ParamGroup) -> bool:
         return self.compute_dtype != torch.float32 and g.master.dtype != self.compute_dtype
 
     def keep_copies(self, on: bool) -> bool:
@@ -681,7 +635,7 @@ class ParamStore(GradWriteBack):
         """The masters may have changed: the next stage of each group casts again."""
         self._copy_cast = {}
 
-    def _from_copy(self, g: _Group, layer: int, lo: int, hi: int, index: Any) -> tuple[torch.Tensor, CopyHandle]:
+    def _from_copy(self, g: ParamGroup, layer: int, lo: int, hi: int, index: Any) -> tuple[torch.Tensor, CopyHandle]:
         """The H2D source of a stage from the kept copy, and the cast it waits for (queued now if the
         range was not cast since ``invalidate_copies``)."""
         assert g.copy is not None
@@ -759,7 +713,7 @@ class ParamStore(GradWriteBack):
             s.bound = False
             s.free = self.engine.record_compute()
 
-    def _arrived(self, s: _Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
+    def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
         s.touched.add(key)
         self.post_hooks.arrived(key, master)
 

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
-from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads, _Param
+from lightning_lazytrain.engine.param_groups import ParamEntry
+from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.shard_grads import ShardGradLane
 from lightning_lazytrain.engine.shard_layout import ShardLayout
 
@@ -168,7 +169,7 @@ class ShardedParamStore(ParamStore):
         dtypes = {self._groups[j].dtype for j in groups}
         return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
-    def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: _Param) -> None:
+    def _fill_host(self, view: torch.Tensor, full: torch.Tensor, info: ParamEntry) -> None:
         layout = self._layouts.get(self._gid_of(info))
         if layout is None:
             view.copy_(full)
@@ -312,11 +313,11 @@ class ShardedParamStore(ParamStore):
         return full.cpu() if full.device.type != "cpu" else full
 
     # ---- checkpoints: whole tensors out, this rank's rows in ------------------------------------
-    def _sharded_infos(self) -> dict[int, _Param]:
+    def _sharded_infos(self) -> dict[int, ParamEntry]:
         """id(parameter) -> its record, for every parameter of a sharded group."""
         return {id(info.param): info for gid in self._layouts for info in self._group(gid).params}
 
-    def _whole(self, shard: torch.Tensor, info: _Param) -> torch.Tensor:
+    def _whole(self, shard: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         """A full-shaped tensor from every rank's shard-shaped ``shard`` of parameter ``info``
         (collective: every rank calls it for the same parameters in the same order)."""
         layout = ShardLayout([info.shape], [0], self.world)
@@ -324,7 +325,7 @@ class ShardedParamStore(ParamStore):
         flat[: shard.numel()] = shard.detach().reshape(-1).cpu()
         return self._gather_full(flat, layout, info.numel).view(info.shape).clone()
 
-    def _rows(self, full: torch.Tensor, info: _Param) -> torch.Tensor:
+    def _rows(self, full: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         """This rank's shard (``(k, *rest)``, padding rows zero) of a full-shaped tensor."""
         layout = self._layouts[self._gid_of(info)]
         spec = layout.specs[self._index[id(info)]]
@@ -333,7 +334,7 @@ class ShardedParamStore(ParamStore):
         self._fill_host(out, full.to(out.device), info)
         return out
 
-    def _module_entries(self, state: dict[str, Any], module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, _Param]]:
+    def _module_entries(self, state: dict[str, Any], module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, ParamEntry]]:
         """The state dict entries of sharded parameters: (key, parameter, its record)."""
         infos = self._sharded_infos()  # every name of a tied parameter (the state dict has each)
         return [(name, p, infos[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
@@ -348,7 +349,7 @@ class ShardedParamStore(ParamStore):
         return {**state, **{name: self._rows(state[name], info) for name, _, info in self._module_entries(state, module)
                             if tuple(state[name].shape) == tuple(info.shape)}}
 
-    def _optimizer_entries(self, optimizer: Any, state: dict[str, Any]) -> dict[Any, tuple[torch.nn.Parameter, _Param]]:
+    def _optimizer_entries(self, optimizer: Any, state: dict[str, Any]) -> dict[Any, tuple[torch.nn.Parameter, ParamEntry]]:
         """The optimizer state dict's ids of sharded parameters -> (parameter, its record), in id order
         (the same on every rank: the gathers of ``whole_optimizer_state`` are collective)."""
         infos = self._sharded_infos()
@@ -419,7 +420,7 @@ class ShardedParamStore(ParamStore):
         return {**state, "state": new_state}
 
     @staticmethod
-    def _per_element(key: Any, value: Any, info: _Param) -> bool:
+    def _per_element(key: Any, value: Any, info: ParamEntry) -> bool:
         """Is optimizer state ``value`` (whole) one element per element of parameter ``info``? A
         0-dim parameter's states are 0-dim like its step count: told apart by torch's name for that,
         ``step``."""

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .units import DTYPE_BYTES
+
 FP32 = 4
 INT64 = 8
 
@@ -277,8 +279,6 @@ def layer_tape(model, train) -> Tape:
     RoPE unless ``norm == "layer"``, GPT-2's learned positions live outside the block; GPT-2's fused
     q/k/v projection when ``bias``) -> [``post_norms``] -> residual -> pre-norm -> MLP (``mlp``,
     ``activation``; or routed experts) -> [``post_norms``] -> residual. Dropout is taken as off."""
-    from .model import DTYPE_BYTES
-
     e = DTYPE_BYTES[train.dtype]
     n, s = train.tokens, train.seq_len
     h, f, d = model.hidden, model.intermediate, model.head_dim
@@ -470,8 +470,6 @@ def layer_memory(model, train) -> LayerMemory:
 def head_tape(model, train) -> Tape:
     """Final norm and the chunked cross-entropy of ``models/loss.py`` (``train.loss_chunk_tokens`` rows of
     logits at a time, gradients computed in the forward); the input is the last boundary."""
-    from .model import DTYPE_BYTES
-
     e = DTYPE_BYTES[train.dtype]
     n, h, v = train.tokens, model.hidden, model.vocab
     chunk = min(train.loss_chunk_tokens, n)
@@ -497,7 +495,5 @@ def head_work_bytes(model, train) -> float:
 def embedding_backward_bytes(model, train) -> float:
     """Peak of the embedding's backward (window B0, after layer 0's): the input gradient of layer 0 and the
     dense [V, h] weight gradient ``nn.Embedding`` builds before it is added into ``.grad``."""
-    from .model import DTYPE_BYTES
-
     e = DTYPE_BYTES[train.dtype]
     return train.tokens * model.hidden * e + model.vocab * model.hidden * e

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .errors import InvalidInput
+from .memory_model import layer_memory
+from .units import DTYPE_BYTES
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 NORMS = ("rms", "rms_fp32", "layer")
 MLPS = ("gated", "plain")
@@ -203,8 +204,6 @@ def block_cost(model: ModelSpec, train: TrainSpec) -> BlockCost:
     router's probabilities), ``fwd_work_bytes`` and ``bwd_work_bytes`` the transient peaks (see
     ``BlockCost``). ``notes["saved_by"]``: saved bytes per op that first keeps them.
     """
-    from .memory_model import layer_memory
-
     e = DTYPE_BYTES[train.dtype]
     n = train.tokens
     b, s = train.micro_batch_size, train.seq_len

@@ -1,4 +1,4 @@
-"""Byte counts for people: ``format_bytes(23_400_000) == "23.4 MB"`` (torch-free, stdlib only).
+"""Byte counts: the planner's dtype sizes (``DTYPE_BYTES``), and for people: ``format_bytes(23_400_000) == "23.4 MB"`` (torch-free, stdlib only).
 
 Messages use this instead of a fixed divisor, so a small size reads "512 B" or "1.50 kB", not "0.00 GB".
 Machine-read figures (table columns headed "[GB]", sweep.csv, plan.json) stay plain numbers.
@@ -7,6 +7,9 @@ Machine-read figures (table columns headed "[GB]", sweep.csv, plan.json) stay pl
 from __future__ import annotations
 
 import math
+
+# bytes per element of the dtypes a plan names (``TrainSpec.dtype``/``grad_dtype``)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 DECIMAL_UNITS = ("B", "kB", "MB", "GB", "TB")
 BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")

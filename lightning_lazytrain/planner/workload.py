@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from .errors import InvalidInput
 from .hardware import Hardware
 from .memory_model import embedding_backward_bytes, head_work_bytes as loss_head_bytes
-from .model import DTYPE_BYTES, ModelSpec, TrainSpec, block_cost
+from .model import ModelSpec, TrainSpec, block_cost
+from .units import DTYPE_BYTES
 
 # Host bytes per parameter for the master copy and its fp32 gradient accumulator.
 HOST_MASTER_BYTES = 4
