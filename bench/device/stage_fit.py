@@ -8,8 +8,10 @@ an OOM or a hang of one leaves the others' figures:
 
 * ``lazytrain``: ``Trainer(strategy=LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=CAP,
   fp32_masters=True), precision="bf16-true")``, the project's ``LlamaLM`` in a ``CausalLMModule``,
-  ``HybridAdamW(eight_bit="none")`` (32-bit states, torch's fused AdamW kernel on the host, the
-  update layer-pipelined when the plan says so). CAP is 40% (``--cap-frac``) of the way from the
+  ``HybridAdamW(eight_bit="plan")`` (the default a user gets: the plan picks the smallest 8-bit
+  slice host memory needs -- none on a host that holds the 32-bit states, which then run torch's
+  fused AdamW kernel on the host; the update layer-pipelined when the plan says so; the slice
+  chosen is recorded as ``eight_bit_chosen``). CAP is 40% (``--cap-frac``) of the way from the
   smallest to the keep-all footprint of the workload measured on the device (``kit.footprint_range``,
   as ``stage_throughput``); ``--cap-gb`` gives it instead. Its first step is the strategy's profile
   (then the plan), not timed.
@@ -614,7 +616,7 @@ def timed_hybrid_adamw():
 
 
 def fit_module(optimizer: str, **kw: Any):
-    """A ``CausalLMModule`` whose optimizer is this stage's: ``hybrid`` (``HybridAdamW(eight_bit="none")``,
+    """A ``CausalLMModule`` whose optimizer is this stage's: ``hybrid`` (``HybridAdamW(eight_bit="plan")``,
     timed), ``adamw_fused`` (torch AdamW, fused kernel) or ``ds_cpu_adam`` (``DeepSpeedCPUAdam``, AdamW
     mode). Constant learning rate, no warm-up."""
     from lightning_lazytrain.lit_module import CausalLMModule
@@ -624,7 +626,7 @@ def fit_module(optimizer: str, **kw: Any):
             groups = self.param_groups()
             hp = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
             if optimizer == "hybrid":
-                return timed_hybrid_adamw()(groups, eight_bit="none", **hp)
+                return timed_hybrid_adamw()(groups, eight_bit="plan", **hp)
             if optimizer == "adamw_fused":
                 return torch.optim.AdamW(groups, fused=True, **hp)
             if optimizer == "ds_cpu_adam":
@@ -769,7 +771,7 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     res["settings"] = {
         "strategy": f"LazyTrainStrategy(hardware='measure', gpu_memory_budget_gb={res['cap_gb']:.4g}, "
                     f"fp32_masters={fp32_masters})", "precision": precision,
-        "optimizer": "HybridAdamW(eight_bit='none', impl='fused'), lr 3e-4 constant, weight decay 0.1 (matrices)",
+        "optimizer": "HybridAdamW(eight_bit='plan', impl='fused'), lr 3e-4 constant, weight decay 0.1 (matrices)",
         "model": "CausalLMModule(LlamaLM), chunked loss (4096 tokens)", "torch_threads": torch.get_num_threads(),
         "other": "policy='milp', replan=True, keep_compute_copy='auto' (defaults)"}
     strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=res["cap_gb"], fp32_masters=fp32_masters)
@@ -822,6 +824,8 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
                                         "step itself waited for")
     else:
         res["optimizer_update_note"] = "not separable: HybridAdamW's per-layer update could not be timed"
+    opt = trainer.optimizers[0] if trainer.optimizers else None
+    res["eight_bit_chosen"] = repr(getattr(opt, "eight_bit", None))  # the plan's choice (e.g. 'none', a fraction)
     res["replans"] = list(getattr(trainer.strategy, "replans", []) or [])
     if res["replans"]:
         say(f"lazytrain: {len(res['replans'])} re-plan(s) during the run")
