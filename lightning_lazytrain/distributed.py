@@ -28,7 +28,8 @@ Note: [overlapped all-reduce]
     optimization; the planner's ``replicate_overlap`` mode) a group's all-reduce does not wait for
     the step to end: the executor's last accumulation of a group in a step
     (``ParamStore.set_final_grads_hook``, in the last micro-batch's backward windows) hands the group to
-    a collective thread of its own (FIFO, a daemon: a rank that fails never waits on it at exit),
+    a collective thread of its own (a ``Worker``, engine/worker.py: FIFO, a daemon, so a rank that
+    fails never waits on it at exit; a failed job fails the step's later ones at once),
     which waits for that accumulation on the host lane, exchanges the group's "has a gradient"
     flags, sums and divides the flat gradient, and takes the group's norms again in place (the
     step's ``grad_norms``/``layer_sq_norms`` entries are the very objects the executor handed over).
@@ -78,8 +79,7 @@ Note: [collective bytes]
 
 from __future__ import annotations
 
-import queue
-import threading
+import contextlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_lazytrain.engine.param_store import REST, ParamStore, sq_sum
+from lightning_lazytrain.engine.worker import CopyError, ThreadHandle, Worker
 from lightning_lazytrain.planner.multi import host_allreduce_bytes
 
 __all__ = ["GradSync"]
@@ -121,8 +122,7 @@ class GradSync:
         self.adhoc_probe: Callable[[], bool] = lambda: False  # see set_late_grads_probe
         self.overlapped: list[int] = []  # groups the last step averaged during its backward
         self.hold = False  # Note: [one sync per step]: a micro-batch whose gradients are not averaged
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
+        self._worker: Worker | None = None  # the collective thread (attach starts it)
         self._step_reset()
 
     def make_shard_groups(self, shard_size: int, gloo_reduce: bool = True) -> None:
@@ -168,22 +168,16 @@ class GradSync:
     # ---- overlapped all-reduce (Note: [overlapped all-reduce]) ---------------------------------
     def _step_reset(self) -> None:
         self._done: list[int] = []
-        self._jobs = 0
-        self._lock = threading.Lock()
+        self._handles: list[ThreadHandle] = []  # the step's jobs on the collective thread
         self._fallback: bool | None = None  # decided by the step's first job, the same on every rank
         self._bytes = {"collective": 0.0, "flags": 0.0}
         self._seconds = 0.0  # in the gradient all-reduces
-        self._error: BaseException | None = None
-        self._idle = threading.Event()
-        self._idle.set()
 
     def attach(self, params: ParamStore) -> None:
         """Average each group as soon as its step's gradient is complete (a thread of its own)."""
         self.overlap = True
-        if self._thread is None:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._run, name="lazytrain-gradsync", daemon=True)
-            self._thread.start()
+        if self._worker is None:
+            self._worker = Worker("lazytrain-gradsync")
         params.set_final_grads_hook(self._submit)  # carried over when the executor rebuilds its ParamStore
 
     def set_late_grads_probe(self, probe: Callable[[], bool]) -> None:
@@ -198,37 +192,18 @@ class GradSync:
 
     def close(self) -> None:
         """Stop the collective thread (after its jobs); the process group lives on, as DDP leaves it."""
-        if self._thread is not None and self._queue is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=60)
-            self._thread, self._queue = None, None
+        if self._worker is not None:
+            self._worker.close(timeout=60)
+            self._worker = None
 
     def _submit(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
-        assert self._queue is not None
+        assert self._worker is not None
         if params.sharded(layer) or self.hold:  # averaged by its reduce-scatter (engine/shard_store.py),
             return  # or later in the step (Note: [one sync per step])
-        with self._lock:
-            self._jobs += 1
-            self._idle.clear()
-        self._queue.put((params, layer, done, norms, sq))
-
-    def _run(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            params, layer, done, norms, sq = job
-            try:
-                if self._error is None:
-                    self._reduce_one(params, layer, done, norms, sq)
-            except BaseException as err:  # re-raised in the launching thread at the step's end
-                self._error = err
-            finally:
-                with self._lock:
-                    self._jobs -= 1
-                    if self._jobs == 0:
-                        self._idle.set()
+        # FIFO, one error rule (engine/worker.py): after a failed job the step's later jobs fail at
+        # once; the error is raised in the launching thread at the step's end (_drain)
+        self._handles.append(self._worker.submit(lambda: self._reduce_one(params, layer, done, norms, sq),
+                                                 lane="collective"))
 
     def _reduce_one(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
         done.wait()  # the group's last accumulation on the host lane
@@ -244,9 +219,12 @@ class GradSync:
         self._done.append(layer)
 
     def _drain(self) -> None:
-        self._idle.wait()
-        if self._error is not None:
-            err, self._error = self._error, None
+        handles, self._handles = self._handles, []
+        for h in handles:
+            with contextlib.suppress(CopyError):  # the worker's error, raised below with its cause
+                h.wait()
+        err = self._worker.clear() if self._worker is not None else None
+        if err is not None:
             raise RuntimeError(f"the overlapped gradient all-reduce failed: {type(err).__name__}: {err}") from err
 
     def _average_group(self, params: ParamStore, j: int, norms: dict | None, sq: torch.Tensor | None, *,

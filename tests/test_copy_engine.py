@@ -15,8 +15,8 @@ from lightning_lazytrain.engine.copy_engine import (
     CopyError,
     CopyRecord,
     LinkSpec,
-    make_copy_engine,
 )
+from lightning_lazytrain.engine.copy_factory import make_copy_engine
 
 MB = 1_000_000
 gpu = pytest.mark.gpu

@@ -30,7 +30,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def body(st: Stage, args: argparse.Namespace) -> None:
-    from lightning_lazytrain.engine.copy_engine import make_copy_engine
+    from lightning_lazytrain.engine.copy_factory import make_copy_engine
     from lightning_lazytrain.engine.nvme import check_nvme_dir, probe_direct_io, read_tensor, write_tensor
 
     mib = args.mib or (512 if args.device == "cuda" else 32)

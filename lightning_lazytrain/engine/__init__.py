@@ -12,8 +12,8 @@ from lightning_lazytrain.engine.copy_engine import (
     CopyHandle,
     CopyRecord,
     LinkSpec,
-    make_copy_engine,
 )
+from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.nvme import NvmeDirError, SpillDir, check_nvme_dir
 from lightning_lazytrain.engine.param_store import REST, ParamStore
 

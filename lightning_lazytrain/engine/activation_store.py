@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, DoneHandle, make_copy_engine, nbytes_of
+from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, DoneHandle, nbytes_of
+from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.nvme import ALIGN, SpillDir
 

@@ -35,7 +35,7 @@ class ThreadCopyEngine(CopyEngine):
 
     def __init__(self, links: Mapping[str, LinkSpec] | None = None) -> None:
         super().__init__(links)
-        self._workers = {lane: LaneWorker(self, lane, self.links.get(lane)) for lane in ("h2d", "d2h")}
+        self._workers.update({lane: LaneWorker(self, lane, self.links.get(lane)) for lane in ("h2d", "d2h")})
 
     def _copy(
         self, lane: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[CopyHandle], tag: str | None,
@@ -63,8 +63,3 @@ class ThreadCopyEngine(CopyEngine):
         via: torch.Tensor | None = None,
     ) -> CopyHandle:
         return self._copy("d2h", dst, src, after, tag, via)
-
-    def _close_workers(self) -> None:
-        super()._close_workers()
-        for w in self._workers.values():
-            w.close()

@@ -51,17 +51,8 @@ from typing import Any
 
 import torch
 
-from lightning_lazytrain.engine.copy_engine import (
-    CopyEngine,
-    CopyError,
-    CopyHandle,
-    CopyRecord,
-    Lane,
-    LinkSpec,
-    ThreadHandle,
-    copy_through,
-    link_bytes,
-)
+from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyRecord, Lane, LinkSpec, copy_through, link_bytes
+from lightning_lazytrain.engine.worker import CopyError, CopyHandle, ThreadHandle
 
 __all__ = ["CudaCopyEngine", "CudaHandle"]
 

@@ -8,7 +8,7 @@ so that it runs off the thread that launches compute. Every copy returns a :clas
 leaves a :class:`CopyRecord` with perf_counter start/end times, so a step's
 measured transfer timeline can be compared with the planner's model.
 
-Backends (pick with :func:`make_copy_engine`):
+Backends (pick with ``copy_factory.make_copy_engine``):
 
 * CUDA (``copy_cuda.py``): dedicated H2D and D2H streams, events, pinned memory.
 * CPU  (``copy_cpu.py``): one worker thread per lane. Optional link emulation
@@ -19,14 +19,15 @@ The NVMe lanes are worker threads in both backends (file I/O is a host thing);
 the file format and O_DIRECT handling live in ``nvme.py``.
 
 Dependencies: every copy takes ``after=`` handles that must finish before it
-starts. Within one lane the order is the submission order.
+starts. Within one lane the order is the submission order. The lanes that run on the host are
+each a ``worker.Worker`` (a failed copy fails the lane's later copies until ``synchronize``:
+Note: [one worker, one error rule]); the handle types and ``CopyError`` live in worker.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from lightning_lazytrain.engine.worker import CopyError, CopyHandle, DoneHandle, ThreadHandle, Worker
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,6 @@ __all__ = [
     "ThreadHandle",
     "copy_through",
     "link_bytes",
-    "make_copy_engine",
     "nbytes_of",
 ]
 
@@ -125,114 +127,16 @@ class CopyRecord:
         return self.end - self.start
 
 
-class CopyError(RuntimeError):
-    """A copy failed; raised from ``CopyHandle.wait()`` (the cause is chained). Made by ``of``: one
-    readable sentence, never the repr of a repr."""
-
-    @classmethod
-    def of(cls, lane: str, nbytes: int, exc: BaseException) -> CopyError:
-        """The error of a ``lane`` copy of ``nbytes`` that failed with ``exc``: the lane, the bytes and
-        ``exc``'s message; a copy that waited for a failed one (``exc`` a ``CopyError``) repeats that
-        one's message, which names the copy that failed first."""
-        if isinstance(exc, CopyError):
-            return cls(str(exc))
-        text = str(exc)
-        detail = text if isinstance(exc, OSError) and text else f"{type(exc).__name__}: {text}".rstrip(": ")
-        return cls(f"{lane} copy of {nbytes} bytes failed: {detail}")
-
-
-class CopyHandle(ABC):
-    """A copy in flight."""
-
-    lane: Lane
-    nbytes: int
-
-    @abstractmethod
-    def wait(self) -> None:
-        """Block the calling thread until the copy has finished (raises CopyError on failure)."""
-
-    @abstractmethod
-    def done(self) -> bool:
-        """True once the copy has finished (successfully or not); never blocks."""
-
-    def sync_current_stream(self) -> None:
-        """Make the current compute stream wait for this copy.
-
-        On CPU there is no stream, so this is ``wait()``; the CUDA backend
-        overrides it with a non-blocking ``stream.wait_event``.
-        """
-        self.wait()
-
-    def release_device(self) -> None:
-        """Drop this handle's references to device tensors. Only after ``sync_current_stream()``:
-        compute then runs after the copy, so the caching allocator may hand the memory to compute
-        at once (see copy_cuda's Note: [allocator ownership]). On CPU the finished copy holds none."""
-
-
-class ThreadHandle(CopyHandle):
-    """Completed by a worker thread (CPU lanes, NVMe lanes)."""
-
-    def __init__(self, lane: Lane, nbytes: int, keep: tuple[Any, ...] = ()) -> None:
-        self.lane = lane
-        self.nbytes = nbytes
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[[ThreadHandle], None]] = []
-        # References that must outlive the copy (source and destination tensors).
-        self._keep: tuple[Any, ...] | None = keep
-
-    def _finish(self, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self._exc = exc
-            self._keep = None
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
-
-    def add_done_callback(self, fn: Callable[[ThreadHandle], None]) -> None:
-        """Run ``fn(handle)`` when done: in the finishing thread, or now if already done."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    @property
-    def exception(self) -> BaseException | None:
-        return self._exc
-
-    def wait(self) -> None:
-        self._event.wait()
-        if self._exc is not None:
-            raise CopyError.of(self.lane, self.nbytes, self._exc) from self._exc
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-
-class DoneHandle(ThreadHandle):
-    """An already finished no-op (e.g. 'compute is done' on CPU, a GPU-tier offload)."""
-
-    def __init__(self, lane: Lane = "h2d", nbytes: int = 0) -> None:
-        super().__init__(lane, nbytes)
-        self._finish()
-
-
-_Job = tuple[ThreadHandle, Callable[[], object], Sequence[CopyHandle], str | None]
-
-
 class LaneWorker:
-    """One thread executing the copies of one lane in FIFO order."""
+    """One copy lane on a ``Worker`` (worker.py: FIFO, Note: [one worker, one error rule]): each job
+    is timed from the end of its waits, lasts at least what ``link`` gives its bytes (emulation),
+    and leaves a ``CopyRecord``."""
 
     def __init__(self, engine: CopyEngine, lane: Lane, link: LinkSpec | None) -> None:
         self.engine = engine
         self.lane = lane
         self.link = link
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"lazytrain-{lane}", daemon=True)
-        self._thread.start()
+        self.worker = Worker(f"lazytrain-{lane}")
 
     def submit(
         self,
@@ -242,41 +146,22 @@ class LaneWorker:
         tag: str | None,
         keep: tuple[Any, ...],
     ) -> ThreadHandle:
-        handle = ThreadHandle(self.lane, nbytes, keep)
-        self._queue.put((handle, fn, tuple(after), tag))
-        return handle
+        def run() -> None:
+            start = time.perf_counter()
+            fn()
+            if self.link is not None:
+                # Emulated link: the real copy already happened; sleep for
+                # whatever is left of latency + n / bandwidth.
+                remaining = start + self.link.duration_s(nbytes) - time.perf_counter()
+                if remaining > 0:
+                    time.sleep(remaining)
+            end = time.perf_counter()
+            self.engine._add_record(CopyRecord(self.lane, nbytes, start, end, tag))
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            handle, fn, after, tag = job
-            del job
-            try:
-                for dep in after:
-                    dep.wait()
-                start = time.perf_counter()
-                fn()
-                if self.link is not None:
-                    # Emulated link: the real copy already happened; sleep for
-                    # whatever is left of latency + n / bandwidth.
-                    remaining = start + self.link.duration_s(handle.nbytes) - time.perf_counter()
-                    if remaining > 0:
-                        time.sleep(remaining)
-                end = time.perf_counter()
-                self.engine._add_record(CopyRecord(self.lane, handle.nbytes, start, end, tag))
-            except BaseException as e:  # noqa: BLE001 - delivered to the waiter
-                handle._finish(e)
-            else:
-                handle._finish()
-            finally:
-                del fn, after, handle
+        return self.worker.submit(run, lane=self.lane, nbytes=nbytes, after=after, keep=keep)
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        self.worker.close()
 
 
 class CopyEngine(ABC):
@@ -296,7 +181,9 @@ class CopyEngine(ABC):
         self._records: list[CopyRecord] = []
         self._pending: list[CopyHandle] = []
         self._closed = False
-        self._host_workers: dict[str, LaneWorker] = {
+        # the lanes that run on the host (Note: [one worker, one error rule] in worker.py); the CPU
+        # backend adds h2d and d2h
+        self._workers: dict[str, LaneWorker] = {
             lane: LaneWorker(self, lane, links.get(lane)) for lane in ("nvme_read", "nvme_write", "host")
         }
 
@@ -372,7 +259,7 @@ class CopyEngine(ABC):
         if src.device.type != "cpu":
             raise ValueError(f"nvme_write needs a host tensor, got one on {src.device}")
         fpath = os.fspath(path)
-        worker = self._host_workers["nvme_write"]
+        worker = self._workers["nvme_write"]
         h = worker.submit(nbytes_of(src), lambda: _spill_io("writing", fpath, write_tensor, src, direct), list(after),
                           tag, (src,))
         return self._track(h)
@@ -393,7 +280,7 @@ class CopyEngine(ABC):
         if dst.device.type != "cpu" or not dst.is_contiguous():
             raise ValueError("nvme_read needs a contiguous host tensor as destination")
         fpath = os.fspath(path)
-        worker = self._host_workers["nvme_read"]
+        worker = self._workers["nvme_read"]
         h = worker.submit(nbytes_of(dst), lambda: _spill_io("reading", fpath, read_tensor, dst, direct), list(after),
                           tag, (dst,))
         return self._track(h)
@@ -409,7 +296,7 @@ class CopyEngine(ABC):
             with torch.no_grad():
                 fn()
 
-        h = self._host_workers["host"].submit(nbytes, run, list(after), tag, ())
+        h = self._workers["host"].submit(nbytes, run, list(after), tag, ())
         return self._track(h)
 
     # ---- one clock for compute and copies --------------------------------------------------
@@ -438,7 +325,8 @@ class CopyEngine(ABC):
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def synchronize(self) -> None:
-        """Wait for every copy submitted so far; then re-raise the first failure."""
+        """Wait for every copy submitted so far; then re-raise the first failure. The lanes a failed
+        copy stopped run again afterwards (Note: [one worker, one error rule] in worker.py)."""
         with self._stats_lock:
             pending, self._pending = self._pending, []
         first: CopyError | None = None
@@ -447,6 +335,8 @@ class CopyEngine(ABC):
                 h.wait()
             except CopyError as err:
                 first = first or err
+        for w in self._workers.values():
+            w.worker.clear()
         if first is not None:
             raise first
 
@@ -465,7 +355,7 @@ class CopyEngine(ABC):
             self._close_workers()
 
     def _close_workers(self) -> None:
-        for w in self._host_workers.values():
+        for w in self._workers.values():
             w.close()
 
     def __enter__(self) -> CopyEngine:
@@ -473,28 +363,6 @@ class CopyEngine(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def make_copy_engine(
-    device: torch.device | str,
-    links: Mapping[str, LinkSpec] | None = None,
-    *,
-    timeline: bool = True,
-) -> CopyEngine:
-    """The copy engine for ``device``: CUDA streams for a CUDA device, threads otherwise.
-
-    ``links`` emulates lanes on the CPU backend; with CUDA only the NVMe lanes
-    can be emulated (the PCIe lanes are real). ``timeline`` enables CUDA event
-    timing for per-copy records (small overhead).
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        from lightning_lazytrain.engine.copy_cuda import CudaCopyEngine
-
-        return CudaCopyEngine(dev, links, timeline=timeline)
-    from lightning_lazytrain.engine.copy_cpu import ThreadCopyEngine
-
-    return ThreadCopyEngine(links)
 
 
 def _spill_io(what: str, path: str, fn: Callable[..., Any], t: torch.Tensor, direct: bool) -> None:

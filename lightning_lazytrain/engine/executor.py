@@ -48,7 +48,8 @@ from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks
 from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, ForwardState, HookCapture,
                                                  UnsupportedBlockPattern, rerun_call)
-from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec, make_copy_engine
+from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
+from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import DeviceBytes, reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks, PartialForward

@@ -90,7 +90,8 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
-from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle, make_copy_engine
+from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle
+from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops

@@ -16,9 +16,10 @@ Note: [overlapped reduce-scatter]
     - gloo (CPU devices): a collective blocks its caller, so a FIFO thread of the lane's own runs
       the jobs in submission order -- the schedule's order, the same on every rank -- on a gloo group
       of their own (``grad_group``: the launching thread's all-gathers on the store's group never
-      interleave with them) and on the replica group, which only this thread uses then. A failed
-      job fails every later one at once (no rank waits out a timeout per layer) and its error
-      reaches the D2H, the accumulation and ``wait_host``.
+      interleave with them) and on the replica group, which only this thread uses then. The thread
+      is a ``worker.Worker``: a failed job fails every later one at once (no rank waits out a
+      timeout per layer) until the lane closes, and its error reaches the D2H, the accumulation and
+      ``wait_host`` (Note: [one worker, one error rule]).
     - NCCL (CUDA): collectives do not block the host, so they are issued from the launching thread,
       in program order, like the all-gathers: the reduce-scatter while compute is the current stream
       (NCCL orders it after the layer's backward), the rest on a side stream that waits for it (so
@@ -33,15 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_lazytrain.engine.copy_engine import CopyHandle, ThreadHandle
+from lightning_lazytrain.engine.worker import CopyHandle, Worker
 
 __all__ = ["ShardGradLane"]
 
@@ -54,9 +53,7 @@ class ShardGradLane:
     def __init__(self, device: torch.device, group: Any, grad_group: Any, replica_group: Any, divisor: int) -> None:
         self.device, self.group, self.grad_group, self.replica_group = device, group, grad_group, replica_group
         self.divisor = divisor  # every rank (shard group x replicas): DDP's average
-        self._queue: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._worker: Worker | None = None  # gloo: the jobs' FIFO thread, started by the first job
         self._side: Any = None  # CUDA: the stream the replica all-reduce, division and flags run on
 
     def submit(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor
@@ -68,17 +65,16 @@ class ShardGradLane:
             return self._issue_cuda(rank_major, mine, flags)
         if self.grad_group is None:
             raise RuntimeError("an overlapped reduce-scatter on gloo needs a process group of its own (grad_group)")
-        handle = ThreadHandle("d2h", mine.nbytes)
         out: list[list[int]] = []
 
         def job() -> None:
-            self.reduce(rank_major, mine, flags, self.grad_group)
+            with torch.no_grad():
+                self.reduce(rank_major, mine, flags, self.grad_group)
             out.append(flags.tolist())
 
-        self._start()
-        assert self._queue is not None
-        self._queue.put((handle, job))
-        return handle, lambda: out[0]
+        if self._worker is None:
+            self._worker = Worker("lazytrain-reduce")
+        return self._worker.submit(job, lane="d2h", nbytes=mine.nbytes), lambda: out[0]
 
     def reduce(self, rank_major: torch.Tensor, mine: torch.Tensor, flags: torch.Tensor, group: Any,
                timed: Any = None) -> None:
@@ -130,39 +126,10 @@ class ShardGradLane:
         return handle, read
 
     # ---- the gloo thread ------------------------------------------------------------------------
-    def _start(self) -> None:
-        if self._thread is None:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="lazytrain-reduce", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        assert self._queue is not None
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle, job = item
-            del item
-            if self._error is not None:  # a rank failed: later jobs fail at once, no collective waits
-                handle._finish(self._error)
-                continue
-            try:
-                with torch.no_grad():
-                    job()
-            except BaseException as err:  # noqa: BLE001 - delivered through the handle
-                self._error = err
-                handle._finish(err)
-            else:
-                handle._finish()
-            del handle, job
-
     def close(self) -> None:
         """Finish the queued jobs and stop the thread (a daemon: a failed rank never waits for it)."""
-        if self._thread is not None and self._queue is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=60)
-            if self._thread.is_alive():  # still inside a collective: never start a second thread beside it
-                log.warning("the reduce-scatter thread did not finish within 60 s; leaving it")
-                return
-        self._thread, self._queue, self._error = None, None, None
+        if self._worker is not None and not self._worker.close(timeout=60):
+            # still inside a collective: never start a second thread beside it
+            log.warning("the reduce-scatter thread did not finish within 60 s; leaving it")
+            return
+        self._worker = None  # (a stopped worker goes with it: a new one runs the next jobs)
