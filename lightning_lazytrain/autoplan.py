@@ -14,15 +14,12 @@ import numbers
 import os
 import shutil
 import time
-from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lightning_lazytrain.engine.executor import Executor
-from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.planner import Hardware, Schedule, Workload, baseline
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import calibrate_host_rates
@@ -157,20 +154,6 @@ class AutoPlan:
         except Exception as err:  # a plot must never stop training
             log.warning("could not draw the predicted timeline: %s", err)
         return paths
-
-
-def plan_for(executor: Executor, run_microbatch: Callable[[], None], hardware: Hardware, *, policy: str = "milp",
-             tokens: int, grad_accum: int = 1, options: MilpOptions | None = None, K: int = 4) -> AutoPlan:
-    """Profile one micro-batch under the executor's current (provisional) schedule, then plan.
-
-    (Runs ``run_microbatch`` twice; the strategies profile their first real step instead, see
-    ``plan_from_workload``.) ``policy``: one of ``POLICIES`` or a path to a ``plan.json``."""
-    t0 = time.perf_counter()
-    wl = measure_workload(executor, run_microbatch, tokens=tokens, grad_accum=grad_accum,
-                          opt_params_per_s=hardware.cpu_adam_params_per_s)
-    plan = plan_from_workload(wl, hardware, policy=policy, options=options, K=K)
-    plan.timings["profile"] = time.perf_counter() - t0 - plan.timings["solve"]
-    return plan
 
 
 def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp", options: MilpOptions | None = None,

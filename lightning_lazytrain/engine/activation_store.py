@@ -125,10 +125,6 @@ class HostBufferPool:
         """Bytes of the pool's buffers that exist now (in use or free); pinned on CUDA."""
         return sum(a.reserved_bytes for a in self._arenas)
 
-    @property
-    def bytes_reserved(self) -> int:  # the former name
-        return self.host_pinned_bytes
-
 
 def _typed(buf: torch.Tensor, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
     return buf[:nbytes].view(dtype).view(shape)
@@ -225,9 +221,6 @@ class ActivationStore:
         """True once ``key``'s device copy is no longer needed by its offload (or it is gone)."""
         e = self._entries.get(key)
         return e is None or e.moved is None or e.moved.done()
-
-    def tier_of(self, key: Hashable) -> Tier:
-        return self._entries[key].tier
 
     def reap(self) -> None:
         """Release what finished copies no longer need (sources, staging buffers)."""

@@ -174,10 +174,6 @@ class CudaCopyEngine(CopyEngine):
     def h2d_stream(self) -> torch.cuda.Stream:
         return self._streams["h2d"]
 
-    @property
-    def d2h_stream(self) -> torch.cuda.Stream:
-        return self._streams["d2h"]
-
     def _warn_pageable(self, what: str) -> None:
         if not self._warned_pageable:
             self._warned_pageable = True

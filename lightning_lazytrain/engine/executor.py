@@ -297,11 +297,6 @@ class Executor:
     def in_microbatch(self) -> bool:
         return self._micro is not None
 
-    @property
-    def pristine(self) -> bool:
-        """In a micro-batch that no block has run in yet."""
-        return self._micro is not None and not self._forwarded
-
     def arm(self, *, first: bool = True, last: bool = True) -> None:
         """Begin the next micro-batch when the model is next called (a non-block module or a block).
 
@@ -314,10 +309,6 @@ class Executor:
         self.disarm()
         self._armed = (first, last)
         self._arm_handles = [m.register_forward_pre_hook(self._armed_call) for m in self.params.site_modules(REST)]
-
-    @property
-    def armed(self) -> bool:
-        return self._armed is not None
 
     def disarm(self) -> None:
         for h in self._arm_handles:

@@ -100,9 +100,6 @@ class StepTrace:
                 name = w
         return name
 
-    def window_of(self, t: float) -> str:
-        return self._window_of(self.windows, t)
-
     def segments(self, records: list[CopyRecord]) -> list[Segment]:
         out = self.compute
         windows = self.windows
