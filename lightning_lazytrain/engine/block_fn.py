@@ -1,11 +1,31 @@
-"""One autograd node per block, and the saved-tensor hooks that keep a block's internals.
+"""The streamed block's autograd contract: one autograd node per block, its typed context, the
+interface the executor gives it, and the saved-tensor hooks that keep a block's internals.
 
-``BlockFunction.apply(executor, j, call, adhoc, x, anchor, *routed)`` runs block ``j``'s forward
-window under the executor (or, for a further forward pass in the same micro-batch, an ad-hoc
-self-contained forward) and returns the node's outputs; its ``backward`` runs the block's backward
-window.
-``anchor`` is a 0-dim tensor that requires grad, so the node gets a backward even when ``x``
-does not (frozen embeddings): the block's own weights still need gradients.
+Note: [the block node]
+    The executor patches each block's ``forward``; a call with grad inside a training micro-batch
+    becomes one ``BlockFunction`` node (the only path between the block's inside and the rest of
+    the graph: block_io.py). Inputs: the hidden state ``x``, the grad anchor and the call's routed
+    tensors (``block_io.BlockCall``). Outputs: the hidden state, the routed output tensors and the
+    tensors the block's forward hooks stored (``run_block``). The caller makes the node's
+    ``BlockContext`` and passes it in; everything the backward needs is in it, typed.
+
+    Forward (``BlockFunction.forward``): the runner (the executor, a ``BlockRunner``) runs the
+    block's planned pass, window ``F{j}`` (``forward_window``), or, for a block the planned pass
+    has already run in this micro-batch, an ad-hoc pass (``adhoc_forward``). Either records in the
+    context: ``serial`` (its micro-batch), ``n_outputs``, ``output`` (the return value's structure,
+    taken by the caller at once); the planned pass ``routed_keys`` (Note: [one gradient per shared
+    input]) and, when the layer keeps its internals, ``kept`` (a ``KeptGraph``); the ad-hoc pass
+    ``adhoc`` (an ``AdhocPass``: what its re-run needs).
+
+    Backward (``BlockFunction.backward``): ``adhoc_backward`` while the context holds an ad-hoc pass,
+    else ``backward_window`` (window ``B{j}``). Each first checks that the node belongs to the
+    running micro-batch and counts the block's backprops, runs the window (transfers, re-runs,
+    backprop of the kept graph or of the re-run), and returns the gradient of ``x`` and of each
+    routed input (a shared input's only from the last block that uses it). The anchor gets None;
+    the kept graph is released after the backward.
+
+    The anchor is a 0-dim tensor that requires grad, so the node gets a backward even when ``x``
+    does not (frozen embeddings): the block's own weights still need gradients.
 
 Note: [kept internals and streamed weights] When a layer keeps its internals, its forward runs
 with grad under ``saved_tensors_hooks``. Saved tensors that live in the layer's weight slot are
@@ -17,35 +37,209 @@ so the weight gradients land in the slot's gradient buffer as for any other laye
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, ForwardState, HookCapture,
+                                                 UnsupportedBlockPattern)
+
+__all__ = ["AdhocPass", "BlockContext", "BlockFunction", "BlockRunner", "CountingHooks", "KeptGraph",
+           "SharedInputs", "WeightTokenHooks", "backprop", "run_block"]
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+@dataclass(eq=False)
+class KeptGraph:
+    """The graph of a layer that kept its internals, from ``F{j}`` to its backward.
+
+    Note: [kept roots hold no data] The backward needs the roots' graph, not their values: keeping
+    the tensors would keep the block's output (the next boundary) on the device after its planned
+    offload. Their gradient edges keep only the graph."""
+
+    x: torch.Tensor  # the leaf the forward ran on (its ``.grad`` is the input's gradient)
+    routed: list[torch.Tensor]  # the routed inputs' leaves
+    roots: list[GradientEdge | None]  # one per node output (None: an output without grad)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, routed: list[torch.Tensor], roots: Sequence[torch.Tensor]) -> KeptGraph:
+        return cls(x, routed, [get_gradient_edge(r) if r.requires_grad else None for r in roots])
+
+
+@dataclass(eq=False)
+class AdhocPass:
+    """What an ad-hoc pass's backward re-runs the block from (its weights come through the
+    recompute slot again)."""
+
+    x: torch.Tensor  # the input, detached, kept on the device
+    call: BlockCall  # the re-run call (KV caches as the block found them)
+    routed: list[torch.Tensor]  # its routed tensors, detached
+    state: ForwardState  # the RNG/autocast state and buffers the forward started from
+
+
+@dataclass(eq=False)
+class BlockContext:
+    """One block node's state, from its forward to its backward (Note: [the block node])."""
+
+    j: int  # the block
+    serial: int = 0  # the micro-batch whose forward made the node (Executor: a backward must be in it)
+    n_outputs: int = 0  # the node's outputs (a re-run must produce as many)
+    # per routed input, its key among the micro-batch's shared inputs (None: returned by this node
+    # alone); the planned pass sets them (Note: [one gradient per shared input])
+    routed_keys: list[int | None] = field(default_factory=list)
+    kept: KeptGraph | None = None  # a planned pass that kept its internals
+    adhoc: AdhocPass | None = None  # an ad-hoc pass not yet backpropagated
+    # the block's return structure, for the caller to rebuild the return value (taken at once:
+    # it may reference the block's non-tensor outputs, e.g. a KV cache)
+    output: BlockOutput | None = None
+
+    def check_outputs(self, outs: Sequence[torch.Tensor]) -> None:
+        """A re-run must produce the node's outputs again, as many as the forward did."""
+        if len(outs) != self.n_outputs:
+            raise UnsupportedBlockPattern(
+                f"block {self.j}'s re-run produced {len(outs)} tensors where its forward produced {self.n_outputs} "
+                "(outputs plus tensors seen by forward hooks): the block's forward is not repeatable. Use "
+                "policy='keep_all' (no re-runs) or make the block's outputs independent of call history.")
+
+    def take_output(self) -> BlockOutput:
+        out, self.output = self.output, None
+        assert out is not None
+        return out
+
+
+class BlockRunner(Protocol):
+    """What a block node calls (the executor implements it; Note: [the block node])."""
+
+    def forward_window(self, ctx: BlockContext, call: BlockCall, x: torch.Tensor,
+                       routed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Window F{j}: the planned pass of block ``ctx.j``; returns the node's outputs."""
+        ...
+
+    def adhoc_forward(self, ctx: BlockContext, call: BlockCall, x: torch.Tensor,
+                      routed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """A further pass of a block the planned pass already ran; returns the node's outputs."""
+        ...
+
+    def backward_window(self, ctx: BlockContext, grads: Grads) -> tuple[torch.Tensor | None, list]:
+        """Window B{j}; returns the gradients of ``x`` and of the routed inputs."""
+        ...
+
+    def adhoc_backward(self, ctx: BlockContext, grads: Grads) -> tuple[torch.Tensor | None, list]:
+        """An ad-hoc pass's backward; returns the gradients of ``x`` and of the routed inputs."""
+        ...
 
 
 class BlockFunction(torch.autograd.Function):
-    """Inputs: the hidden state ``x``, ``anchor`` and the call's routed tensors (those that require
-    grad, ``block_io.BlockCall``). Outputs: the hidden state, the routed output tensors and the
-    tensors forward hooks saw (``block_io``); the backward returns gradients for every input."""
+    """``BlockFunction.apply(runner, ctx, call, adhoc, x, anchor, *routed)``: block ``ctx.j`` as one
+    autograd node (Note: [the block node]). Outputs: the hidden state, the routed output tensors and
+    the tensors forward hooks saw; the backward returns gradients for every input."""
 
     @staticmethod
-    def forward(ctx: Any, executor: Any, j: int, call: Any, adhoc: bool, x: torch.Tensor, anchor: torch.Tensor,
-                *routed: torch.Tensor) -> tuple:
-        ctx.executor, ctx.j, ctx.kept, ctx.adhoc = executor, j, None, None
+    def forward(fctx: Any, runner: BlockRunner, ctx: BlockContext, call: BlockCall, adhoc: bool, x: torch.Tensor,
+                anchor: torch.Tensor, *routed: torch.Tensor) -> tuple:
+        fctx.runner, fctx.block = runner, ctx
         ctx.routed_keys = [None] * len(routed)  # the planned pass sets them (Note: [one gradient per shared input])
-        ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
+        fctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
         if adhoc:
-            return executor._adhoc_forward(ctx, j, call, x, list(routed))
-        return executor._forward_window(ctx, j, call, x, list(routed))
+            return runner.adhoc_forward(ctx, call, x, list(routed))
+        return runner.forward_window(ctx, call, x, list(routed))
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+    def backward(fctx: Any, *grads: torch.Tensor | None) -> tuple:
+        ctx: BlockContext = fctx.block
         if ctx.adhoc is not None:
-            grad_in, grad_routed = ctx.executor._adhoc_backward(ctx, ctx.j, grads)
+            grad_in, grad_routed = fctx.runner.adhoc_backward(ctx, grads)
         else:
-            grad_in, grad_routed = ctx.executor._backward_window(ctx, ctx.j, grads)
+            grad_in, grad_routed = fctx.runner.backward_window(ctx, grads)
         ctx.kept = None
         return (None, None, None, None, grad_in, None, *grad_routed)
+
+
+def run_block(forward: Callable[..., Any], block: nn.Module, where: str, x: torch.Tensor, call: BlockCall,
+              routed: list, *, first: bool, rerun: bool = True) -> tuple[BlockOutput, list[torch.Tensor]]:
+    """Run a block's own ``forward`` on ``x``; returns its output structure and the node's outputs:
+    hidden state, routed output tensors, tensors captured by hooks (deduplicated). ``where``: the
+    block's path (messages). ``first``: the block's forward (hooks fire), else a re-run (hooks
+    silenced); ``rerun``: the forward will be re-run later (so hooks that change values are refused)."""
+    args, kwargs = call.build(routed)
+    capture = HookCapture(block, where, first=first, refuse_changes=rerun)
+    with capture():
+        result = forward(x, *args, **kwargs)
+    spec, hidden, outs = BlockOutput.split(result)
+    seen = {id(t) for t in (x, hidden, *outs, *routed)}
+    captured = []
+    for t in capture.captured:
+        if id(t) not in seen:
+            seen.add(id(t))
+            captured.append(t)
+    return spec, [hidden, *outs, *captured]
+
+
+def backprop(roots: Sequence[torch.Tensor | GradientEdge | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate the node's output gradients (None: that output was not used) from the roots
+    (tensors, or gradient edges of kept roots; None: a root without grad)."""
+    pairs = [(r, g) for r, g in zip(roots, grads, strict=True)
+             if g is not None and r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
+    if pairs:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+
+
+class SharedInputs:
+    """Note: [one gradient per shared input] A tensor passed to several blocks (the encoder's output
+    to every cross-attention, a shared position bias) gets, under plain autograd, one addition per
+    use into its gradient, in backward order. If each node returned its own sum, autograd would add
+    per-block sums: the same value up to rounding. So the blocks that share such an input chain
+    its gradient: each re-run backpropagates the running total into the input's leaf first (an
+    alias made after the re-run is the newest node, so autograd runs it first), and only the last
+    block to run its backward returns the total; the others return None. One per micro-batch."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, torch.Tensor] = {}  # keeps each key's id unique for the micro-batch
+        self._pending: dict[int, int] = {}  # key -> planned blocks whose backward is still to come
+        self._running: dict[int, torch.Tensor] = {}  # key -> the gradient summed so far
+
+    def share(self, routed: list[torch.Tensor]) -> list[int | None]:
+        """Count a planned block's routed inputs; returns their keys (all None when the same tensor
+        is passed twice in one call: each position on its own)."""
+        keys = [id(t) for t in routed]
+        if len(set(keys)) != len(keys):
+            return [None] * len(keys)
+        for key, t in zip(keys, routed):
+            self._refs[key] = t
+            self._pending[key] = self._pending.get(key, 0) + 1
+        return list(keys)
+
+    def with_running(self, ctx: BlockContext, rin: list[torch.Tensor], roots: list, grads: list) -> tuple[list, list]:
+        """``roots``/``grads`` plus, per shared input, its leaf's alias and the running total."""
+        with torch.enable_grad():
+            for leaf, key in zip(rin, ctx.routed_keys):
+                running = self._running.pop(key, None) if key is not None else None
+                if running is not None:
+                    roots.append(leaf.view_as(leaf))
+                    grads.append(running)
+        return roots, grads
+
+    def input_grads(self, ctx: BlockContext, rin: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The routed inputs' gradients this node returns (a shared one only from its last block)."""
+        out: list[torch.Tensor | None] = []
+        for leaf, key in zip(rin, ctx.routed_keys):
+            if key is None:
+                out.append(leaf.grad)
+                continue
+            self._pending[key] -= 1
+            if self._pending[key] == 0:
+                del self._pending[key]
+                out.append(leaf.grad)
+            else:
+                if leaf.grad is not None:
+                    self._running[key] = leaf.grad
+                out.append(None)
+        return out
 
 
 class WeightTokenHooks:

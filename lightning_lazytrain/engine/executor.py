@@ -41,13 +41,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_lazytrain.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
-from lightning_lazytrain.engine.block_fn import BlockFunction, CountingHooks, WeightTokenHooks
-from lightning_lazytrain.engine.block_io import (BlockCall, BlockOutput, ForwardState, HookCapture,
-                                                 UnsupportedBlockPattern, rerun_call)
+from lightning_lazytrain.engine.block_fn import (AdhocPass, BlockContext, BlockFunction, CountingHooks, Grads,
+                                                KeptGraph, SharedInputs, WeightTokenHooks, backprop, run_block)
+from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardState, UnsupportedBlockPattern, rerun_call
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.internals import OffloadedInternals
@@ -364,12 +363,10 @@ class Executor:
         self._serial += 1
         self._b_next = len(self.stack) - 1  # the next backward window (Note: [unreached blocks])
         self._backprops: dict[int, int] = {}  # block -> backwards run in this micro-batch (planned, ad hoc)
-        self._ctxs: dict[int, Any] = {}  # block -> its planned pass's node context, until its backward window
+        self._ctxs: dict[int, BlockContext] = {}  # block -> its planned pass's node, until its backward window
         self.params.post_hooks.reset()
         self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
-        self._routed_refs: dict[int, torch.Tensor] = {}
-        self._routed_pending: dict[int, int] = {}
-        self._routed_running: dict[int, torch.Tensor] = {}
+        self._shared = SharedInputs()  # Note: [one gradient per shared input] (block_fn.py)
         if first:
             self._adhoc_used = False
             self._post_hooks = has_post_accumulate_hooks(self.module.parameters())
@@ -478,39 +475,17 @@ class Executor:
         # backward: manual optimization, several losses) runs ad hoc: self-contained, exact, unplanned.
         adhoc = j in self._forwarded
         self._forwarded.add(j)
-        outs = BlockFunction.apply(self, j, call, adhoc, x, self._anchor, *routed)
-        spec, n_out = self._last_output
-        return spec.build(outs[0], outs[1:1 + n_out])
+        node = BlockContext(j)  # Note: [the block node] (block_fn.py)
+        outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
+        spec = node.take_output()
+        return spec.build(outs[0], outs[1:1 + len(spec.routed)])
 
     def _run_block(self, j: int, x: torch.Tensor, call: BlockCall, routed: list, *, first: bool,
                    rerun: bool = True) -> tuple[BlockOutput, list[torch.Tensor]]:
-        """Run block j's own forward on ``x``; returns its output structure and the node's outputs:
-        hidden state, routed output tensors, tensors captured by hooks (deduplicated).
-        ``first``: the block's forward (hooks fire), else a re-run (hooks silenced); ``rerun``: the
-        forward will be re-run later (so hooks that change values are refused)."""
-        args, kwargs = call.build(routed)
-        capture = HookCapture(self.stack[j], self.stack.block_path(j), first=first, refuse_changes=rerun)
-        with capture():
-            result = self._orig[j](x, *args, **kwargs)
-        spec, hidden, outs = BlockOutput.split(result)
-        seen = {id(t) for t in (x, hidden, *outs, *routed)}
-        captured = []
-        for t in capture.captured:
-            if id(t) not in seen:
-                seen.add(id(t))
-                captured.append(t)
-        return spec, [hidden, *outs, *captured]
-
-    def _share_routed_inputs(self, ctx: Any, routed: list) -> None:
-        """Count the planned blocks each routed input is passed to (Note: [one gradient per shared input])."""
-        keys = [id(t) for t in routed]
-        if len(set(keys)) != len(keys):  # the same tensor twice in one call: each position on its own
-            ctx.routed_keys = [None] * len(keys)
-            return
-        for key, t in zip(keys, routed):
-            self._routed_refs[key] = t  # keeps the id unique for the micro-batch
-            self._routed_pending[key] = self._routed_pending.get(key, 0) + 1
-        ctx.routed_keys = keys
+        """Block j's own forward on ``x`` (``block_fn.run_block``): its output structure and the
+        node's outputs."""
+        return run_block(self._orig[j], self.stack[j], self.stack.block_path(j), x, call, routed,
+                         first=first, rerun=rerun)
 
     def _store_call(self, j: int, call: BlockCall, routed: list) -> None:
         """Keep the call for re-runs: KV caches dropped, routed tensors detached."""
@@ -556,9 +531,12 @@ class Executor:
         assert self.params is not None
         self.params.stage(j, self.slot_of(j) if slot is None else slot)
 
-    def _forward_window(self, ctx: Any, j: int, call: BlockCall, x: torch.Tensor, routed: list) -> tuple:
+    # ---- the block node's runner (block_fn.BlockRunner; Note: [the block node]) ----------------
+    def forward_window(self, ctx: BlockContext, call: BlockCall, x: torch.Tensor,
+                       routed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Window F{j} for block ``ctx.j``'s planned pass; returns the node's outputs."""
         assert self.params is not None and self.acts is not None
-        s, L = self.schedule, len(self.stack)
+        s, L, j = self.schedule, len(self.stack), ctx.j
         name = f"F{j}"
         ctx.serial = self._serial
         self._ctxs[j] = ctx
@@ -566,7 +544,7 @@ class Executor:
         self._window(name)
         sent: list[PendingGrads] = []
         self._store_call(j, call, routed)
-        self._share_routed_inputs(ctx, routed)
+        ctx.routed_keys = self._shared.share(routed)
         self.stats.boundary_bytes[j] = self._nbytes(x)
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "offload":
@@ -628,16 +606,12 @@ class Executor:
                 n_struct = 1 + len(spec.routed)
                 with torch.enable_grad():
                     roots = outs[:n_struct] + [torch.ops.aten.alias(t) for t in outs[n_struct:]]
-                # Note: [kept roots hold no data] The backward needs the roots' graph, not their
-                # values: keeping the tensors would keep the block's output (the next boundary) on
-                # the device after its planned offload. Their gradient edges keep only the graph.
-                ctx.kept = (xg, rin, [get_gradient_edge(r) if r.requires_grad else None for r in roots])
+                ctx.kept = KeptGraph.of(xg, rin, roots)  # Note: [kept roots hold no data]
                 del roots
                 outs = [t.detach() for t in outs[:n_struct]] + outs[n_struct:]
             else:
                 spec, outs = self._run_block(j, x, call, routed, first=True)
-        self._last_output = (spec, len(spec.routed))
-        ctx.n_outputs = len(outs)
+        ctx.output, ctx.n_outputs = spec, len(outs)
         out = outs[0]
         if partial:
             self.stats.partial_bytes[j] = self._partial[j].nbytes
@@ -672,11 +646,13 @@ class Executor:
         outs = pf.run(forward, rerun, xg, rin)
         return spec[0], outs
 
-    def _adhoc_forward(self, ctx: Any, j: int, call: BlockCall, x: torch.Tensor, routed: list) -> tuple:
-        """A further forward pass of block j in the same micro-batch: weights through the recompute
-        slot, input kept on the device, re-run and gradients to the host in its own backward. Exact,
-        synchronous and not part of the plan (its memory and time are not predicted)."""
+    def adhoc_forward(self, ctx: BlockContext, call: BlockCall, x: torch.Tensor,
+                      routed: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """A further forward pass of block ``ctx.j`` in the same micro-batch: weights through the
+        recompute slot, input kept on the device, re-run and gradients to the host in its own
+        backward. Exact, synchronous and not part of the plan (its memory and time are not predicted)."""
         assert self.params is not None
+        j = ctx.j
         self._adhoc_used = True  # from here on (distributed.py: Note: [overlapped all-reduce])
         ctx.serial = self._serial
         state = ForwardState.capture(self.device)
@@ -689,16 +665,18 @@ class Executor:
                 spec, outs = self._run_block(j, x, call, routed, first=True)
         finally:
             self.params.evict(RECOMPUTE_SLOT)
-        ctx.adhoc = (x.detach(), rcall, [t.detach() for t in rrouted], state)
-        self._last_output = (spec, len(spec.routed))
-        ctx.n_outputs = len(outs)
+        ctx.adhoc = AdhocPass(x.detach(), rcall, [t.detach() for t in rrouted], state)
+        ctx.output, ctx.n_outputs = spec, len(outs)
         return tuple(outs)
 
-    def _adhoc_backward(self, ctx: Any, j: int, grads: tuple) -> tuple:
-        assert self.params is not None
-        self._check_live(ctx, j)
+    def adhoc_backward(self, ctx: BlockContext, grads: Grads) -> tuple[torch.Tensor | None, list]:
+        """The backward of an ad-hoc pass: re-run with grad through the recompute slot, backprop,
+        its weight gradients kept to join the planned ones (``_adhoc_grads``)."""
+        assert self.params is not None and ctx.adhoc is not None
+        j = ctx.j
+        self._check_live(ctx)
         self._count_backprop(j)
-        x, call, routed, state = ctx.adhoc
+        x, call, routed, state = ctx.adhoc.x, ctx.adhoc.call, ctx.adhoc.routed, ctx.adhoc.state
         ctx.adhoc = None
         self.params.stage(j, RECOMPUTE_SLOT)
         xg = x.detach().requires_grad_()
@@ -706,8 +684,8 @@ class Executor:
         with self.params.bind(j, RECOMPUTE_SLOT, grads=True):
             with state.replay(), torch.enable_grad():
                 _, outs = self._run_block(j, xg, call, rin, first=False)
-            self._check_outputs(ctx, j, outs)
-            _backprop(outs, grads)
+            ctx.check_outputs(outs)
+            backprop(outs, grads)
         grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT, direct=False))
         self.params.evict(RECOMPUTE_SLOT)
         if j in self._adhoc_grads:  # in arrival order, as autograd's input buffer sums them
@@ -717,19 +695,12 @@ class Executor:
         self._adhoc_used = True
         return xg.grad, [t.grad for t in rin]
 
-    @staticmethod
-    def _check_outputs(ctx: Any, j: int, outs: list) -> None:
-        if len(outs) != ctx.n_outputs:
-            raise UnsupportedBlockPattern(
-                f"block {j}'s re-run produced {len(outs)} tensors where its forward produced {ctx.n_outputs} "
-                "(outputs plus tensors seen by forward hooks): the block's forward is not repeatable. Use "
-                "policy='keep_all' (no re-runs) or make the block's outputs independent of call history.")
-
-
-    # ---- backward --------------------------------------------------------------------------
-    def _backward_window(self, ctx: Any, t: int, grads: tuple) -> tuple:
+    def backward_window(self, ctx: BlockContext, grads: Grads) -> tuple[torch.Tensor | None, list]:
+        """Window B{t} for block ``t = ctx.j``'s planned pass; returns the gradients of its input
+        and routed inputs."""
         assert self.params is not None
-        self._check_live(ctx, t)
+        t = ctx.j
+        self._check_live(ctx)
         if t > self._b_next:
             raise UnsupportedBlockPattern(
                 f"block {t}'s backward came after the backward of block {self._b_next + 1}, below it, in the "
@@ -763,14 +734,14 @@ class Executor:
         self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
         with self.params.bind(t, slot, grads=True):
             if ctx.kept is not None:
-                xg, rin, roots = ctx.kept
+                xg, rin = ctx.kept.x, ctx.kept.routed
                 self._calls.pop(t)
-                roots, all_grads = self._with_running_input_grads(ctx, rin, list(roots), list(grads))
+                roots, all_grads = self._shared.with_running(ctx, rin, list(ctx.kept.roots), list(grads))
                 partial = self._partial.pop(t, None)
                 if partial is not None:  # Note: [partial keep]: the backprop re-runs the elementwise ops
                     partial.recomputing = True
                 with self.trace.timed(name, "backward", t):
-                    _backprop(roots, all_grads)
+                    backprop(roots, all_grads)
                 if t in self._internals:
                     self._internals.pop(t).free(self.acts)
                 self.tracker.drop(f"internals{t}")
@@ -788,7 +759,7 @@ class Executor:
                         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack), \
                         (mode if mode is not None else contextlib.nullcontext()):
                     _, outs = self._run_block(t, xg, call, rin, first=False)
-                self._check_outputs(ctx, t, outs)
+                ctx.check_outputs(outs)
                 if mode is not None:
                     self.stats.partial_bytes[t] = 0 if mode.mutated else mode.nbytes  # 0: never partially kept
                     self.stats.partial_recompute_bytes[t] = hooks.bytes - hooks.overlap
@@ -796,9 +767,9 @@ class Executor:
                 self.tracker.add(f"internals{t}", hooks.bytes)
                 self.stats.internal_bytes[t] = hooks.bytes + self._nbytes(x)
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
-                outs, all_grads = self._with_running_input_grads(ctx, rin, outs, list(grads))
+                outs, all_grads = self._shared.with_running(ctx, rin, outs, list(grads))
                 with self.trace.timed(name, "backward", t):
-                    _backprop(outs, all_grads)
+                    backprop(outs, all_grads)
                 del outs, all_grads
                 self.tracker.drop(f"internals{t}")
         grad_in = xg.grad
@@ -809,7 +780,7 @@ class Executor:
             self.params.evict(slot, keep_grads=True)
             self.tracker.drop(f"resident{t}")
             self.tracker.add(f"resident{t}", self.params.slot_bytes(t, slot))
-        return grad_in, self._routed_input_grads(ctx, rin)
+        return grad_in, self._shared.input_grads(ctx, rin)
 
     # Note: [unreached blocks] A forward with grad enabled whose output is never backpropagated (a
     # detached result: a GAN's fake batch for its critic, a target computed with grad on; or an output
@@ -860,11 +831,11 @@ class Executor:
         if t in self._forwarded:
             self.stats.unreached.add(t)
 
-    def _check_live(self, ctx: Any, t: int) -> None:
+    def _check_live(self, ctx: BlockContext) -> None:
         """A block's node may run its backward only in the micro-batch of its forward."""
-        if self._micro is None or getattr(ctx, "serial", None) != self._serial:
+        if self._micro is None or ctx.serial != self._serial:
             raise RuntimeError(
-                f"backward through block {t}'s forward of an earlier micro-batch: with strategy='lazytrain' a "
+                f"backward through block {ctx.j}'s forward of an earlier micro-batch: with strategy='lazytrain' a "
                 "forward's saved state is released when its micro-batch ends (at the backward that ends it). "
                 "Backpropagate a forward in the micro-batch that ran it, or run it again.")
 
@@ -886,38 +857,6 @@ class Executor:
                 "backpropagates the two passes separately, so the hook would fire twice on partial gradients "
                 "where plain autograd fires it once on their sum. Use register_post_accumulate_grad_hook, "
                 "call the model once per backward, or train with strategy='auto'.")
-
-    # Note: [one gradient per shared input] A tensor passed to several blocks (the encoder's output
-    # to every cross-attention, a shared position bias) gets, under plain autograd, one addition per
-    # use into its gradient, in backward order. If each node returned its own sum, autograd would add
-    # per-block sums: the same value up to rounding. So the blocks that share such an input chain
-    # its gradient: each re-run backpropagates the running total into the input's leaf first (an
-    # alias made after the re-run is the newest node, so autograd runs it first), and only the last
-    # block to run its backward returns the total; the others return None.
-    def _with_running_input_grads(self, ctx: Any, rin: list, roots: list, grads: list) -> tuple[list, list]:
-        with torch.enable_grad():
-            for leaf, key in zip(rin, ctx.routed_keys):
-                running = self._routed_running.pop(key, None) if key is not None else None
-                if running is not None:
-                    roots.append(leaf.view_as(leaf))
-                    grads.append(running)
-        return roots, grads
-
-    def _routed_input_grads(self, ctx: Any, rin: list) -> list:
-        out = []
-        for leaf, key in zip(rin, ctx.routed_keys):
-            if key is None:
-                out.append(leaf.grad)
-                continue
-            self._routed_pending[key] -= 1
-            if self._routed_pending[key] == 0:
-                del self._routed_pending[key]
-                out.append(leaf.grad)
-            else:
-                if leaf.grad is not None:
-                    self._routed_running[key] = leaf.grad
-                out.append(None)
-        return out
 
     def _recompute_block(self, window: str, s: int, t: int, spare: int | None = None) -> None:
         """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
@@ -1130,11 +1069,3 @@ class Executor:
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-
-def _backprop(roots: list[torch.Tensor | GradientEdge | None], grads: tuple) -> None:
-    """Backpropagate the node's output gradients (None: that output was not used) from the roots
-    (tensors, or gradient edges of kept roots; None: a root without grad)."""
-    pairs = [(r, g) for r, g in zip(roots, grads, strict=True)
-             if g is not None and r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
-    if pairs:
-        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])

@@ -18,7 +18,8 @@ Note: [gradient hooks on streamed parameters]
     case that cannot be honoured is a block whose two passes (the planned one and an ad-hoc second
     forward in the same micro-batch) are both backpropagated: the executor runs them as two
     backwards, so the hook would fire twice on partial gradients where autograd fires once on their
-    sum; that is refused when it happens (``Executor._adhoc_backward`` / ``_backward_window``).
+    sum; that is refused when it happens (``Executor._count_backprop``, from the block node's
+    ``adhoc_backward`` / ``backward_window``).
 
     ``p.register_post_accumulate_grad_hook(fn)`` fires with ``p`` itself after a backward has
     accumulated into ``p.grad``; ``fn`` typically reads or edits ``p.grad`` or steps an optimizer
