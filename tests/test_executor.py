@@ -494,3 +494,19 @@ def test_partial_keep_refuses_a_block_that_changes_a_matmul_output_in_place(tmp_
         finally:
             ex.close()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("name", ["megatrain_K2", "kept_internals_resident"])
+def test_a_frozen_embedding_still_trains_every_block(reference, tmp_path, name):
+    """The block node's grad anchor (engine/block_fn.py, Note: [the block node]): the first block's
+    input does not require grad when the embedding is frozen, yet every block's weights get theirs."""
+    model, tokens = reference
+    frozen = copy.deepcopy(model)
+    frozen.embed_tokens.weight.requires_grad_(False)
+    want_losses, want_grads = plain_grads(frozen, tokens)
+    m, losses, _ = run(frozen, SCHEDULES[name], tokens, tmp_path)
+    assert torch.equal(losses[0], want_losses[0])
+    for (pname, p), g in zip(m.named_parameters(), want_grads):
+        assert (p.grad is None) == (g is None), pname
+        assert g is None or torch.equal(p.grad, g), pname
+    assert sum(p.grad is not None for p in m.parameters()) == sum(p.requires_grad for p in m.parameters())
