@@ -50,12 +50,13 @@ from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardS
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.internals import OffloadedInternals
-from lightning_lazytrain.engine.live_bytes import DeviceBytes, reset_cuda_peak
+from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks, PartialForward
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks, tensor_hook_names
+from lightning_lazytrain.engine.window_memory import WindowMemory
 from lightning_lazytrain.planner.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,7 @@ class Executor:
         self._serial = 0  # counts micro-batches: a node of an earlier one cannot run its backward
         self.profiling = False  # True: the trace synchronises the device at every mark (exact CUDA times)
         self.measure_memory = False  # True: measure real device bytes per window (always while profiling)
-        self._mem: DeviceBytes | None = None
-        self._mem_open: tuple[str, int, int] | None = None
+        self._mem: WindowMemory | None = None  # while a step measures its device bytes
         self.rest_parts: list[list[nn.Parameter]] = []  # see set_rest_parts
         self.placement: dict[str, list[int]] = {}  # see set_placement
         # sharded data parallel (engine/shard_store.py): the process group whose ranks share every
@@ -322,7 +322,6 @@ class Executor:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:
             return
-        self._mem_open = None
         self._stop_memory()
         assert self.acts is not None
         self._finish_grads()
@@ -434,15 +433,8 @@ class Executor:
         self._micro = None
         self.stats.lane_bytes = self.engine.bytes_moved
         self.stats.peak_tracked_bytes = self.tracker.peak
-        if self._mem is not None:  # Note: [untracked device bytes] in step_stats.py
-            untracked = self._static_device_bytes + self._mem.current - self.tracker.current
-            self.stats.untracked_bytes = max(0, untracked)
-            left = max(0, untracked - self._untracked_base)  # P: what the step left behind for good
-            held, floors = left, {}
-            for w in reversed(list(self._untracked_start)):  # held from w's start to the end: P there
-                held = min(held, self._untracked_start[w])
-                floors[w] = left if held >= left else 0
-            self.stats.window_work = {w: max(0, u - floors.get(w, 0)) for w, u in self._untracked_peak.items()}
+        if self._mem is not None:  # Note: [untracked device bytes] in window_memory.py
+            self._mem.finish(self.tracker, self.stats)
         self._stop_memory()
         if self.device.type == "cuda":
             self.stats.max_memory_allocated = max(self.stats.real_peak_bytes,
@@ -949,36 +941,12 @@ class Executor:
         self.trace.window(name)
         self._memory_window(name, carried=carried)
 
-    # Note: [untracked device bytes] (step_stats.py) A window's working set is what the device holds
-    # beyond what the executor tracks, at the window's peak, above what it held untracked when the
-    # step began (U_base: workspaces and buffers of earlier steps, a model's caches): transients, the
-    # incoming gradient, what a layer's forward leaves for later (a KV cache), the head's gradients
-    # kept for the backward. What the step leaves behind for good (P: a cuBLAS workspace its first
-    # matmul made) becomes static in the plan (U_base + P = ``StepStats.untracked_bytes``), so a
-    # window's work is its peak less P when P was there already: when at least P untracked bytes were
-    # held at the start of it and of every later window (else its full peak). Static + work then
-    # covers every window, before and after P appeared, in this step and in the next ones (where P
-    # is there all along).
     def _memory_window(self, name: str, *, carried: int = 0) -> None:
-        """Close the open memory window and open ``name`` (a no-op when ``name`` is open: F0 opens
-        before the embedding runs, as the plan counts boundary 0 and its making in F0).
-        ``carried`` (bytes alive at the mark that belong to the new window's working set) is
-        counted by the untracked bytes themselves (Note: [untracked device bytes])."""
-        mem = self._mem
-        if mem is None or (self._mem_open is not None and self._mem_open[0] == name):
-            return
-        static = self._static_device_bytes
-        if self._mem_open is not None:
-            prev = self._mem_open[0]
-            untracked = static + mem.peak - self.tracker.window_peak - self._untracked_base
-            self._untracked_peak[prev] = max(self._untracked_peak.get(prev, 0), untracked)
-            self.stats.window_peak_bytes[prev] = max(self.stats.window_peak_bytes.get(prev, 0), static + mem.peak)
-            self.stats.real_peak_bytes = max(self.stats.real_peak_bytes, static + mem.peak)
-        mem.mark()
-        self.tracker.reset_window()
-        self._mem_open = (name, mem.current, self.tracker.current)
-        start = static + mem.current - self.tracker.current - self._untracked_base
-        self._untracked_start[name] = min(self._untracked_start.get(name, start), start)
+        """Close the open memory window and open ``name`` (``WindowMemory.window``). ``carried``
+        (bytes alive at the mark that belong to the new window's working set) is counted by the
+        untracked bytes themselves (Note: [untracked device bytes] in window_memory.py)."""
+        if self._mem is not None:
+            self._mem.window(name, self.tracker, self.stats)
 
     def _start_memory(self) -> None:
         if not (self.measure_memory or self.profiling) or self._mem is not None:
@@ -986,19 +954,11 @@ class Executor:
         assert self.params is not None
         # Gradient buffers of the two block slots and of the non-block weights exist from here on
         # (they are static device bytes, not a window's work).
-        for slot in (self.params.slot(0), self.params.slot(min(1, self.params.num_slots - 1)),
-                     self.params._slot(REST, None)):
-            self.params._ensure_grad_buffers(slot)
+        self.params.ensure_grad_buffers(0, min(1, self.params.num_slots - 1))
         # On CPU the tracker sees allocations from here on; what the store holds already is added.
         # CUDA's counters see everything.
-        self._static_device_bytes = 0 if self.device.type == "cuda" else self.params.device_bytes
-        self._mem = DeviceBytes(self.device)
-        self._mem.start()
-        self._mem_open = None
-        # Note: [untracked device bytes]: what the device holds untracked as the step begins
-        self._untracked_base = self._static_device_bytes + self._mem.current - self.tracker.current
-        self._untracked_peak: dict[str, int] = {}
-        self._untracked_start: dict[str, int] = {}  # per window, in order: the least untracked at its start
+        static = 0 if self.device.type == "cuda" else self.params.device_bytes
+        self._mem = WindowMemory(self.device, static, self.tracker)
 
     def _stop_memory(self) -> None:
         if self._mem is not None:

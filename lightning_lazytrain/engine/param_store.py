@@ -358,6 +358,13 @@ class ParamStore(GradWriteBack):
         """Does block slot ``slot`` hold device memory now (always, unless it is a lazy one)?"""
         return self._slot(0, slot).weights is not None
 
+    def ensure_grad_buffers(self, *slots: int) -> None:
+        """Allocate the device gradient buffers of block slots ``slots`` and of the non-block
+        weights now (else the first bind with grads does): the executor's memory measurement
+        counts them as static device bytes, not a window's work."""
+        for s in (*(self.slot(k) for k in slots), self._slot(REST, None)):
+            self._ensure_grad_buffers(s)
+
     def _ensure_grad_buffers(self, s: Slot) -> torch.Tensor:
         if s.grads is None:
             with torch.inference_mode(False):
