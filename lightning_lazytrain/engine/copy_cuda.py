@@ -75,6 +75,15 @@ class CudaHandle(CopyHandle):
         self.start_event: torch.cuda.Event | None = None
         self.end_event: torch.cuda.Event | None = None
 
+    @classmethod
+    def after_event(cls, lane: Lane, nbytes: int, end: torch.cuda.Event, tag: str | None = None) -> CudaHandle:
+        """A handle for work already queued on some stream that finishes when ``end`` (recorded
+        after it) has completed: compute so far (``record_compute``), a collective on a side stream
+        (shard_grads.py)."""
+        h = cls(lane, nbytes, (), consumer=None, tag=tag)
+        h._set_dispatched(None, end)
+        return h
+
     # -- dispatch state ---------------------------------------------------
     def _set_dispatched(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None,
                         exc: BaseException | None = None) -> None:
@@ -277,9 +286,7 @@ class CudaCopyEngine(CopyEngine):
     def record_compute(self) -> CopyHandle:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        h = CudaHandle("h2d", 0, (), consumer=None, tag="compute")
-        h._set_dispatched(None, ev)
-        return h
+        return CudaHandle.after_event("h2d", 0, ev, tag="compute")
 
     def new_device_buffer(self, shape: Sequence[int], dtype: torch.dtype,
                           device: torch.device | str) -> torch.Tensor:

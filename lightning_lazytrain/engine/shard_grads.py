@@ -116,8 +116,7 @@ class ShardGradLane:
                 t.record_stream(self._side)
             done = torch.cuda.Event()
             done.record(self._side)
-        handle = CudaHandle("d2h", mine.nbytes, (), consumer=None, tag="reduce")
-        handle._set_dispatched(None, done)
+        handle = CudaHandle.after_event("d2h", mine.nbytes, done, tag="reduce")
 
         def read() -> list[int]:
             done.synchronize()
