@@ -227,7 +227,7 @@ def nonblock_parts(steps: int = 14) -> None:
             for layer in (part_layers[-1 - j] if j < 0 else [j]):
                 if pipe is not None:
                     pipe.wait_updated(layer)
-        ex.wait_updated = wait
+        ex.set_wait_updated(wait)
         tails, t_end = [], 0.0
         for k in range(steps):
             ex.begin_microbatch()

@@ -119,7 +119,7 @@ class GradSync:
         self.step_seconds = 0.0
         # Note: [overlapped all-reduce]
         self.overlap = False
-        self.adhoc_probe: Callable[[], bool] = lambda: False  # see set_late_grads_probe
+        self._late_grads_probe: Callable[[], bool] = lambda: False  # see set_late_grads_probe
         self.overlapped: list[int] = []  # groups the last step averaged during its backward
         self.hold = False  # Note: [one sync per step]: a micro-batch whose gradients are not averaged
         self._worker: Worker | None = None  # the collective thread (attach starts it)
@@ -184,7 +184,7 @@ class GradSync:
         """``probe()``: may a group's gradients change after its final accumulation in this step
         (``Executor.late_grads``)? The first job of a step asks it, and if any rank says yes, every
         group of that step is averaged at the end instead (Note: [overlapped all-reduce])."""
-        self.adhoc_probe = probe
+        self._late_grads_probe = probe
 
     def detach(self, params: ParamStore) -> None:
         params.set_final_grads_hook(None)
@@ -208,7 +208,7 @@ class GradSync:
     def _reduce_one(self, params: ParamStore, layer: int, done: Any, norms: dict | None, sq: torch.Tensor) -> None:
         done.wait()  # the group's last accumulation on the host lane
         if self._fallback is None:
-            flag = torch.tensor([int(bool(self.adhoc_probe()))], dtype=torch.int32)
+            flag = torch.tensor([int(bool(self._late_grads_probe()))], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             self._fallback = bool(flag.item())
         if self._fallback:
