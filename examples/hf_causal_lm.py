@@ -19,7 +19,7 @@ import os
 import lightning as L
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import lightning_lazytrain  # noqa: F401  (registers strategy="lazytrain")
+import lightning_lazytrain.strategy  # noqa: F401  (registers strategy="lazytrain")
 from lightning_lazytrain.data import VOCAB_SIZE, StdlibTextDataModule
 from lightning_lazytrain.lit_module import CausalLMModule
 

@@ -10,7 +10,7 @@ import os
 
 import lightning as L
 
-import lightning_lazytrain  # noqa: F401  (registers strategy="lazytrain")
+import lightning_lazytrain.strategy  # noqa: F401  (registers strategy="lazytrain")
 from lightning_lazytrain.data import StdlibTextDataModule
 from lightning_lazytrain.lit_module import CausalLMModule
 

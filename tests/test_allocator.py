@@ -42,9 +42,9 @@ def test_a_step_over_its_reserve_raises_the_ratio_and_asks_for_a_re_plan():
 
 def test_the_plan_gets_the_budget_less_the_reserve():
     strategy = LazyTrainStrategy(hardware="cpu", gpu_memory_budget_gb=2.0)
-    strategy._memory = MemoryWatch(ratio=1.25)
-    assert strategy._hardware().gpu_memory_cap_bytes == pytest.approx(1.6 * GB)
-    assert strategy._budget_bytes == pytest.approx(2.0 * GB)
+    strategy.core.planner.memory = MemoryWatch(ratio=1.25)
+    assert strategy.core.hardware().gpu_memory_cap_bytes == pytest.approx(1.6 * GB)
+    assert strategy.core.planner.budget_bytes == pytest.approx(2.0 * GB)
 
 
 def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
@@ -69,10 +69,10 @@ def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
 
     class Watch(L.Callback):
         def on_fit_start(self, trainer, module):
-            trainer.strategy._memory = MemoryWatch(ratio=1.05)  # as on CUDA with expandable segments
+            trainer.strategy.core.planner.memory = MemoryWatch(ratio=1.05)  # as on CUDA with expandable segments
 
     got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[Watch()])
     memory = [r for r in strategy.replans if r["reason"].startswith("memory:")]
     assert len(memory) == 1 and "1.300x what it allocated" in memory[0]["reason"]
-    assert strategy._memory.ratio == pytest.approx(1.3 * 1.02, rel=1e-3)
+    assert strategy.core.planner.memory.ratio == pytest.approx(1.3 * 1.02, rel=1e-3)
     assert got[:4] == want[:4]

@@ -6,13 +6,15 @@ teardown restores the blocks; checkpoints are plain state dicts."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
-import lightning_lazytrain  # noqa: F401  (registers the strategies)
-from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy
+from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy  # (registers the strategies)
 from lightning_lazytrain.planner import InfeasibleBudget, Schedule
 
 transformers = pytest.importorskip("transformers")
@@ -63,11 +65,12 @@ def install_hooks(model: torch.nn.Module, seen: dict) -> None:
 
 
 def train(strategy, *, steps: int = 5, accumulate: int = 1, forwards: int = 1, no_grad_between: bool = False,
-          precision: str = "32-true", teardown: bool = True, pattern: str | None = None) -> dict:
+          precision: str = "32-true", teardown: bool = True, pattern: str | None = None, each_step=None) -> dict:
     """AdamW on fixed batches; returns per-micro-batch losses, final parameters, forward calls, a
     no-grad evaluation's logits, and the Fabric. ``pattern``: ``"hooks"`` (``install_hooks``),
     ``"detached"`` (a forward with grad whose detached output only shifts the loss, before the one
-    that is backpropagated), ``"inference_mode"`` (a teacher pass under ``torch.inference_mode()``)."""
+    that is backpropagated), ``"inference_mode"`` (a teacher pass under ``torch.inference_mode()``).
+    ``each_step(fabric, step)``: called before each optimizer step's micro-batches."""
     model = make_model()
     calls = []
     seen: dict = {}
@@ -79,7 +82,9 @@ def train(strategy, *, steps: int = 5, accumulate: int = 1, forwards: int = 1, n
     model, opt = fabric.setup(model, opt)
     losses = []
     data = iter(DATA)
-    for _ in range(steps):
+    for step in range(steps):
+        if each_step is not None:
+            each_step(fabric, step)
         for _ in range(accumulate):
             b = next(data)
             shift = None
@@ -171,22 +176,24 @@ def test_each_backward_exposes_the_step_metrics_the_trainer_logs():
     strategy.teardown()
 
 
-def test_several_devices_are_refused_with_the_way_out():
+def test_several_devices_without_launch_are_refused_with_the_way_out():
+    """Several devices run one process each, started by ``fabric.launch()`` (tests/dist_fabric.py runs them)."""
     model = make_model()
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=LazyTrainFabricStrategy())
-    with pytest.raises(ValueError, match=r"trains on one device, and devices= selected 2 .*devices=1"):
+    with pytest.raises(RuntimeError, match=r"on 2 devices runs one process per device: call fabric.launch\(\)"):
         fabric.setup(model)
 
 
 def test_free_memory_is_measured_before_the_executor_allocates(monkeypatch):
     """``hardware="measure"``: the device's free memory is read before the executor's slots exist
     (once; the plan uses that reading)."""
-    import lightning_lazytrain.fabric_strategy as fs
+    import lightning_lazytrain.core.planning as planning
+    import lightning_lazytrain.core.training_core as core
 
     order = []
-    real_measure, real_executor = fs.measure_hardware, fs.Executor
-    monkeypatch.setattr(fs, "measure_hardware", lambda *a, **k: order.append("measure") or real_measure(*a, **k))
-    monkeypatch.setattr(fs, "Executor", lambda *a, **k: order.append("executor") or real_executor(*a, **k))
+    real_measure, real_executor = planning.measure_hardware, core.Executor
+    monkeypatch.setattr(planning, "measure_hardware", lambda *a, **k: order.append("measure") or real_measure(*a, **k))
+    monkeypatch.setattr(core, "Executor", lambda *a, **k: order.append("executor") or real_executor(*a, **k))
     got = train(LazyTrainFabricStrategy(hardware="measure"), steps=2)
     assert order == ["measure", "executor"]
     assert_same(got, auto(steps=2))
@@ -325,7 +332,7 @@ def test_the_budget_applies_to_a_hardware_object_and_no_nvme_tier_without_nvme_d
         fabric.backward(model(input_ids=DATA[0], labels=DATA[0]).loss)
     assert not opt.state
     fabric.strategy.teardown()
-    h800 = LazyTrainFabricStrategy(hardware="h800")._hardware()
+    h800 = LazyTrainFabricStrategy(hardware="h800").core.hardware()
     assert load_hardware("h800").nvme_capacity_bytes > 0 and h800.nvme_capacity_bytes == 0
 
 
@@ -352,3 +359,111 @@ def test_init_module_creates_the_masters_on_the_host():
     assert layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
     with strategy.tensor_init_context():  # plain tensors still go to the device
         assert torch.empty(1).device.type == "meta"
+
+
+# ---- re-planning and several processes (through the training core, as the Trainer's strategy) ----------
+
+def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
+    """As tests/test_allocator.py for the Trainer: the allocator's peaks of each step are injected (from the
+    third on it reserves 1.3x what it allocates); the Fabric strategy re-plans once, with that ratio, and the
+    training is auto's bit for bit."""
+    from lightning_lazytrain.allocator import MemoryWatch
+    from lightning_lazytrain.engine.executor import Executor
+
+    real_end = Executor.end_microbatch
+    ended = []
+
+    def end_microbatch(self):
+        stats = real_end(self)
+        if stats is not None:
+            ended.append(1)
+            allocated = int(stats.peak_tracked_bytes)
+            stats.max_memory_allocated = allocated
+            stats.max_memory_reserved = int(allocated * (1.3 if len(ended) >= 3 else 1.0))
+        return stats
+
+    monkeypatch.setattr(Executor, "end_microbatch", end_microbatch)
+    strategy = LazyTrainFabricStrategy(policy="milp", hardware="cpu", gpu_memory_budget_gb=100.0)
+
+    def as_on_cuda(fabric, step):
+        if step == 0:  # the reserve ratio of CUDA with expandable segments
+            fabric.strategy.core.planner.memory = MemoryWatch(ratio=1.05)
+
+    got = train(strategy, steps=6, each_step=as_on_cuda)
+    memory = [r for r in strategy.replans if r["reason"].startswith("memory:")]
+    assert len(memory) == 1 and "1.300x what it allocated" in memory[0]["reason"], strategy.replans
+    assert strategy.core.planner.memory.ratio == pytest.approx(1.3 * 1.02, rel=1e-3)
+    assert_same(got, auto(steps=6))
+
+
+class SlowsDown:
+    """Makes the emulated host<->device link ``factor`` times slower from step ``at`` on (before its forward)."""
+
+    def __init__(self, at: int, factor: float):
+        self.at, self.factor = at, factor
+
+    def __call__(self, fabric, step):
+        if step != self.at:
+            return
+        from lightning_lazytrain.engine.copy_engine import LinkSpec
+
+        engine = fabric.strategy.executor.engine
+        for lane in ("h2d", "d2h"):
+            worker = engine._workers[lane]
+            worker.link = LinkSpec(worker.link.bandwidth_bytes_per_s / self.factor, worker.link.latency_s)
+
+
+@pytest.mark.slow
+def test_a_slower_link_mid_run_triggers_a_replan_and_training_stays_exact():
+    """As tests/test_replan.py for the Trainer: the link slows down 40x at step 3; the strategy re-profiles,
+    re-plans from what it measured and trains exactly as auto through it."""
+    strategy = LazyTrainFabricStrategy(emulate_link_gb_per_s=0.2, replan={"threshold": 0.5, "patience": 2,
+                                                                           "profile_check": 0})
+    got = train(strategy, steps=10, each_step=SlowsDown(at=3, factor=40))
+    assert len(strategy.replans) >= 1, strategy.replans
+    r = strategy.replans[0]
+    assert "moved from" in r["reason"] and r["step"] >= 5, r
+    assert r["warm_start"] is not None
+    assert_same(got, auto(steps=10))
+
+
+DIST_SCRIPT = Path(__file__).with_name("dist_fabric.py")
+
+
+def launch(out: Path, **opts) -> dict:
+    """Run tests/dist_fabric.py with 2 processes (``fabric.launch()`` starts the second); each rank's record."""
+    out.mkdir()
+    run = subprocess.run([sys.executable, str(DIST_SCRIPT), json.dumps({"out": str(out), "devices": 2, **opts})],
+                         capture_output=True, text=True, timeout=300, cwd=out)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return {r: json.loads((out / f"losses_rank{r}.json").read_text()) for r in range(2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, accum, clip, overlap", [
+    ("milp", 1, None, True),
+    ("recompute_all", 2, 0.5, False),  # accumulation: every backward averages, as DDP without no_sync
+])
+def test_two_processes_train_as_fabric_ddp_and_as_one_with_twice_the_batch(tmp_path, policy, accum, clip, overlap):
+    """Two gloo processes on the CPU (tests/dist_fabric.py): the same training as Fabric's DDP bit for bit
+    (ranks start differently: rank 0's weights are broadcast), and as one process with both ranks'
+    batches to 1e-6, with a plan rank 0 made for both and the gradients' all-reduces on the collective lane."""
+    common = dict(batch=2, steps=3, accum=accum, clip=clip, same_init=False)
+    lazy = launch(tmp_path / "lazy", policy=policy, overlap=overlap, **common)
+    ddp = launch(tmp_path / "ddp", strategy="ddp", **common)
+    assert [lazy[r]["losses"] for r in range(2)] == [ddp[r]["losses"] for r in range(2)]
+    weights, ddp_weights = torch.load(tmp_path / "lazy" / "weights.pt"), torch.load(tmp_path / "ddp" / "weights.pt")
+    for name, value in ddp_weights.items():
+        assert torch.equal(weights[name], value), name
+    assert lazy[0]["policy"] is not None and all(lazy[r]["collective"] > 0 for r in range(2))
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dist_fabric", DIST_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ref = script.train({"strategy": "auto", "union_of": 2, **common})  # one process, rank 0's start
+    ours = [(x + y) / 2 for x, y in zip(lazy[0]["losses"], lazy[1]["losses"])]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref["losses"]), rtol=1e-6, atol=0.0)
+    for name, value in ref["weights"].items():  # summation order differs: 1e-6 of each tensor's norm
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name

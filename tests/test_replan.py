@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_lazytrain.replan import DriftMonitor, ReplanOptions, measured_link_rates
+from lightning_lazytrain.core.replan import DriftMonitor, ReplanOptions, measured_link_rates
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,7 +159,7 @@ class SlowsDown(L.Callback):
         self.predicted: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        m = getattr(trainer.strategy, "_pending_metrics", None) or {}  # (logged after this callback)
+        m = trainer.strategy.metrics  # (logged after this callback)
         if "lazytrain/step_seconds" in m:
             self.ratios.append(m["lazytrain/step_seconds"] / m["lazytrain/predicted_step_seconds"])
             self.predicted.append(m["lazytrain/predicted_step_seconds"])
@@ -168,7 +168,7 @@ class SlowsDown(L.Callback):
         ex = getattr(trainer.strategy, "executor", None)
         if ex is None or trainer.global_step != self.at:
             return
-        self.before = trainer.strategy._predicted_seconds()
+        self.before = trainer.strategy.core.predicted_seconds()
         from lightning_lazytrain.engine.copy_engine import LinkSpec
 
         for lane in ("h2d", "d2h"):
@@ -253,7 +253,7 @@ class SlowProfile(L.Callback):
         self.active = trainer.global_step == 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        m = getattr(trainer.strategy, "_pending_metrics", None) or {}
+        m = trainer.strategy.metrics
         if "lazytrain/predicted_step_seconds" in m:
             self.predicted.append(m["lazytrain/predicted_step_seconds"])
 

@@ -1,5 +1,7 @@
-"""Start-up: the planner and ``lazytrain-plan`` never import torch or Lightning, and ``import lightning_lazytrain``
-still registers ``strategy="lazytrain"`` with the Trainer and with Fabric (whichever is imported first).
+"""Start-up: the planner and ``lazytrain-plan`` never import torch or Lightning, the training core never
+imports Lightning, and importing ``lightning_lazytrain.strategy`` / ``lightning_lazytrain.fabric_strategy``
+registers ``strategy="lazytrain"`` with the Trainer and with Fabric (``import lightning_lazytrain`` alone
+registers nothing and leaves Lightning's import alone).
 
 Each check runs in a fresh interpreter (``sys.modules`` of the test process already holds torch).
 """
@@ -72,7 +74,7 @@ REGISTERED = ("from lightning.pytorch.strategies import StrategyRegistry\n"
               "import lightning\n"
               "assert type(lightning.__loader__).__name__ == 'SourceFileLoader', lightning.__loader__\n"
               "assert type(lightning.__spec__.loader).__name__ == 'SourceFileLoader', lightning.__spec__.loader\n"
-              "assert not [f for f in sys.meta_path if type(f).__name__ == '_LightningImportHook']\n"
+              "assert not [f for f in sys.meta_path if 'lazytrain' in type(f).__module__]\n"
               "from lightning.fabric import Fabric\n"
               "from lightning.pytorch import Trainer\n"
               "f = Fabric(strategy='lazytrain', accelerator='cpu', devices=1)\n"
@@ -83,32 +85,37 @@ REGISTERED = ("from lightning.pytorch.strategies import StrategyRegistry\n"
               "assert t.strategy.policy == 'megatrain', t.strategy.policy\n"
               "print('REGISTERED')\n")
 
+EXPLICIT = "import lightning_lazytrain.strategy\nimport lightning_lazytrain.fabric_strategy\n"
 
-def test_import_registers_before_lightning_is_imported(tmp_path):
+
+def test_the_package_registers_nothing_and_rewrites_no_loader(tmp_path):
+    """``import lightning_lazytrain`` imports neither torch nor Lightning and leaves Lightning's import alone:
+    the names are registered by importing the strategy modules (below), nothing else."""
     code = ("import sys\n"
             "import lightning_lazytrain\n"
             "assert 'lightning' not in sys.modules and 'torch' not in sys.modules\n"
-            "import lightning as L\n" + REGISTERED)
+            "assert not [f for f in sys.meta_path if 'lazytrain' in type(f).__module__]\n"
+            "import lightning\n"
+            "assert type(lightning.__loader__).__name__ == 'SourceFileLoader', lightning.__loader__\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+            "assert 'lazytrain' not in StrategyRegistry and 'lazytrain' not in STRATEGY_REGISTRY\n"
+            "print('NOTHING')\n")
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "NOTHING" in proc.stdout
+
+
+def test_importing_the_strategy_modules_registers_the_names(tmp_path):
+    code = "import sys\nimport lightning as L\n" + EXPLICIT + REGISTERED
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "REGISTERED" in proc.stdout
 
 
 @pytest.mark.slow
-def test_import_registers_when_only_fabric_is_imported(tmp_path):
-    code = ("import sys\n"
-            "import lightning_lazytrain\n"
-            "from lightning.fabric import Fabric\n" + REGISTERED)
-    proc = _python(code, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "REGISTERED" in proc.stdout
-
-
-@pytest.mark.slow
-def test_import_registers_when_lightning_came_first(tmp_path):
-    code = ("import sys\n"
-            "import lightning.pytorch\n"
-            "import lightning_lazytrain\n" + REGISTERED)
+def test_the_strategy_modules_register_before_lightning_is_imported_elsewhere(tmp_path):
+    code = "import sys\n" + EXPLICIT + REGISTERED
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "REGISTERED" in proc.stdout
@@ -116,11 +123,21 @@ def test_import_registers_when_lightning_came_first(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first", ["lightning_lazytrain.checkpoint_io", "lightning_lazytrain.sharded_checkpoint",
-                                   "lightning_lazytrain.distributed", "lightning_lazytrain.strategy"])
-def test_import_registers_whichever_module_comes_first(tmp_path, first):
-    """A submodule that imports Lightning itself (checkpoint_io does) triggers the registration
-    while it is half initialised: nothing the registration imports may need it at module level."""
-    code = f"import sys\nimport warnings\nwarnings.simplefilter('error')\nimport {first}\n" + REGISTERED
+                                   "lightning_lazytrain.distributed", "lightning_lazytrain.core",
+                                   "lightning_lazytrain.fabric_strategy"])
+def test_the_strategy_modules_register_whichever_module_comes_first(tmp_path, first):
+    """Any module of the package imported first (one that imports Lightning itself, or the core, which
+    does not), then the strategy modules: no import cycle, no warning, the names registered."""
+    code = f"import sys\nimport warnings\nwarnings.simplefilter('error')\nimport {first}\n" + EXPLICIT + REGISTERED
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "REGISTERED" in proc.stdout
+
+
+def test_the_core_imports_no_lightning(tmp_path):
+    """The training core (core/) sits below the Lightning adapters: it imports torch, never Lightning."""
+    code = "import sys\nimport lightning_lazytrain.core\n" + REPORT_HEAVY
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    heavy = _heavy(proc)
+    assert "torch" in heavy and not [m for m in heavy if m.startswith(("lightning", "pytorch_lightning"))], heavy

@@ -208,7 +208,7 @@ RESUME = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from lightning.pytorch.callbacks import ModelCheckpoint
     from test_strategy import HFModule, Hybrid8Module, Losses, batches
-    import lightning_lazytrain
+    import lightning_lazytrain.strategy  # registers strategy="lazytrain"
     root, resume, steps = sys.argv[1], (sys.argv[2] or None), int(sys.argv[3])
     module = {{"adamw": HFModule, "hybrid8": Hybrid8Module}}[sys.argv[4]]()
     losses = Losses()
@@ -367,8 +367,9 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
         g = torch.Generator().manual_seed(3)
         data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(5)]
         seen = []
-        original = LazyTrainStrategy._wait_updated
-        strategy._wait_updated = lambda j: (seen.append(j), original(strategy, j))[1]
+        steps = strategy.core.steps  # what the executor waits on before it stages a block
+        original = steps.wait_updated
+        steps.wait_updated = lambda j: (seen.append(j), original(j))[1]
         trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
                     val_dataloaders=torch.utils.data.DataLoader(data[:1], batch_size=None))
         # extension points only: no method of the module, the optimizer or the plugin was replaced
@@ -386,7 +387,7 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
 def test_named_hardware_profile_and_unknown_name():
     from lightning_lazytrain.config import load_hardware
 
-    hw = LazyTrainStrategy(hardware="h800", gpu_memory_budget_gb=20)._hardware()
+    hw = LazyTrainStrategy(hardware="h800", gpu_memory_budget_gb=20).core.hardware()
     assert hw.name == "h800" and hw.gpu_memory_cap_bytes == 20e9
     assert load_hardware("rtx3090").gpu_memory_bytes == 24e9
     with pytest.raises(InvalidInput, match="known: .*h800"):

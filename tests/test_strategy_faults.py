@@ -82,8 +82,8 @@ def test_budget_applies_when_hardware_is_a_hardware_object(tmp_path):
 
 def test_named_profile_without_nvme_dir_plans_no_nvme(tmp_path):
     strategy = LazyTrainStrategy(hardware="h800")
-    assert strategy._hardware().nvme_capacity_bytes == 0
-    assert LazyTrainStrategy(hardware="h800", nvme_dir=str(tmp_path))._hardware().nvme_capacity_bytes > 0
+    assert strategy.core.hardware().nvme_capacity_bytes == 0
+    assert LazyTrainStrategy(hardware="h800", nvme_dir=str(tmp_path)).core.hardware().nvme_capacity_bytes > 0
 
 
 def test_stale_spill_directories_go_whenever_nvme_dir_is_given(tmp_path):
@@ -171,11 +171,12 @@ def test_the_chosen_gpu_is_the_root_device():
 def test_free_memory_is_measured_before_the_executor_allocates(tmp_path, monkeypatch):
     """``hardware="measure"``: free device memory is read before the executor's slots exist, once
     per fit, and the plan is made from that reading."""
-    import lightning_lazytrain.strategy as st
+    import lightning_lazytrain.core.planning as planning
+    import lightning_lazytrain.core.training_core as core
 
     order = []
-    real_measure, real_executor = st.measure_hardware, st.Executor
-    monkeypatch.setattr(st, "measure_hardware", lambda *a, **k: order.append("measure") or real_measure(*a, **k))
-    monkeypatch.setattr(st, "Executor", lambda *a, **k: order.append("executor") or real_executor(*a, **k))
+    real_measure, real_executor = planning.measure_hardware, core.Executor
+    monkeypatch.setattr(planning, "measure_hardware", lambda *a, **k: order.append("measure") or real_measure(*a, **k))
+    monkeypatch.setattr(core, "Executor", lambda *a, **k: order.append("executor") or real_executor(*a, **k))
     trainer(LazyTrainStrategy(hardware="measure"), tmp_path, max_steps=2).fit(Net(), loader())
     assert order == ["measure", "executor"]

@@ -313,14 +313,14 @@ def test_nvme_dir_that_is_a_file_fails_before_anything_is_written(tmp_path):
 def test_an_unusable_spill_directory_at_setup_is_a_config_error(tmp_path, monkeypatch):
     """An NvmeDirError from the strategy's setup (a directory that cannot hold the plan's spill, found once the
     strategy runs) is a config error naming strategy.nvme_dir (the entry point: one line, exit 2, no directory)."""
-    import lightning_lazytrain.strategy as strategy_module
+    import lightning_lazytrain.core.training_core as core_module
     from lightning_lazytrain.engine.nvme import NvmeDirError
 
     def refuse(path, required_bytes=0):
         raise NvmeDirError(f"NVMe spill directory {path} has 1.00 GiB free, but the plan needs 2.00 GiB. "
                            "Fix: point nvme_dir at a larger drive.")
 
-    monkeypatch.setattr(strategy_module, "check_nvme_dir", refuse)
+    monkeypatch.setattr(core_module, "check_nvme_dir", refuse)
     with pytest.raises(TrainConfigError, match=r"has 1\.00 GiB free, .*Fix: point strategy\.nvme_dir at a larger"):
         train_job(compose_cfg(*FAST, f"strategy.nvme_dir={tmp_path / 'spill'}"), tmp_path / "run")
 

@@ -147,7 +147,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
     else:
         spec, batch, seq, accelerator, precision = tiny_spec(), 4, 32, "cpu", "32-true"
     # the dtype the strategy streams weights in for this precision (bf16-mixed: fp32 under autocast)
-    dtype = getattr(strategy_module, "_COMPUTE_DTYPE", {}).get(precision, torch.float32)
+    dtype = strategy_module.COMPUTE_DTYPES.get(precision, torch.float32)
     train = batches(spec.vocab, 2 * args.steps, batch, seq, seed=1)
     val = batches(spec.vocab, 2, batch, seq, seed=2)
 

@@ -6,7 +6,7 @@
     lazytrain-cli fit --model.model_name=tiny --model.model_overrides='{num_layers: 6}' --data.seq_len=256
     lazytrain-cli fit --print_config > run.yaml && lazytrain-cli fit --config run.yaml
 
-``import lightning_lazytrain`` runs first, so the strategy names it registers (``lazytrain``,
+``import lightning_lazytrain.strategy`` runs first, so the strategy names it registers (``lazytrain``,
 ``lazytrain_megatrain``) resolve in ``--trainer.strategy``. The model comes from ``--model.model_name``
 (``conf/model/<name>.yaml`` or a path to a model YAML) with ``--model.model_overrides`` applied, or from
 ``--model.hf_config`` (a Hugging Face config dict; needs transformers). ``build_cli(args=[...])`` runs the CLI
@@ -19,15 +19,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional, Sequence
 
-import lightning_lazytrain  # noqa: F401  (registers the lazytrain strategies by name, when present)
+import lightning_lazytrain.strategy  # noqa: F401  (registers the lazytrain strategies by name)
 
 from ..data import StdlibTextDataModule
 from ..lit_module import CausalLMModule
-
-try:  # the strategy module registers "lazytrain" on import; import it explicitly in case the package does not
-    import lightning_lazytrain.strategy  # noqa: F401
-except ImportError:  # pragma: no cover - not there yet, or broken: only the strategy names are missing
-    pass
 
 
 def build_cli(args: Optional[Sequence[str]] = None, *, run: bool = True, **kwargs: Any) -> Any:

@@ -444,9 +444,9 @@ def check_precision(trainer: Any, cfg: Any) -> None:
     if cfg.strategy.name not in STRATEGY_NAMES:
         return
     try:
-        from ..strategy import _COMPUTE_DTYPE
+        from ..strategy import COMPUTE_DTYPES
 
-        supported = sorted(k for k in _COMPUTE_DTYPE if "-" in k)
+        supported = sorted(k for k in COMPUTE_DTYPES if "-" in k)
     except ImportError:  # pragma: no cover - the strategy ships with the package
         supported = list(LAZYTRAIN_PRECISIONS)
     plugin = getattr(trainer.strategy, "precision_plugin", None)
@@ -469,7 +469,7 @@ def build_strategy(cfg: Any) -> Any:
     s = cfg.strategy
     if s.name not in STRATEGY_NAMES:
         return s.name  # "auto" or any other registered Lightning strategy name
-    import lightning_lazytrain  # noqa: F401  (registers the strategy names)
+    import lightning_lazytrain.strategy  # noqa: F401  (registers the strategy names)
     from lightning.pytorch.strategies import StrategyRegistry
 
     if s.name not in StrategyRegistry:

@@ -1,0 +1,88 @@
+"""The Trainer strategy's precision plugins: Lightning's own three (``Precision``, ``MixedPrecision``,
+``HalfPrecision``), each subclassed once, here, with the training core at hand.
+
+A strategy chooses its precision plugin (``Strategy.precision_plugin``, as ``FSDPStrategy`` does with
+``FSDPPrecision``): ``LazyTrainStrategy`` builds the subclass of the plugin the Trainer resolved
+(same arguments: precision, device, scaler). Two methods change, and only for what the core runs:
+
+- ``clip_gradients`` (norm): for a ``HybridAdamW`` the clip is fused into its update, its global norm
+  taken from each parameter's gradient norm, computed on the executor's host lane and handed over
+  after the backward -- no separate pass over the gradients, and bit for bit the ``clip_grad_norm_``
+  Lightning would run (Note: [exact clip] in optim/clip.py). Other optimizers over sharded blocks
+  (``data_parallel="shard"``) clip with the norm of the whole gradients (``TrainingCore.clip_sharded``);
+- ``optimizer_step``: when the plan's optimizer is ``pipelined`` and the optimizer's layers follow the
+  blocks, the closure (forward, backward, ``on_before_optimizer_step``, clipping) runs as usual and
+  then a layer-pipelined update starts and returns (core/optimizer_steps.py, Note: [pipelined step]).
+
+Everything else is Lightning's (autocast, module conversion, loss scaling); the checkpoint key of a
+plugin's state is its class name (``LazyTrainMixedPrecision`` for a scaler's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+__all__ = ["LazyTrainHalfPrecision", "LazyTrainMixedPrecision", "LazyTrainPrecision", "lazytrain_precision"]
+
+
+class _CoreRouting:
+    """The two overrides, shared by the three plugin classes below (``core``: the ``TrainingCore``)."""
+
+    def __init__(self, *args: Any, core: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.core = core
+
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        from lightning_lazytrain.optim import HybridAdamW
+
+        inner = getattr(optimizer, "optimizer", optimizer)
+        norm = GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.NORM
+        if isinstance(inner, HybridAdamW) and norm:
+            inner.max_grad_norm = float(clip_val) if clip_val and clip_val > 0 else None
+            return
+        # sharded blocks: a norm over this rank's tensors would be over its shards
+        if norm and clip_val and clip_val > 0 and self.core.clip_sharded(optimizer, float(clip_val)):
+            return
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if kwargs or getattr(self, "scaler", None) is not None or self.core.pipelined_order(inner) is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
+        result = self._wrap_closure(model, optimizer, closure)  # type: ignore[attr-defined]
+        self.core.start_pipelined_step(inner)
+        return result
+
+
+class LazyTrainPrecision(_CoreRouting, Precision):
+    """``Precision`` (32-true)."""
+
+
+class LazyTrainMixedPrecision(_CoreRouting, MixedPrecision):
+    """``MixedPrecision`` (bf16-mixed, 16-mixed: autocast over fp32 weights, a loss scaler for 16-mixed)."""
+
+
+class LazyTrainHalfPrecision(_CoreRouting, HalfPrecision):
+    """``HalfPrecision`` (bf16-true, 16-true)."""
+
+
+def lazytrain_precision(plugin: Precision | None, core: Any) -> Precision:
+    """The strategy's plugin for the one the Trainer resolved: the matching class above, built with the
+    same arguments. Any other plugin is returned as it is (the strategy refuses it at setup)."""
+    if isinstance(plugin, _CoreRouting):
+        return plugin
+    if plugin is None or type(plugin) is Precision:
+        return LazyTrainPrecision(core=core)
+    if type(plugin) is MixedPrecision:
+        return LazyTrainMixedPrecision(plugin.precision, plugin.device, plugin.scaler, core=core)
+    if type(plugin) is HalfPrecision:
+        return LazyTrainHalfPrecision(plugin.precision, core=core)
+    return plugin
+
+
+def is_lazytrain_precision(plugin: Any) -> bool:
+    return isinstance(plugin, _CoreRouting)

@@ -1,0 +1,139 @@
+"""The training core's optimizer side: ``HybridAdamW``'s layer-pipelined step (the plan's
+``pipelined`` optimizer), the gradient norms handed to its fused clip, and how the non-block weights
+are split into parts along its layers.
+
+Note: [pipelined step]
+    With a ``HybridAdamW`` whose layers follow the blocks and a plan whose optimizer is
+    ``pipelined``, the optimizer step runs the closure (forward, backward, the hooks before the step,
+    clipping) as usual and then starts a layer-pipelined update in forward order and returns
+    (``PipelinedSteps.start``); the next forward stages block j as soon as block j is updated (the
+    executor calls ``wait_updated(j)`` before it casts or fetches a master). Evaluation, checkpoints
+    and teardown wait for every update still running (``finish``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_lazytrain.engine.executor import Executor, StepStats
+from lightning_lazytrain.engine.param_store import REST
+
+__all__ = ["PipelinedSteps", "hand_over_norms", "hybrid_adamws", "split_rest_parts"]
+
+
+def hybrid_adamws(optimizers: list) -> list:
+    """The ``HybridAdamW`` optimizers among ``optimizers`` (Lightning's wrappers unwrapped)."""
+    from lightning_lazytrain.optim import HybridAdamW
+
+    return [inner for opt in optimizers if isinstance(inner := getattr(opt, "optimizer", opt), HybridAdamW)]
+
+
+class PipelinedSteps:
+    """The pipelined updates of a run (Note: [pipelined step]): per optimizer its layer order, and
+    the updates still running."""
+
+    def __init__(self) -> None:
+        # id(optimizer) -> (layer order, block -> layer, non-block part -> layers)
+        self._plans: dict[int, tuple[list, dict, list]] = {}
+        self._pending: list[tuple[Any, dict, list]] = []
+
+    def configure(self, ex: Executor, optimizers: list) -> bool:
+        """For the executor's (new) schedule: which optimizers step pipelined, in which order; True
+        when any does (the executor must then wait for the updates)."""
+        self._pending = []
+        self._plans = {}
+        if ex.params is None or ex.schedule.optimizer != "pipelined":
+            return False
+        blocks_n = len(ex.stack)
+        for inner in hybrid_adamws(optimizers):
+            layer_of = {id(p): g["layer"] for g in inner.param_groups for p in g["params"]}
+            groups: dict[int, set] = {}
+            for j in [REST, *range(blocks_n)]:
+                groups[j] = {layer_of.get(id(p)) for p in ex.params.group_parameters(j)} - {None}
+            blocks = [groups[j] for j in range(blocks_n)]
+            if any(len(g) != 1 for g in blocks) or len({next(iter(g)) for g in blocks}) != len(blocks):
+                continue  # the optimizer's layers do not follow the blocks: keep the serial step
+            block_layer = {j: next(iter(groups[j])) for j in range(blocks_n)}
+            first = [layer for layer in inner.layers if layer in groups[REST]]
+            rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
+            # the optimizer layers holding each part of the non-block weights (one part: all of them)
+            parts = len(ex.params.rest_parts)
+            part_layers = [first] if parts == 1 else [
+                [layer for layer in first
+                 if layer in {layer_of.get(id(p)) for p in ex.params.rest_part_parameters(k)}]
+                for k in range(parts)]
+            # T updates the non-block layers, layer 0, then the schedule's serial layers (the per-layer
+            # mode: the executor waits for them before F0); the forward pipelines the others in order
+            serial = [j for j in ex.schedule.serial_layers if j < blocks_n]
+            blocks_order = [0, *serial] + [j for j in range(1, blocks_n) if j not in serial]
+            self._plans[id(inner)] = (first + [block_layer[j] for j in blocks_order] + rest, block_layer, part_layers)
+        return bool(self._plans)
+
+    def order(self, optimizer: Any) -> list | None:
+        """The layer order of ``optimizer``'s pipelined step, or None (a serial step)."""
+        entry = self._plans.get(id(optimizer))
+        return None if entry is None else entry[0]
+
+    def start(self, optimizer: Any) -> None:
+        """Start ``optimizer``'s pipelined update (its closure has run)."""
+        order, block_layer, part_layers = self._plans[id(optimizer)]
+        self._pending.append((optimizer.step_pipelined(order), block_layer, part_layers))
+
+    def wait_updated(self, j: int) -> None:
+        """The executor is about to stage block j (or, for j = -1 - p, part p of the non-block
+        weights; one part: REST)."""
+        for pipe, block_layer, part_layers in self._pending:
+            for layer in (part_layers[-1 - j] if j < 0 else [block_layer[j]]):
+                pipe.wait_updated(layer)
+
+    def prune(self) -> None:
+        """Forget the updates that have finished (a step's first micro-batch)."""
+        self._pending = [p for p in self._pending if not p[0].done]
+
+    def finish(self) -> None:
+        """Wait for the updates still running (before evaluation, checkpoints, teardown)."""
+        for pipe, _, _ in self._pending:
+            pipe.wait_all()
+        self._pending = []
+
+    def clear(self) -> None:
+        self.finish()
+        self._plans = {}
+
+
+def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: bool,
+                    recompute: Callable[[list], dict] | None) -> None:
+    """Give HybridAdamW each parameter's gradient norm, taken by the executor's host lane as the
+    gradients arrived, so its clip needs no pass over the gradients and equals ``clip_grad_norm_``
+    bit for bit (Note: [exact clip] in optim/clip.py). The step runs after this. A norm whose
+    gradient changed since (a hook or callback edited it) is taken again at the step (Note: [stale
+    norms] in optim/hybrid_adamw.py); untrusted norms (user code that could edit gradients unseen,
+    loss-scaled gradients, an ad-hoc backward without norms) are all taken again. ``recompute``
+    (sharded gradients): the norms over every rank's shards, at the step."""
+    norms: dict[torch.nn.Parameter, torch.Tensor] | None = None
+    for inner in hybrid_adamws(optimizers):
+        if not (clip or inner.max_grad_norm is not None or recompute is not None):
+            inner.set_grad_norms(None)  # never a stale step's norms
+            continue
+        if norms is None:
+            ok = trusted and bool(stats.grad_norms)
+            norms = {p: n for per_layer in stats.grad_norms.values() for p, n in per_layer.items()} if ok else {}
+        inner.set_grad_norms(norms, recompute=recompute)
+
+
+def split_rest_parts(ex: Executor, optimizers: list) -> None:
+    """T moves, updates and stages the non-block weights in the parts of the first ``HybridAdamW``'s
+    layers (e.g. ``embed``, ``head``; Note: [non-block parts] in planner/schedule.py), in that
+    optimizer's layer order, when they are runs of the packed buffer; otherwise in one part."""
+    if ex.params is None:
+        return
+    rest = {id(p) for p in ex.params.group_parameters(REST)}
+    for inner in hybrid_adamws(optimizers):
+        by_layer: dict[Any, list] = {}
+        for g in inner.param_groups:
+            by_layer.setdefault(g["layer"], []).extend(p for p in g["params"] if id(p) in rest)
+        ex.set_rest_parts([ps for ps in by_layer.values() if ps])
+        return

@@ -1,0 +1,283 @@
+"""The training core's planner: the machine a plan is made for, the plan made from a profiled step
+(rank 0 solves for every process), one rank's workload with several processes, the 8-bit slice of
+``HybridAdamW(eight_bit="plan")``, and when to re-plan (drift: ``replan.py``; the allocator's peaks:
+``allocator.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_lazytrain.allocator import MemoryWatch
+from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload
+from lightning_lazytrain.core.options import CoreOptions, ProcessLayout
+from lightning_lazytrain.core.processes import broadcast_object
+from lightning_lazytrain.core.replan import DriftMonitor, measured_link_rates
+from lightning_lazytrain.engine.executor import Executor, StepStats
+from lightning_lazytrain.engine.param_store import REST
+from lightning_lazytrain.engine.profiler import workload_from_stats
+from lightning_lazytrain.planner import Hardware, InfeasibleBudget, Workload, simulate
+from lightning_lazytrain.planner.milp import MilpOptions
+
+__all__ = ["Planner", "Profile"]
+
+log = logging.getLogger(__name__)
+
+
+class Profile:
+    """A profiled step, as the planner needs it: the executor that ran it, its stats, and what the
+    core knows of the run (tokens of a micro-batch, accumulation, the step's micro-batches, when
+    the step began, the HybridAdamW optimizers, the gradient sync and a sharded store's measured
+    collective bandwidth)."""
+
+    def __init__(self, executor: Executor, stats: StepStats, *, tokens: int, grad_accum: int, micro_batches: int,
+                 t_step: float, hybrids: list, grad_sync: Any, shard_store: Any,
+                 shard_bytes_per_s: float | None) -> None:
+        self.executor = executor
+        self.stats = stats
+        self.tokens = tokens
+        self.grad_accum = grad_accum
+        self.micro_batches = micro_batches
+        self.t_step = t_step
+        self.hybrids = hybrids
+        self.grad_sync = grad_sync
+        self.shard_store = shard_store
+        self.shard_bytes_per_s = shard_bytes_per_s
+
+
+class Planner:
+    """Plans for ``TrainingCore``; owns the plan, the re-plan records and the watches that ask for one.
+
+    ``info``/``debug``: where its messages go (the strategies pass Lightning's rank-zero loggers)."""
+
+    def __init__(self, options: CoreOptions, *, info: Callable[[str], None], debug: Callable[[str], None]) -> None:
+        self.options = options
+        self._info, self._debug = info, debug
+        self.plan: AutoPlan | None = None
+        self.replans: list[dict[str, Any]] = []  # what each re-plan found and did
+        self.drift = DriftMonitor(options.replan)
+        # the allocator's reserve against the budget (allocator.py, Note: [the budget is what the allocator reserves])
+        self.memory = MemoryWatch()
+        self.budget_bytes: float | None = None
+        self.replan_reason: str | None = None  # set: the next step is re-profiled
+        self.predicted: float | None = None  # the current schedule's prediction after a kept re-plan
+        self._measured: Hardware | None = None
+
+    # ---- the machine -----------------------------------------------------------------------------
+    def start(self, device: torch.device, memory: MemoryWatch, *, measure: bool) -> None:
+        """Before the executor allocates: the allocator's watch, and with ``hardware="measure"`` (and
+        ``measure``) the device's free memory and the links, read now."""
+        self.memory = memory
+        o = self.options
+        if o.hardware == "measure" and measure:
+            self._measured = measure_hardware(device, gpu_memory_budget_gb=o.gpu_memory_budget_gb,
+                                              nvme_dir=o.nvme_dir, link_gb_per_s=o.emulate_link_gb_per_s)
+
+    def hardware(self, device: torch.device | None = None, per_node: int = 1) -> Hardware:
+        """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
+        gets no NVMe tier (there is nowhere to spill). With several processes on a node, each holds
+        its own masters and optimizer states: a process plans with its share of host memory."""
+        o = self.options
+        if o.hardware == "measure":
+            if self._measured is None:
+                self._measured = measure_hardware(device or torch.device("cpu"),
+                                                  gpu_memory_budget_gb=o.gpu_memory_budget_gb, nvme_dir=o.nvme_dir,
+                                                  link_gb_per_s=o.emulate_link_gb_per_s)
+            hw = self._measured
+        else:
+            hw = given_hardware(o.hardware, o.gpu_memory_budget_gb, o.nvme_dir)
+        if per_node > 1:
+            hw = hw.replace(cpu_memory_bytes=hw.cpu_memory_bytes / per_node)
+        # the budget bounds what the allocator reserves; the plan's allocated peak gets it less the
+        # allocator's reserve (allocator.py, Note: [the budget is what the allocator reserves])
+        self.budget_bytes = hw.gpu_memory_cap_bytes
+        return hw.replace(gpu_memory_cap_bytes=self.memory.cap(hw.gpu_memory_cap_bytes))
+
+    def predicted_seconds(self) -> float:
+        """The step time the current schedule is predicted at (nan before a plan)."""
+        if self.predicted is not None:
+            return self.predicted
+        return self.plan.result.sim.iteration_seconds if self.plan else float("nan")
+
+    # ---- the plan ----------------------------------------------------------------------------------
+    def solve(self, p: Profile, layout: ProcessLayout, *, step: int, device: torch.device) -> AutoPlan | None:
+        """Plan from the profiled step; the plan to switch to, or None to keep the current schedule (a
+        re-plan that does not gain ``replan.min_gain``). Rank 0 plans for all and broadcasts the plan or
+        its failure (an impossible budget raises here, on every rank). A re-plan measures the links
+        from the step's copies and compares against the current schedule on the new profile."""
+        reason, self.replan_reason = self.replan_reason, None
+        ex = p.executor
+        plan: AutoPlan | None = None
+        failure: str | None = None
+        current_s: float | None = None  # the current schedule, re-simulated (re-plans only)
+        if layout.is_global_zero:  # with several processes rank 0 plans for all (one plan, not N)
+            try:
+                t0 = time.perf_counter()
+                hardware = self.hardware(device, layout.per_node)
+                if reason is not None:
+                    rates = measured_link_rates(p.stats.segments)
+                    hardware = hardware.replace(h2d_bytes_per_s=rates.get("h2d", hardware.h2d_bytes_per_s),
+                                                d2h_bytes_per_s=rates.get("d2h", hardware.d2h_bytes_per_s))
+                t_hw = time.perf_counter() - t0
+                wl = workload_from_stats(ex, p.stats, tokens=p.tokens or 1, grad_accum=p.grad_accum,
+                                         micro_batches=p.micro_batches, opt_params_per_s=hardware.cpu_adam_params_per_s)
+                wl, fraction = self._price_optimizer_states(wl, hardware, p)
+                wl = rank_workload(wl, layout, p)
+                plan = plan_from_workload(wl, hardware, policy=self.options.policy,
+                                          options=MilpOptions(conversions=self.options.conversions),
+                                          start=ex.schedule if reason is not None else None, profiled=ex.schedule)
+                plan.state_fraction = fraction
+                plan.timings["hardware"] = t_hw
+                plan.timings["profile"] = time.perf_counter() - p.t_step - plan.timings["solve"] - t_hw
+                if reason is not None:
+                    try:
+                        current_s = simulate(ex.schedule, wl, hardware).iteration_seconds
+                    except Exception:  # the current schedule no longer fits: switch
+                        current_s = float("inf")
+            except BaseException as err:
+                if isinstance(err, InfeasibleBudget):  # the first line a user reads, before the traceback
+                    log.error("lazytrain cannot train this within its budget: %s", err)
+                if not layout.is_distributed:
+                    raise
+                failure = f"{type(err).__name__}: {err}"
+                broadcast_object((None, failure, None))
+                raise
+        if layout.is_distributed:
+            plan, failure, current_s = broadcast_object((plan, failure, current_s))
+            if plan is None:
+                raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
+        assert plan is not None
+        if plan.state_fraction is not None:  # the other processes' optimizers take rank 0's choice
+            for o in p.hybrids:
+                if o.bits_pending:
+                    o.set_state_bits("none" if plan.state_fraction == 0 else plan.state_fraction)
+        if reason is None:
+            self.predicted = None
+            return plan
+        assert current_s is not None
+        new_s = plan.result.sim.iteration_seconds
+        gain = 1.0 - new_s / current_s if current_s > 0 else 0.0
+        switch = gain >= self.options.replan.min_gain
+        self.replans.append({"step": step, "reason": reason, "current_predicted_s": current_s,
+                             "new_predicted_s": new_s, "gain": gain, "switched": switch,
+                             "warm_start": plan.result.solver.get("seed")})
+        # a switch is news; a kept schedule (usually a noisy machine) is a debug line and a row of
+        # ``replans`` (the training app sums them up in its summary)
+        (self._info if switch else self._debug)(
+            f"lazytrain re-plan at step {step}: {reason}; current schedule {current_s:.3f} s, "
+            f"new plan {new_s:.3f} s ({gain:+.1%}): {'switching' if switch else 'keeping the current schedule'}")
+        self.drift.replanned(switch)  # a kept schedule raises the bar for the next re-plan
+        if not switch:
+            self.predicted = current_s
+            return None
+        self.predicted = None
+        return plan
+
+    def adopt(self, plan: AutoPlan) -> None:
+        """The executor runs ``plan`` now."""
+        self.plan = plan
+
+    def _price_optimizer_states(self, wl: Workload, hardware: Hardware, p: Profile) -> tuple[Workload, float | None]:
+        """Note: [planned 8-bit slice] (optim/plan_states.py): ``HybridAdamW(eight_bit="plan")`` gets the
+        smallest 8-bit slice that fits host memory; every HybridAdamW is priced as its states are
+        (the 8-bit update's rate measured when there is one)."""
+        from lightning_lazytrain.optim.bnb8bit import measure_adamw_8bit_params_per_s
+        from lightning_lazytrain.optim.plan_states import choose_state_bits, price_optimizers
+
+        if not p.hybrids:
+            return wl, None
+        fraction = choose_state_bits(p.hybrids, wl.host_static_bytes, hardware.cpu_memory_bytes)
+        if fraction is not None:
+            self._info(f"lazytrain: HybridAdamW(eight_bit='plan'): {fraction:.1%} of its parameters with 8-bit "
+                       "states" + (" (the host holds 32-bit states for all)" if fraction == 0 else
+                                   " (the smallest slice that fits host memory)"))
+        rate8 = hardware.cpu_adam8_params_per_s
+        if any(o.bits_of(q) == 8 for o in p.hybrids for g in o.param_groups for q in g["params"]):
+            rate8 = measure_adamw_8bit_params_per_s() or rate8
+        params = p.executor.params
+        assert params is not None
+        groups = {j: params.group_parameters(j) for j in (REST, *range(len(p.executor.stack)))}
+        return price_optimizers(wl, p.hybrids, groups, hardware.cpu_adam_params_per_s, rate8), fraction
+
+    # ---- when to re-plan ---------------------------------------------------------------------------
+    def watch_drift(self, layout: ProcessLayout, step_seconds: float) -> None:
+        """After a planned step: has the run drifted from the plan? (decided on rank 0 for all)"""
+        if self.plan is None or self.options.policy != "milp" or not self.options.replan.enabled or self.replan_reason:
+            return
+        reason = None
+        if layout.is_global_zero:
+            reason = self.drift.observe(step_seconds, self.predicted_seconds())
+        if layout.is_distributed:
+            reason = broadcast_object(reason)
+        if reason is not None:
+            self.replan_reason = reason
+            self._debug(f"lazytrain: {reason}; re-profiling the next step to re-plan")
+
+    def watch_memory(self, layout: ProcessLayout, stats: StepStats) -> None:
+        """After a planned step on CUDA: the allocator's own peaks against the budget and the plan;
+        a re-plan when they say so (Note: [the budget is what the allocator reserves]). Rank 0
+        decides for all: the conditions before the broadcast are the same on every rank (only rank 0 has
+        made the plan's machine, so only rank 0 knows the budget)."""
+        if self.plan is None or self.replan_reason:
+            return
+        reason = None
+        if layout.is_global_zero and self.budget_bytes is not None:
+            reason = self.memory.observe(reserved=stats.max_memory_reserved, allocated=stats.max_memory_allocated,
+                                         budget_bytes=self.budget_bytes,
+                                         predicted_peak=self.plan.result.sim.peak_gpu_bytes)
+        if layout.is_distributed:
+            reason, ratio = broadcast_object((reason, self.memory.ratio))
+            self.memory.ratio = ratio
+        if reason is None:
+            return
+        if self.options.policy != "milp" or not self.options.replan.enabled:
+            log.warning("lazytrain: %s (not re-planned: policy=%r, replan=%s)", reason, self.options.policy,
+                        self.options.replan.enabled)
+            return
+        self.replan_reason = reason
+        self._info(f"lazytrain: {reason}")
+
+    def reset(self) -> None:
+        """The run ended (teardown): no plan, no pending re-plan; the re-plan records stay."""
+        self.plan = None
+        self._measured = None
+        self.replan_reason, self.predicted = None, None
+        self.drift.reset()
+
+
+def rank_workload(wl: Workload, layout: ProcessLayout, p: Profile) -> Workload:
+    """With several processes: the plan is one rank's, with the host all-reduce of every group
+    at the bandwidth the profiled step measured (``replicate_overlap`` with ``overlap_grad_sync``,
+    else ``replicate``: the windows they run in); sharded groups: fetches of shards, all-gathers and
+    reduce-scatters at the bandwidth of the store's in-line collectives."""
+    sync = p.grad_sync
+    if not layout.is_distributed or sync is None:
+        return wl
+    from lightning_lazytrain.planner.multi import measured_rank_workload, measured_shard_workload
+
+    per_node = layout.per_node
+    store = p.shard_store
+    if store is not None:
+        if p.shard_bytes_per_s is None:
+            return wl
+        e = torch.empty((), dtype=store.compute_dtype).element_size()
+        land = store.slot(0).grad_host.element_size()
+        return measured_shard_workload(
+            wl, store.world, per_node, [store.shard_numel(j) for j in range(store.num_layers)],
+            store.shard_numel(REST), p.shard_bytes_per_s, gather_element_bytes=e, reduce_element_bytes=land,
+            replicas=store.replicas)
+    bandwidth = sync.bytes_per_s()
+    if bandwidth is None:  # no gradient crossed (a frozen model): nothing to price
+        return wl
+    # With accumulation the MILP plans the overlapped mode's windows as replicate's (the all-reduces
+    # serial after the backward: an upper bound; the overlap runs only in a step's last micro-batch)
+    mode = "replicate_overlap" if sync.overlap and wl.grad_accum == 1 else "replicate"
+    params = p.executor.params
+    assert params is not None
+    host_grad = params.grad_flat(REST).element_size()  # the host gradients' dtype (the masters')
+    return measured_rank_workload(wl, layout.world_size, per_node, bandwidth, mode, grad_element_bytes=host_grad)

@@ -1,0 +1,519 @@
+"""``TrainingCore``: layer-streaming training without Lightning.
+
+It owns the executor (``engine.Executor``), the plan (profile the first step, solve, switch; re-plan
+on drift or when the allocator outgrows the plan: ``planning.py``), the gradient synchronisation of
+several processes (``distributed.GradSync``), the pipelined optimizer steps (``optimizer_steps.py``)
+and the checkpoint state transforms (``checkpoint_state.py``). The Lightning strategies
+(``adapters/``) translate their framework's hooks into this API::
+
+    core = TrainingCore(CoreOptions(policy="milp"))
+    core.connect_processes(layout, device)            # several processes: GradSync
+    core.build(module, device, compute_dtype=..., precision="32-true", automatic=True, measure=True)
+    core.start_fit(optimizers, FitSettings(grad_accum=2))
+    core.begin_microbatch(lambda: count_tokens(batch), last=...)   # then the user's forward + backward
+    stats = core.end_microbatch(step=...)             # StepStats when the executor's step ended
+    with core.inference(): ...                       # evaluation
+    core.teardown()
+
+Note: [profiled first step]
+    The first real step is the profile: it runs under a provisional schedule (``min_memory`` on CUDA,
+    ``recompute_all`` on the CPU) with timing on, and the plan is made from it before its optimizer
+    step, so no user code runs an extra time. A step whose backward left blocks of its planned pass
+    without a gradient (Note: [unreached blocks] in engine/executor.py) is no profile: the next step
+    is, three times at most, after which the run goes on, exactly, on the provisional schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_lazytrain.allocator import MemoryWatch, configure_allocator
+from lightning_lazytrain.autoplan import AutoPlan
+from lightning_lazytrain.blocks import find_blocks
+from lightning_lazytrain.core.checkpoint_state import CheckpointState
+from lightning_lazytrain.core.optimizer_steps import PipelinedSteps, hand_over_norms, hybrid_adamws, split_rest_parts
+from lightning_lazytrain.core.options import CoreOptions, FitSettings, ProcessLayout
+from lightning_lazytrain.core.planning import Planner, Profile
+from lightning_lazytrain.engine.copy_engine import LinkSpec
+from lightning_lazytrain.engine.executor import Executor, StepStats
+from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
+from lightning_lazytrain.engine.param_store import REST, upcast_parameters
+from lightning_lazytrain.engine.shard_store import ShardedParamStore
+from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
+from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
+from lightning_lazytrain.planner.placement import conversions_note
+
+__all__ = ["TrainingCore"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainingCore:
+    """Streams a module's blocks through one device, plans and re-plans, syncs gradients across
+    processes, pipelines HybridAdamW's steps and shapes checkpoints (see the module doc).
+
+    ``info``/``debug``/``warn``: where its messages go (the strategies pass Lightning's rank-zero
+    functions; by default this module's logger and ``warnings.warn``)."""
+
+    def __init__(self, options: CoreOptions, *, info: Callable[[str], None] = log.info,
+                 debug: Callable[[str], None] = log.debug, warn: Callable[[str], None] = warnings.warn) -> None:
+        self.options = options
+        self._info, self._warn = info, warn
+        self.planner = Planner(options, info=info, debug=debug)
+        self.steps = PipelinedSteps()
+        self.layout = ProcessLayout()
+        self.device = torch.device("cpu")
+        self.grad_sync: Any = None  # distributed.GradSync with several processes
+        self.executor: Executor | None = None
+        self.module: torch.nn.Module | None = None
+        self.automatic = True  # automatic optimization: a micro-batch begins with its training step
+        self.optimizers: list = []
+        self.fit = FitSettings()
+        self.artifact_dir: str | None = None  # plan.json, the timelines (rank 0)
+        self.last_stats: StepStats | None = None
+        self.metrics: dict[str, float] = {}  # the last step's lazytrain/* figures
+        self._metrics_taken = True
+        self._steps_ended = 0
+        self._micro_index = 0
+        self._last_of_step = True
+        self._t_step = 0.0
+        self._tokens: int | None = None  # of the first batch, which is profiled
+        self._full = False  # this step's micro-batches each write all gradients back
+        self._incomplete_profiles = 0  # steps meant as the profile whose backward skipped blocks
+        self._shard_bytes_per_s: float | None = None  # a sharded store's in-line collectives
+        self._loss_hooks: list = []
+        self._inference = contextlib.ExitStack()
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def plan(self) -> AutoPlan | None:
+        """The plan the executor runs (None before the profiled step)."""
+        return self.planner.plan
+
+    @property
+    def replans(self) -> list[dict[str, Any]]:
+        """What each re-plan found and did."""
+        return self.planner.replans
+
+    def hardware(self) -> Hardware:
+        """The machine a plan is made for, as the options shape it (see ``Planner.hardware``)."""
+        return self.planner.hardware(self.device, self.layout.per_node)
+
+    def predicted_seconds(self) -> float:
+        return self.planner.predicted_seconds()
+
+    def shard_store(self) -> ShardedParamStore | None:
+        """The executor's sharded store (``data_parallel="shard"`` with several processes), or None."""
+        params = self.executor.params if self.executor is not None else None
+        return params if isinstance(params, ShardedParamStore) else None
+
+    @property
+    def checkpoints(self) -> CheckpointState:
+        """The checkpoint transforms of this run (``checkpoint_state.py``)."""
+        return CheckpointState(self.options, self.layout, self.grad_sync, self.shard_store(), self._warn)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The last step's figures, once (a logger logs each step once); {} when taken already."""
+        if self._metrics_taken:
+            return {}
+        self._metrics_taken = True
+        return self.metrics
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def connect_processes(self, layout: ProcessLayout, device: torch.device, *, timeout: timedelta | None = None) -> None:
+        """This process's place in the run; with several, the host-side collectives (a gloo group of
+        their own, ``distributed.py``) once the default process group exists."""
+        self.layout, self.device = layout, device
+        if not layout.is_distributed:
+            return
+        from lightning_lazytrain.distributed import GradSync
+
+        self.grad_sync = GradSync(timeout)
+        if self.options.data_parallel == "shard":  # Note: [hybrid sharding]: within a node by default
+            self.grad_sync.make_shard_groups(self.options.shard_size or layout.per_node,
+                                             gloo_reduce=device.type != "cuda")
+
+    def build(self, module: torch.nn.Module, device: torch.device, *, compute_dtype: torch.dtype, precision: str,
+              automatic: bool = True, measure: bool = True) -> Executor:
+        """The executor on a provisional schedule (the plan replaces it after the profiled step): the
+        module's blocks stream from its host parameters, its buffers and non-block weights live on
+        ``device``. ``measure``: read the device's free memory now (``hardware="measure"``), before
+        the executor's buffers exist."""
+        o = self.options
+        self.device, self.module, self.automatic = device, module, automatic
+        if o.nvme_dir is not None:
+            check_nvme_dir(o.nvme_dir)
+            remove_stale_spill_dirs(o.nvme_dir)  # crashed runs' leftovers, whatever this plan uses
+        links = None
+        if o.emulate_link_gb_per_s is not None and device.type == "cpu":
+            bw = o.emulate_link_gb_per_s * 1e9
+            links = {"h2d": LinkSpec(bw, 0.0), "d2h": LinkSpec(bw, 0.0)}
+        # expandable segments before the executor's buffers exist (Note: [the budget is what the allocator reserves])
+        self.planner.start(device, MemoryWatch.for_device(device, configure_allocator(device)), measure=measure)
+        if o.fp32_masters:
+            if compute_dtype == torch.float32:
+                raise ValueError(f"LazyTrainStrategy(fp32_masters=True) streams 16-bit copies of fp32 masters: use "
+                                 f"precision='bf16-true' (or '16-true'), not {precision!r} (under '32-true' and "
+                                 "the mixed precisions the weights are fp32 already)")
+            upcast_parameters(module)
+        t0 = time.perf_counter()
+        stack = find_blocks(module, o.blocks)
+        n = len(stack)
+        self._install_chunked_loss(module)
+        if o.fixed_schedule is not None and o.fixed_schedule.num_layers != n:
+            raise ValueError(f"plan file {o.policy} is for {o.fixed_schedule.num_layers} layers, but the "
+                             f"block stack {stack.path!r} has {n}: plan for this model")
+        provisional = min_memory(n) if device.type == "cuda" else recompute_all(n)
+        sync = self.grad_sync
+        shard = sync is not None and o.data_parallel == "shard"
+        if shard:  # rank 0's start (as DDP), before each rank keeps its shard of it
+            sync.broadcast_module(module)
+        self.executor = Executor(module, provisional, blocks=stack, device=device, compute_dtype=compute_dtype,
+                                 nvme_dir=o.nvme_dir, links=links,
+                                 shard_group=sync.shard_device_group if shard else None,
+                                 replica_group=sync.replica_device_group if shard else None,
+                                 grad_group=sync.shard_grad_group if shard else None)
+        if sync is not None:
+            ex = self.executor
+            assert ex.params is not None
+            sync.broadcast_state(ex.params, module)  # rank 0's start, as DDP
+            if o.overlap_grad_sync and automatic:
+                sync.attach(ex.params)
+                sync.set_late_grads_probe(lambda: ex.late_grads)
+        self._info(f"lazytrain: {n} blocks at {stack.path!r}, executor on {device} ({precision}) built in "
+                   f"{time.perf_counter() - t0:.2f} s")
+        return self.executor
+
+    def _install_chunked_loss(self, module: torch.nn.Module) -> None:
+        """``chunked_loss``: hooks on the module's Hugging Face causal LMs (models/hf_loss.py)."""
+        for hooks in self._loss_hooks:
+            hooks.remove()
+        self._loss_hooks = []
+        if not self.options.chunked_loss:
+            return
+        from lightning_lazytrain.models.hf_loss import ChunkedLoss, chunked_loss_modules
+
+        found = chunked_loss_modules(module)
+        if not found:
+            raise ValueError("LazyTrainStrategy(chunked_loss=...) found no Hugging Face causal LM (a ...ForCausalLM) "
+                             f"in {type(module).__name__}: compute a chunked loss yourself "
+                             "(lightning_lazytrain.models.loss.chunked_lm_loss) or drop the option")
+        self._loss_hooks = [ChunkedLoss(m, self.options.chunked_loss) for m in found]
+
+    def start_fit(self, optimizers: list, fit: FitSettings, *, artifact_dir: str | None = None) -> None:
+        """Training begins with these optimizers: the non-block weights split along HybridAdamW's
+        layers (one process), the 16-bit copies kept or not (``fp32_masters``)."""
+        self.optimizers, self.fit, self.artifact_dir = list(optimizers), fit, artifact_dir
+        ex = self.executor
+        if ex is None:
+            return
+        if not self.layout.is_distributed and self.options.nonblock_parts:  # several processes: one part
+            split_rest_parts(ex, self.optimizers)
+        self._choose_compute_copy()
+
+    def add_optimizer(self, optimizer: Any) -> None:
+        """One more optimizer of the module's parameters (Fabric sets them up one by one)."""
+        self.optimizers.append(optimizer)
+
+    def _choose_compute_copy(self) -> None:
+        """``fp32_masters``: keep the 16-bit copies on the host (engine/param_store.py, Note: [kept
+        compute copy]) when asked, or with ``"auto"`` when the host holds them beside the masters,
+        their gradients and AdamW-sized optimizer states (8 bytes per parameter)."""
+        ex = self.executor
+        if not self.options.fp32_masters or ex is None or ex.params is None or self.module is None:
+            return
+        want = self.options.keep_compute_copy
+        store = ex.params
+        numel = sum(p.numel() for p in self.module.parameters())
+        if want == "auto":
+            need = store.host_pinned_bytes + store.host_grad_bytes + 8 * numel + 2 * numel
+            want = need <= self.hardware().cpu_memory_bytes
+            self._info(f"lazytrain: 16-bit weight copies {'kept on the host' if want else 'cast per fetch'} "
+                       f"(keep_compute_copy='auto': the host needs ~{need / 1e9:.3g} GB with them)")
+        ex.set_keep_compute_copy(bool(want))
+
+    # ---- micro-batches ---------------------------------------------------------------------------
+    def _ex(self) -> Executor:
+        if self.executor is None:
+            raise RuntimeError("lazytrain: the training core has no executor (build it first)")
+        return self.executor
+
+    @property
+    def in_microbatch(self) -> bool:
+        """A micro-batch is open (its forward ran, its backward has not)."""
+        return self.executor is not None and self.executor.in_microbatch
+
+    def abort_microbatch(self) -> None:
+        """Drop an open micro-batch (a forward with grad whose backward never ran)."""
+        ex = self.executor
+        if ex is not None and ex.in_microbatch:
+            ex.abort_microbatch()
+            self._micro_index = 0
+
+    def begin_microbatch(self, tokens: Callable[[], int], *, last: bool) -> None:
+        """A training micro-batch begins (automatic optimization: now; manual: when the model is
+        called, so optimizer steps and parameter reads before that see the host masters, as under
+        ``auto``). ``tokens``: counts the batch's tokens (called for the profiled step); ``last``: the
+        optimizer steps after this micro-batch. A micro-batch left open (a forward without backward)
+        is dropped first."""
+        ex = self._ex()
+        ex.disarm()
+        self.abort_microbatch()  # the previous step returned None, or ran a forward without backward
+        if self.plan is None and self._tokens is None:  # Note: [profiled first step]
+            self._tokens = tokens()
+            ex.profiling = True
+        elif self.planner.replan_reason is not None and self._micro_index == 0 and not ex.profiling:
+            ex.profiling = True  # this step is the new profile (see replan.py)
+        self._last_of_step = last
+        self._open()
+
+    def _open(self) -> None:
+        ex = self._ex()
+        if self._micro_index == 0:  # post-accumulate-grad hooks see every micro-batch's host grads
+            # (engine/user_grad_hooks.py, Note: [gradient hooks on streamed parameters])
+            self._full = self.fit.full_microbatches or (
+                self.module is not None and has_post_accumulate_hooks(self.module.parameters()))
+        first = self._micro_index == 0 or self._full
+        last = self._full or self._last_of_step
+        if first:
+            self._micro_index = 0
+            self._t_step = time.perf_counter()
+            self.steps.prune()
+            store = self.shard_store()
+            if store is not None:  # a profiled step's collectives run in line: their times price the plan
+                store.overlap = self.options.overlap_grad_sync and not ex.profiling  # Note: [overlapped all-gather]
+            if self.grad_sync is not None:  # distributed.py, Note: [one sync per step]
+                self.grad_sync.hold = (self._full and self.options.data_parallel != "shard"
+                                       and not self._last_of_step)
+        if self.automatic:
+            ex.begin_microbatch(first=first, last=last)
+        else:
+            ex.arm(first=first, last=last)
+
+    def end_microbatch(self, step: int | None = None) -> StepStats | None:
+        """The micro-batch's backward has run: finish it (its gradients reach the host). When that ends
+        the executor's step: average the gradients over the processes, plan from a profiled step, hand
+        the norms to HybridAdamW, record the step's figures and watch for drift; returns its stats.
+        ``step``: the optimizer step's number, for the re-plan records (default: steps ended so far)."""
+        ex = self.executor
+        if ex is None or not ex.in_microbatch:
+            return None
+        stats = ex.end_microbatch()
+        self._micro_index += 1
+        if stats is None:
+            return None
+        micro_batches, self._micro_index = self._micro_index, 0
+        self.last_stats = stats
+        self._sync_gradients(ex, stats)
+        # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing; nor
+        # does one that left blocks of its planned pass without a gradient: Note: [unreached blocks])
+        profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1 and not stats.unreached
+        if ex.profiling and stats.unreached:
+            self._incomplete_profile(ex, stats)
+        if profiled:
+            ex.profiling = False
+            self._incomplete_profiles = 0
+            self._plan(ex, stats, micro_batches, self._steps_ended if step is None else step)
+        if self.fit.hand_over_norms:
+            shard = self.shard_store() is not None
+            hand_over_norms(self.optimizers, stats, clip=self.fit.clip,
+                            trusted=self.fit.norms_trusted and not self.fit.loss_scaled,
+                            recompute=self._whole_grad_norms if shard else None)
+        self.metrics = stats.metrics(time.perf_counter() - self._t_step, self.predicted_seconds())
+        self._metrics_taken = False
+        self._steps_ended += 1
+        if not profiled:  # a profiled step ran another schedule, with timing on
+            self.planner.watch_drift(self.layout, self.metrics.get("lazytrain/step_seconds", float("nan")))
+            self.planner.watch_memory(self.layout, stats)
+        if not self.automatic:
+            self._open()  # later forwards of this training step are passes with grad
+        return stats
+
+    def _sync_gradients(self, ex: Executor, stats: StepStats) -> None:
+        sync = self.grad_sync
+        if sync is None:
+            return
+        assert ex.params is not None
+        if sync.hold:  # averaged after the step's last micro-batch (distributed.py, Note: [one sync per step])
+            if ex.profiling:  # the plan prices the all-reduces this micro-batch does not run
+                sync.time_all_reduce(ex.params)
+            return
+        # before the plan, clipping and the optimizer see them; the collective lane's bytes, in the
+        # planner's unit (distributed.py, Note: [collective bytes])
+        stats.lane_bytes["collective"] = sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms)
+        # sharded groups (their average came with the reduce-scatter): per-parameter norms of the whole
+        # gradients from every rank's shard norms; their all-gathers and reduce-scatters are the step's
+        # collective lane
+        sync.combine_shard_norms(ex.params, stats.grad_norms, stats.layer_sq_norms)
+        store = self.shard_store()
+        if store is not None:
+            nbytes, seconds = store.take_collective()
+            stats.lane_bytes["collective"] = stats.lane_bytes.get("collective", 0.0) + nbytes
+            if nbytes and seconds > 0 and not store.overlap:  # in line: the collectives' own time
+                self._shard_bytes_per_s = nbytes / seconds
+
+    def _incomplete_profile(self, ex: Executor, stats: StepStats) -> None:
+        """The step meant as the profile left blocks without a backward (Note: [unreached blocks]):
+        the next step profiles; after three such steps the run stays on the provisional schedule."""
+        self._incomplete_profiles += 1
+        blocks = ", ".join(map(str, sorted(stats.unreached)))
+        if self._incomplete_profiles < 3:
+            self._info(f"lazytrain: the profiled step's backward did not reach block(s) {blocks} of its "
+                       "planned pass (a forward with grad whose output was detached or not backpropagated); "
+                       "the next step is profiled instead")
+            return
+        ex.profiling = False
+        self.planner.replan_reason = None
+        log.warning("lazytrain: %d steps in a row left block(s) %s of the planned pass without a backward, so no "
+                    "step could be profiled: training goes on exactly, on the current schedule (%s), without a "
+                    "new plan. Run forwards whose output is not backpropagated under torch.no_grad() to let the "
+                    "strategy plan.", self._incomplete_profiles, blocks, ex.schedule.policy)
+
+    def _plan(self, ex: Executor, stats: StepStats, micro_batches: int, step: int) -> None:
+        """Plan from the profiled step and switch the executor to the plan, before the step's optimizer
+        update (an impossible budget raises here). Full micro-batches (each writes all of its
+        gradients back: the executor's step is the micro-batch) are planned one by one."""
+        profile = Profile(ex, stats, tokens=self._tokens or 1, grad_accum=1 if self._full else self.fit.grad_accum,
+                          micro_batches=micro_batches, t_step=self._t_step, hybrids=hybrid_adamws(self.optimizers),
+                          grad_sync=self.grad_sync, shard_store=self.shard_store(),
+                          shard_bytes_per_s=self._shard_bytes_per_s)
+        plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
+        if plan is None:  # a re-plan that keeps the current schedule
+            return
+        nvme = int(plan.result.sim.nvme_bytes)
+        if nvme:
+            check_nvme_dir(self.options.nvme_dir, nvme)  # before the first real step
+            ex.nvme_required_bytes = nvme
+        t0 = time.perf_counter()
+        ex.set_schedule(plan.schedule)
+        ex.set_placement(**plan.result.placement.groups(len(ex.stack)))  # Note: [conversion placement]
+        plan.timings["executor"] = time.perf_counter() - t0
+        self.planner.adopt(plan)
+        # the plan decides: serial or pipelined optimizer (Note: [pipelined step])
+        ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(ex, self.optimizers) else None)
+        from lightning_lazytrain.report import format_table
+
+        self._info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
+                   f"solve {plan.timings['solve']:.2f} s){conversions_note(plan.result.workload, plan.result.placement)}:\n"
+                   f"{format_table(plan.result.rows())}")
+        if self.artifact_dir and self.layout.is_global_zero:
+            plan.write(self.artifact_dir)
+
+    # ---- the optimizer step ----------------------------------------------------------------------
+    def pipelined_order(self, optimizer: Any) -> list | None:
+        """The layer order of ``optimizer``'s pipelined step, or None (a serial step)."""
+        return self.steps.order(optimizer)
+
+    def start_pipelined_step(self, optimizer: Any) -> None:
+        """``optimizer``'s closure has run: start its layer-pipelined update (Note: [pipelined step])."""
+        self.steps.start(optimizer)
+
+    def finish_optimizer_steps(self) -> None:
+        """Wait for pipelined updates still running (before evaluation, checkpoints, teardown)."""
+        self.steps.finish()
+
+    def clip_sharded(self, optimizer: Any, max_norm: float) -> bool:
+        """``clip_grad_norm_`` over ``optimizer``'s parameters when blocks are sharded (False, nothing
+        done, otherwise): the squared norms of this rank's shards are summed over the ranks (one
+        all-reduce), the whole non-block parameters' counted once; then every gradient (shard or
+        whole) is scaled as torch does."""
+        store = self.shard_store()
+        if store is None or self.grad_sync is None:
+            return False
+        sharded = {id(p) for j in (REST, *range(store.num_layers)) if store.sharded(j)
+                   for p in store.group_parameters(j)}
+        grads = [(id(p) in sharded, p.grad) for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        with torch.no_grad():
+            sq = torch.zeros(2, dtype=torch.float64)
+            for is_shard, g in grads:
+                sq[0 if is_shard else 1] += g.detach().double().square().sum()
+            part = sq[:1].clone()
+            torch.distributed.all_reduce(part, group=self.grad_sync.shard_host_group)  # each shard once
+            total = float((part[0] + sq[1]).sqrt())
+            coef = min(max_norm / (total + 1e-6), 1.0)
+            for _, g in grads:
+                g.mul_(coef)
+        return True
+
+    def _whole_grad_norms(self, stale: list) -> dict:
+        """Sharded mode: each parameter's norm over its whole gradient, taken again from every rank's
+        current shards, when any rank has a stale norm (every rank calls this at every step, so the
+        collectives match). Note: [stale norms] in optim/hybrid_adamw.py."""
+        ex, sync = self.executor, self.grad_sync
+        assert ex is not None and ex.params is not None and sync is not None
+        flag = torch.tensor([int(bool(stale))], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=sync.group)
+        if not flag.item():
+            return {}
+        store = ex.params
+        norms = {j: store.grad_norms(j) for j in (REST, *range(store.num_layers))}
+        sync.combine_shard_norms(store, norms)
+        return {p: n for per_group in norms.values() for p, n in per_group.items()}
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def begin_inference(self) -> None:
+        """Evaluation begins: pipelined updates finished, an open micro-batch dropped, non-block
+        weights staged on the device while blocks stream."""
+        self.steps.finish()
+        ex = self.executor
+        if ex is not None:
+            ex.disarm()
+            self.abort_microbatch()  # a forward without backward (manual optimization)
+            self._inference.enter_context(ex.inference())
+
+    def end_inference(self) -> None:
+        self._inference.close()
+
+    @contextlib.contextmanager
+    def inference(self) -> Iterator[None]:
+        self.begin_inference()
+        try:
+            yield
+        finally:
+            self.end_inference()
+
+    # ---- end -------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Restore the blocks' forward, free device buffers and threads; the module keeps its trained
+        host parameters. The re-plan records stay; the next fit profiles and plans again."""
+        self.steps.clear()
+        self.end_inference()
+        if self.executor is not None:
+            if self.last_stats is not None and self.artifact_dir and self.layout.is_global_zero:
+                _write_measured_timeline(self.last_stats, self.artifact_dir)
+            self.executor.close()
+            self.executor = None
+        for hooks in self._loss_hooks:
+            hooks.remove()
+        self._loss_hooks = []
+        self.planner.reset()
+        self._tokens = None
+        self._micro_index = 0
+        self.metrics, self._metrics_taken = {}, True
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+        self.grad_sync = None
+        self.module = None
+        self.optimizers = []
+
+
+def _write_measured_timeline(stats: StepStats, directory: str) -> None:
+    if not stats.segments:
+        return
+    try:
+        from lightning_lazytrain.report import plot_timeline
+
+        os.makedirs(directory, exist_ok=True)
+        plot_timeline(stats.segments, os.path.join(directory, "timeline_measured.png"), title="measured: last step")
+    except Exception as err:  # a plot must never fail a run
+        log.warning("could not draw the measured timeline: %s", err)
