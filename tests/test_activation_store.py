@@ -259,6 +259,7 @@ def _spawn(root: Path, mode: str) -> tuple[subprocess.Popen[str], Path]:
     return p, Path(p.stdout.readline().strip())
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_is_cleaned_at_next_start(tmp_path: Path) -> None:
     root = tmp_path / "spill"
     writer, wdir = _spawn(root, "write")
@@ -282,6 +283,7 @@ def test_sigkill_mid_write_is_cleaned_at_next_start(tmp_path: Path) -> None:
     assert remove_stale_spill_dirs(root) == [sdir] and _spill_dirs(root) == []
 
 
+@pytest.mark.slow
 def test_normal_exit_without_close_cleans_up(tmp_path: Path) -> None:
     child, d = _spawn(tmp_path, "exit")
     assert child.wait(timeout=60) == 0

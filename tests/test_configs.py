@@ -119,6 +119,7 @@ def test_ablation_switches_reach_milp_options(cfg_of):
     ("rtx3090", "qwen2.5-14b", 4), ("rtx3090", "qwen3.6-27b", 2), ("h200", "qwen3.6-27b", "auto"),
     ("cpu", "tiny", "auto"),
 ])
+@pytest.mark.slow
 def test_paper_batch(cfg_of, hardware, model, expected):
     cfg = cfg_of(f"hardware={hardware}", f"model={model}", "train.micro_batch_size=paper")
     assert resolve_micro_batch(cfg)[0] == expected

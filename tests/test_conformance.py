@@ -168,6 +168,7 @@ def lazytrain(policy):
 
 
 @pytest.mark.parametrize("kind", ["dropout", "batchnorm"])
+@pytest.mark.slow
 def test_same_training_call_counts_and_buffers(policy, kind):
     kw = {"dropout": 0.3} if kind == "dropout" else {"bn": True}
     ref, want = fit("auto", Net(**kw))
@@ -177,6 +178,7 @@ def test_same_training_call_counts_and_buffers(policy, kind):
     assert_same_model(got_model, ref)  # parameters and BatchNorm running statistics
 
 
+@pytest.mark.slow
 def test_hooks_see_the_gradients_auto_shows(policy):
     ref, want = fit("auto", HookNet(dropout=0.1), accumulate_grad_batches=2)
     got_model, got = fit(lazytrain(policy), HookNet(dropout=0.1), accumulate_grad_batches=2)
@@ -189,6 +191,7 @@ def test_hooks_see_the_gradients_auto_shows(policy):
     assert_same_model(got_model, ref)
 
 
+@pytest.mark.slow
 def test_manual_optimization(policy):
     ref, want = fit("auto", ManualNet(dropout=0.1), steps=STEPS * 3 // 2)
     got_model, got = fit(lazytrain(policy), ManualNet(dropout=0.1), steps=STEPS * 3 // 2)
@@ -197,6 +200,7 @@ def test_manual_optimization(policy):
     assert_same_model(got_model, ref)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_is_plain_bf16_mixed(policy):
     """Autocast over fp32 masters, as Lightning's bf16-mixed; re-runs replay autocast."""
     ref, want = fit("auto", Net(dropout=0.1), precision="bf16-mixed")
@@ -205,6 +209,7 @@ def test_bf16_mixed_is_plain_bf16_mixed(policy):
     assert_same_model(got_model, ref)
 
 
+@pytest.mark.slow
 def test_bf16_true_keeps_bf16_parameters(policy):
     ref, want = fit("auto", Net(), precision="bf16-true")
     got_model, got = fit(lazytrain(policy), Net(), precision="bf16-true")
@@ -234,6 +239,7 @@ def test_bf16_true_checkpoints_hold_bf16_weights_and_states(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
+@pytest.mark.slow
 def test_16_bit_precisions_train_as_auto(policy, precision):
     """fp16 weights (``16-true``; SGD: AdamW's eps underflows in fp16, under ``auto`` too) and fp16
     autocast with a loss scaler (``16-mixed``: the plugin given explicitly, as Lightning turns

@@ -34,6 +34,7 @@ def test_the_three_scripts_are_declared():
     assert set(SCRIPTS) == {"lazytrain-plan", "lazytrain-train", "lazytrain-cli"}
 
 
+@pytest.mark.slow
 def test_lazytrain_plan_exit_codes(tmp_path):
     ok = run_script("lazytrain-plan", "hardware=cpu", "model=tiny", "train=cpu", "plan.plot=false", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr

@@ -85,6 +85,7 @@ def device_image(tmp_path_factory):
     return env, True
 
 
+@pytest.mark.slow
 def test_rehearsal_passes_every_cpu_stage_and_skips_the_cuda_ones(tmp_path, device_image):
     """In an emulated device image (the image's missing packages hidden): ``check.sh`` installs the
     fetched wheels offline and every CPU stage passes with them, as the first device run will."""

@@ -21,6 +21,7 @@ def run(tmp_path: Path, script: str, *args: str, env: dict | None = None, timeou
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_quickstart_cpu(tmp_path):
     out = run(tmp_path, "quickstart_cpu.py", env={"QUICKSTART_STEPS": "3"})
     assert "lazytrain plan" in out  # the strategy planned the run
@@ -30,6 +31,7 @@ def test_quickstart_cpu(tmp_path):
     assert not list(tmp_path.iterdir())  # logger=False: nothing written into the working directory
 
 
+@pytest.mark.slow
 def test_plan_example(tmp_path):
     out = run(tmp_path, "plan_27b_h800.py", "--model", "tiny", "--hardware", "cpu", "--batch", "4", "--seq-len",
               "128", "--time-limit", "10")
@@ -43,6 +45,7 @@ def test_plan_example_defaults_are_the_papers_run():
     assert 'default="qwen3.6-27b"' in src and 'default="h800"' in src and "default=72" in src
 
 
+@pytest.mark.slow
 def test_hf_example(tmp_path):
     pytest.importorskip("transformers")
     out = run(tmp_path, "hf_causal_lm.py", env={"HF_EXAMPLE_STEPS": "2"})

@@ -172,6 +172,7 @@ def test_milp_plan_runs_exactly(reference, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES) + ["milp"])
+@pytest.mark.slow
 def test_bytes_per_lane_recompute_and_peak_match_the_simulator(reference, tmp_path, name):
     model, tokens = reference
     wl = measured(model, tokens, tmp_path)
@@ -205,6 +206,7 @@ RESIDENT_LAYER0 = custom(["gpu"] * (L + 1), keep=[False, True, False, False], re
 
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("name", list(SCHEDULES) + ["milp", "resident_layer0"])
+@pytest.mark.slow
 def test_real_device_bytes_stay_within_the_plan(reference, tmp_path, name, micro):
     """Real device bytes (live_bytes: every allocation, not the executor's bookkeeping) stay within
     what the simulator predicts in every window, and the step's real peak is at least 0.8x the
@@ -228,6 +230,7 @@ def test_real_cuda_bytes_stay_within_the_plan(reference, tmp_path, name, micro):
 
 
 @pytest.mark.parametrize("name", ["cpu_homes", "nvme_homes", "offloaded_internals"])
+@pytest.mark.slow
 def test_a_slow_offload_costs_time_not_memory(reference, tmp_path, name):
     """Delay injection: with a D2H lane far slower than compute, an offloaded boundary (or a layer's
     offloaded internals) still leaves the device at the end of its offload window (compute waits
@@ -300,6 +303,7 @@ def block_forward_flops(model, tokens) -> int:
 
 @pytest.mark.parametrize("name", ["keep_all", "recompute_all", "megatrain_K2", "megatrain_K4", "cpu_homes",
                                   "partial_keep"])
+@pytest.mark.slow
 def test_recomputed_flops_are_exactly_the_predicted_reruns(reference, tmp_path, name):
     model, tokens = reference
     with FlopCounterMode(display=False) as plain:
@@ -372,6 +376,7 @@ HF_CONFIGS = {
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 @pytest.mark.parametrize("policy", ["megatrain_K2", "cpu_homes", "kept_internals_resident", "offloaded_internals",
                                     "partial_keep"])
+@pytest.mark.slow
 def test_hugging_face_models_equal_plain_autograd(tmp_path, name, policy):
     transformers = pytest.importorskip("transformers")
     spec = dict(HF_CONFIGS[name])
@@ -420,6 +425,7 @@ def test_profile_measures_transient_working_sets(reference, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["megatrain_K2", "megatrain_K4", "recompute_all"])
+@pytest.mark.slow
 def test_a_rerun_starts_after_its_weights_arrive_on_a_slow_link(reference, tmp_path, name):
     """Delay injection: with an H2D link far slower than compute, every forward and every re-run of
     a recompute block starts on the timeline after the weight copy it binds has landed (the engine

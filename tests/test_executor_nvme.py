@@ -45,6 +45,7 @@ def spill_files(root) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith("."))
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_files_that_the_next_start_removes(tmp_path):
     # The child writes NVMe spill files through an emulated 10 kB/s link, so each 16 kB read takes 1.6 s;
     # it is killed with SIGKILL while the step is in flight.

@@ -149,6 +149,7 @@ def test_registered_names_are_accepted_by_fabric():
 
 
 @pytest.mark.parametrize("policy", ["milp", "recompute_all", "megatrain", "plan.json"])
+@pytest.mark.slow
 def test_same_losses_and_parameters_as_auto(policy, tmp_path):
     if policy == "plan.json":
         policy = mixed_plan(tmp_path / "plan.json")

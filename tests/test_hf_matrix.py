@@ -248,6 +248,7 @@ def compare(loss, want_loss, model, want_grads) -> None:
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.slow
 def test_block_stack_found(name):
     stack = find_blocks(reference(name)[0])
     assert stack.path == ARCHS[name]["blocks"]
@@ -255,6 +256,7 @@ def test_block_stack_found(name):
 
 
 @pytest.mark.parametrize(("name", "sched"), list(cases()))
+@pytest.mark.slow
 def test_loss_and_every_gradient_equal_plain_autograd(tmp_path, name, sched):
     model, batch, want_loss, want_grads = reference(name)
     m = copy.deepcopy(model)

@@ -48,6 +48,7 @@ def test_arena_is_whole_pages_and_slices_are_aligned_typed_views() -> None:
     assert report["reserved_bytes"] == 3 * HOST_PAGE and report["used_bytes"] == a.used
 
 
+@pytest.mark.slow
 def test_arena_memory_lives_while_a_slice_does() -> None:
     a = HostArena(HOST_PAGE)
     keep = a.take(4, torch.float32)

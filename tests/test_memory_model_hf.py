@@ -157,6 +157,7 @@ def _check(spec: ModelSpec, layer, x, args, kwargs, dtype_name: str, batch: int,
 
 
 @pytest.mark.parametrize("family,dtype,attn,shape", CASES)
+@pytest.mark.slow
 def test_planner_counts_what_hugging_face_layers_save_and_allocate(family, dtype, attn, shape):
     batch, seq = SHAPES[shape]
     config, layer, x, args, kwargs = _hf_layer(family, DTYPES[dtype], attn, batch, seq)

@@ -153,6 +153,7 @@ def h800_27b() -> tuple[Workload, Hardware]:
     return Workload.analytic(model, TrainSpec(micro_batch_size=72, seq_len=1024), hw), hw
 
 
+@pytest.mark.slow
 def test_two_parts_shorten_t_and_the_milp_times_it_as_the_simulator():
     wl, hw = h800_27b()
     assert len(wl.nonblock_parts) == 2  # untied: the embedding, then the final norm and the head
@@ -170,6 +171,7 @@ def test_two_parts_shorten_t_and_the_milp_times_it_as_the_simulator():
 
 
 @pytest.mark.parametrize("clip", [0.05, None])
+@pytest.mark.slow
 def test_the_strategy_runs_causal_lm_module_in_two_parts_exactly(clip):
     """CausalLMModule's HybridAdamW layers ``embed`` and ``head`` become the two parts; the pipelined
     step stages the embedding once its update is done, while the head's still runs; the training is

@@ -152,6 +152,7 @@ def test_unnamed_params_get_names() -> None:
     assert list(opt.assignment) == [f"g0.p{i}" for i in range(8)]
 
 
+@pytest.mark.slow
 def test_works_without_bitsandbytes() -> None:
     """eight_bit='none' needs no bitsandbytes; asking for 8-bit then fails with a clear error."""
     code = (

@@ -351,6 +351,7 @@ def test_buffers_go_back_to_the_host_at_close() -> None:
 
 # --------------------------------------------------------------- host memory accounting
 @pytest.mark.parametrize("case", ["fp32", "bf16_compute", "bf16_true", "fp32_4_slots"])
+@pytest.mark.slow
 def test_host_pinned_bytes_equal_the_planner_formula(case: str) -> None:
     """The store's host arenas (pinned on CUDA) hold exactly what ``param_store_host_bytes`` predicts:
     one arena of packed masters, one of slot staging (grad landing, and cast buffers when masters and

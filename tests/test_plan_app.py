@@ -279,6 +279,7 @@ MULTI = ["hardware=h800x8", "model=qwen2.5-3b", "train.micro_batch_size=8", "pla
 SHARD = [*MULTI, "plan.data_parallel=shard"]  # shard is asked for explicitly (the default is replicate)
 
 
+@pytest.mark.slow
 def test_multi_gpu_plans_per_rank_and_records_the_cluster(tmp_path):
     proc = run_cli(tmp_path, *SHARD, f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 0, proc.stderr
@@ -327,6 +328,7 @@ def test_multi_gpu_default_mode_is_the_strategys_replicate_and_says_so(tmp_path,
     assert json.loads((tmp_path / "plan.json").read_text())["data_parallel"]["mode"] == "replicate"
 
 
+@pytest.mark.slow
 def test_multi_gpu_host_cap(tmp_path, capsys):
     plan_job(compose_cfg(*SHARD, "plan.host_gb_per_node_cap=60", "plan.plot=false"), tmp_path)
     assert "(of cap 60.0 GB)" in capsys.readouterr().out

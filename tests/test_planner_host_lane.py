@@ -198,6 +198,7 @@ def milp_time_equals_simulator_for_every_schedule(wl, hw, nvme: bool, pipelined:
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.slow
 def test_milp_window_times_match_the_simulator_on_every_schedule_with_host_costs(seed):
     rng = random.Random(seed)
     wl, hw, nvme = random_instance(rng, 3)

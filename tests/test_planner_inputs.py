@@ -157,6 +157,7 @@ def test_planner_imports_without_torch():
     assert out.stdout.strip() == "optimal"
 
 
+@pytest.mark.slow
 def test_time_limit_keeps_the_incumbent_or_falls_back_with_a_warning():
     hw = Hardware.from_gb(**H800)
     m27 = ModelSpec(name="27b", num_layers=64, hidden=5120, intermediate=16720, heads=24, kv_heads=4, head_dim=256,
@@ -172,6 +173,7 @@ def test_time_limit_keeps_the_incumbent_or_falls_back_with_a_warning():
     simulate(cold.schedule, wl, hw)
 
 
+@pytest.mark.slow
 def test_batch_search_finds_largest_and_best_throughput():
     from lightning_lazytrain.planner import search_batch
 

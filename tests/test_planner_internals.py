@@ -150,6 +150,7 @@ def random_instance(rng: random.Random, n: int):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow
 def test_milp_time_equals_the_simulator_on_every_schedule(seed):
     wl, hw = random_instance(random.Random(500 + seed), 3)
     model = ScheduleModel(wl, hw, MilpOptions())
@@ -163,6 +164,7 @@ def test_milp_time_equals_the_simulator_on_every_schedule(seed):
     assert n > 1000 and moved > 800
 
 
+@pytest.mark.slow
 def test_milp_time_equals_the_simulator_on_four_layer_schedules_with_slow_links_and_blocks():
     # every 15th schedule of the 4-layer space (NVMe, both modes): moved internals behind recompute
     # blocks' fetch chains in B windows, behind boundary reloads and NVMe legs
@@ -190,6 +192,7 @@ def gpu_rows(model: ScheduleModel) -> list[float]:
     return [pyo.value(r) for r in rows]
 
 
+@pytest.mark.slow
 def test_milp_memory_and_host_rows_equal_the_simulator():
     wl, hw = random_instance(random.Random(7), 4)
     model = ScheduleModel(wl, hw, MilpOptions())
@@ -256,6 +259,7 @@ def test_the_enumerated_space_is_the_milps():
     assert sorted(model.internals.rel_idx) == sorted({(j, t) for j in range(4) for _, t in internals_choices(4, j)[1:]})
 
 
+@pytest.mark.slow
 def test_milp_finds_the_best_enumerated_schedule_with_and_without_the_decision():
     """Per instance: the MILP's plan is the best schedule of its space (with the decision), and the
     ablated MILP's the best of the schedules that move no internals; on some instances the two differ."""

@@ -190,6 +190,7 @@ def _multi_instance(seed: int, mode: str):
 
 @pytest.mark.parametrize("mode", ["shard", "fsdp", "replicate", "replicate_overlap"])
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow
 def test_milp_window_times_match_the_simulator_on_every_schedule_with_collectives(mode, seed):
     import pyomo.environ as pyo
 

@@ -52,6 +52,7 @@ def _three(wl, hw):
 
 
 @pytest.mark.parametrize("seed", range(8))
+@pytest.mark.slow
 def test_auto_equals_the_better_forced_mode_on_small_instances(seed):
     rng = random.Random(1200 + seed)
     wl, hw = small_instance(rng, 3 + seed % 3, slow=seed < 6)
@@ -118,6 +119,7 @@ def test_auto_finds_the_best_enumerated_schedule_of_both_modes(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.slow
 def test_milp_window_times_equal_the_simulator_in_both_modes(seed):
     """Seeded with every schedule of both modes, the auto model's iteration time (the window variables
     at their tight lower bounds, ``pipe`` set from the schedule) is the simulator's."""
@@ -150,6 +152,7 @@ def test_options():
     assert ScheduleModel(wl, hw, MilpOptions()).m.pipe.is_binary()
 
 
+@pytest.mark.slow
 def test_27b_h800_with_a_3_gb_per_s_link_picks_serial():
     """The audit's case: at 27B / H800 / batch 72 with a 3 GB/s link the serial optimizer tail is
     faster than the pipelined one (a layer's update + cast + fetch per forward window)."""

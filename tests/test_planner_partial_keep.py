@@ -79,6 +79,7 @@ def feasible_best(wl, hw, space):
 
 @pytest.mark.parametrize("cap", [9.5, 11.5, 14.5])
 @pytest.mark.parametrize("seconds", [0.05, 0.5])
+@pytest.mark.slow
 def test_milp_is_the_best_schedule_of_its_space(cap, seconds):
     """Exhaustive: every schedule of the MILP's space for 3 layers with partial keep (local / keep /
     partial per GPU-input layer, homes, reloads, residents, internals moves), simulated; the MILP's

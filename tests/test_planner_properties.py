@@ -48,6 +48,7 @@ def instances(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
+@pytest.mark.slow
 def test_milp_schedule_is_feasible_agrees_with_simulator_and_beats_baselines(inst):
     wl, hw = inst
     res = solve(wl, hw, time_limit=30)

@@ -112,6 +112,7 @@ def test_the_milp_plans_with_the_wait():
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.slow
 def test_milp_window_times_match_the_simulator_on_every_four_layer_schedule_with_a_slow_link(seed):
     # Fetches (0.7-3 s) longer than re-runs (0.1-0.6 s), and host casts: the waits bind.
     rng = random.Random(1200 + seed)

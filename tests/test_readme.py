@@ -103,6 +103,7 @@ def test_the_readme_has_the_expected_python_blocks():
 
 
 @pytest.mark.parametrize("index", range(4))
+@pytest.mark.slow
 def test_readme_python_block_runs(index, tmp_path, monkeypatch, capsys):
     block = python_blocks()[index]
     for old, new in SUBSTITUTIONS.get(block.splitlines()[0], []):

@@ -59,6 +59,7 @@ def test_the_milp_finds_the_per_layer_mode_where_it_beats_both_pure_modes():
             assert res.simulated.iteration_seconds <= simulate(other, wl, hw).iteration_seconds + 1e-9
 
 
+@pytest.mark.slow
 def test_at_27b_with_a_3_gb_per_s_link_some_layers_go_to_t():
     """The audit's case: serial beat pipelined (59.90 vs 61.05 s); a pipelined step with some layers
     updated in T beats both. With the shipped H800 profile no layer moves."""
@@ -120,6 +121,7 @@ def test_the_strategy_updates_the_serial_layers_in_t_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.slow
 def test_milp_window_times_equal_the_simulator_with_serial_layers(seed):
     """Seeded with every pipelined schedule of a 3-layer space and every set of serial layers, the
     model's iteration time (window variables at their tight lower bounds) is the simulator's."""

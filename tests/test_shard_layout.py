@@ -90,6 +90,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_all_gather_assembles_the_weights_and_reduce_scatter_sums_each_shard(tmp_path):
     import torch.multiprocessing as mp
 

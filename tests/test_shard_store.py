@@ -242,6 +242,7 @@ def test_a_failed_reduce_scatter_fails_the_step_with_its_cause(two_ranks):
 
 
 @pytest.mark.parametrize("name", [*SCHEDULES, "rebuild"])
+@pytest.mark.slow
 def test_two_sharded_ranks_train_as_one_process_with_twice_the_batch(two_ranks, name):
     ref = model()
     tokens = data()

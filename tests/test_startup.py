@@ -42,6 +42,7 @@ def test_planner_import_loads_neither_torch_nor_lightning(tmp_path):
     assert _heavy(proc) == []
 
 
+@pytest.mark.slow
 def test_plan_app_help_loads_neither_torch_nor_lightning(tmp_path):
     code = ("import sys\n"
             "sys.argv = ['lazytrain-plan', '--help']\n"
@@ -54,6 +55,7 @@ def test_plan_app_help_loads_neither_torch_nor_lightning(tmp_path):
     assert _heavy(proc) == []
 
 
+@pytest.mark.slow
 def test_plan_app_run_loads_neither_torch_nor_lightning(tmp_path):
     code = ("import sys\n"
             "sys.argv = ['lazytrain-plan', 'hardware=cpu', 'model=tiny', 'train=cpu', 'plan.time_limit=10']\n"
@@ -88,6 +90,7 @@ REGISTERED = ("from lightning.pytorch.strategies import StrategyRegistry\n"
 EXPLICIT = "import lightning_lazytrain.strategy\nimport lightning_lazytrain.fabric_strategy\n"
 
 
+@pytest.mark.slow
 def test_the_package_registers_nothing_and_rewrites_no_loader(tmp_path):
     """``import lightning_lazytrain`` imports neither torch nor Lightning and leaves Lightning's import alone:
     the names are registered by importing the strategy modules (below), nothing else."""

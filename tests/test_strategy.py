@@ -89,6 +89,7 @@ def fit(strategy, data, *, accumulate=1, steps=8, precision="32-true", **kw):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.slow
 def test_same_losses_as_auto_with_offload_and_recompute(tmp_path, accumulate):
     data = batches(8 * accumulate)
     _, want, _ = fit("auto", data, accumulate=accumulate)
@@ -120,6 +121,7 @@ def test_strategy_as_hydra_target():
     assert len(got) == 2 and trainer.strategy.plan is None  # torn down after fit
 
 
+@pytest.mark.slow
 def test_plan_files_and_step_metrics(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
@@ -142,6 +144,7 @@ def test_plan_files_and_step_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.slow
 def test_bf16_precisions_train(precision):
     data = batches(4)
     _, want, _ = fit("auto", data, steps=4, precision=precision)
@@ -174,6 +177,7 @@ def test_validation_test_and_predict_loops(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(preds, want_pred))
 
 
+@pytest.mark.slow
 def test_fast_dev_run_and_no_leaked_threads():
     before = threading.active_count()
     for _ in range(3):
@@ -183,6 +187,7 @@ def test_fast_dev_run_and_no_leaked_threads():
     assert threading.active_count() <= before + 1
 
 
+@pytest.mark.slow
 def test_checkpoint_weights_load_without_this_package(tmp_path):
     _, _, trainer = fit("lazytrain", batches(2), steps=2, default_root_dir=tmp_path)
     trainer.save_checkpoint(tmp_path / "w.ckpt")
@@ -230,6 +235,7 @@ class Hybrid8Module(HFModule):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "hybrid8"])
+@pytest.mark.slow
 def test_resumed_run_continues_with_the_same_losses(tmp_path, optimizer):
     import os
 
@@ -283,6 +289,7 @@ def test_gradient_clip_val_is_fused_into_hybrid_adamw(monkeypatch):
     assert max(abs(a - b) for a, b in zip(losses.values, want)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_fused_clip_with_a_loss_scaler_sees_unscaled_norms():
     """16-mixed + HybridAdamW + gradient_clip_val: the executor's norms are taken before the
     plugin unscales the grads; handed over, they must be unscaled too (a CPU GradScaler here)."""
@@ -348,6 +355,7 @@ def test_gpu_accelerator_by_name_uses_cuda0():
     assert trainer.strategy.root_device == torch.device("cuda", 0)
 
 
+@pytest.mark.slow
 def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
     """With HybridAdamW grouped per block, optimizer.step starts a layer-pipelined update and the
     next forward waits per block; the losses are exactly those of the serial step."""

@@ -65,6 +65,7 @@ def test_misspelt_key_fails_at_composition():
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)  # the main path is lazytrain; auto is plain Lightning
+@pytest.mark.slow
 def test_app_trains_and_writes_loss_png_and_final_val_loss(tmp_path, capsys, strategy):
     torch_threads = torch.get_num_threads()
     cfg = compose_cfg(*FAST, f"strategy.name={strategy}")
@@ -325,6 +326,7 @@ def test_an_unusable_spill_directory_at_setup_is_a_config_error(tmp_path, monkey
         train_job(compose_cfg(*FAST, f"strategy.nvme_dir={tmp_path / 'spill'}"), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_the_app_reloads_without_the_app(tmp_path):
     """enable_checkpointing=true: the checkpoint rebuilds the same LlamaLM from its saved hyper-parameters."""
     from lightning_lazytrain.data import StdlibTextDataModule
