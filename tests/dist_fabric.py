@@ -18,18 +18,14 @@ from datetime import timedelta
 
 import lightning as L
 import torch
-import transformers
+from models import tiny_llama
 
 LAYERS = 4
 SEQ = 32
 
 
 def make_model(seed: int) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="eager")
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(seed, layers=LAYERS)
 
 
 def data(n: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from test_conformance import mixed_plan  # the conformance tests' plan mixing ho
 
 from lightning_lazytrain.optim import HybridAdamW
 from lightning_lazytrain.strategy import LazyTrainStrategy
+from models import StackNet, WideBlock
 
 LAYERS = 4
 STEPS = 4
@@ -28,34 +29,10 @@ ACCUM = 2
 ACTIVE, INACTIVE = 0.05, 1e6  # clip values: below every step's norm / above it
 
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, 2 * d)
-        self.norm = nn.LayerNorm(2 * d)
-        self.out = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.out(torch.tanh(self.norm(self.lin(x))))
-
-
-class Net(L.LightningModule):
+class Net(StackNet):
     def __init__(self, d=32, **opt):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Linear(6, d)
-        self.layers = nn.ModuleList(Block(d) for _ in range(LAYERS))
-        self.head = nn.Linear(d, 1)
+        super().__init__(lambda: WideBlock(d), d, layers=LAYERS)
         self.opt = opt
-
-    def forward(self, x):
-        h = self.emb(x)
-        for b in self.layers:
-            h = b(h)
-        return h
-
-    def training_step(self, batch, batch_idx):
-        return self.head(self(batch)).square().mean()
 
     def configure_optimizers(self):
         return HybridAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, **self.opt)

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_lazytrain.planner import Schedule
 from lightning_lazytrain.strategy import LazyTrainStrategy
+from models import DropoutBlock, StackNet
 
 LAYERS = 4
 STEPS = 4
@@ -40,39 +41,17 @@ def policy(request, tmp_path):
     return mixed_plan(tmp_path / "plan.json") if request.param == "mixed" else request.param
 
 
-class Block(nn.Module):
-    def __init__(self, d, dropout, bn):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.bn = nn.BatchNorm1d(d) if bn else None
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x):
-        h = self.lin(x)
-        if self.bn is not None:
-            h = self.bn(h.transpose(1, 2)).transpose(1, 2)
-        return x + self.drop(torch.tanh(h))
+Block = DropoutBlock  # (other tests import it from here)
 
 
-class Net(L.LightningModule):
+class Net(StackNet):
     """A small model with a block stack; optional dropout, BatchNorm, a second head (GAN-like
     manual optimization) and counters of every user hook."""
 
     def __init__(self, dropout=0.0, bn=False, d=16):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Linear(6, d)
-        self.layers = nn.ModuleList(Block(d, dropout, bn) for _ in range(LAYERS))
-        self.head = nn.Linear(d, 1)
-        self.critic = nn.Linear(d, 1)
+        super().__init__(lambda: Block(d, dropout, bn), d, layers=LAYERS, critic=True)
         self.calls = {"training_step": 0, "on_after_backward": 0}
         self.hook_grads: list[dict[str, torch.Tensor]] = []
-
-    def forward(self, x):
-        h = self.emb(x)
-        for b in self.layers:
-            h = b(h)
-        return h
 
     def training_step(self, batch, batch_idx):
         self.calls["training_step"] += 1

@@ -16,6 +16,7 @@ import torch
 
 from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy  # (registers the strategies)
 from lightning_lazytrain.planner import InfeasibleBudget, Schedule
+from models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,11 +24,7 @@ LAYERS = 4
 
 
 def make_model() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="eager")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(0, layers=LAYERS)
 
 
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ bnb_f = pytest.importorskip("bitsandbytes.functional")
 
 from lightning_lazytrain.optim import HybridAdamW, group_by_layer  # noqa: E402
 from lightning_lazytrain.optim.bnb8bit import dequantized_moments  # noqa: E402
+from models import layer_of, mlp_stack  # noqa: E402
 
 
 
@@ -71,18 +73,7 @@ def test_bnb_update_is_adamw() -> None:
     assert state["step"].item() == 5
 
 
-def make_model(bias: bool = True) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(3):
-        layers.append(
-            torch.nn.Sequential(torch.nn.Linear(64, 128, bias=bias), torch.nn.Tanh(), torch.nn.Linear(128, 64, bias=bias))
-        )
-    return torch.nn.Sequential(*layers)
-
-
-def layer_of(name: str) -> int:
-    return int(name.split(".")[0])
+make_model = functools.partial(mlp_stack, 3, 64, 128, act=torch.nn.Tanh)  # (bias=False: without biases)
 
 
 def fixed_grads(model: torch.nn.Module, steps: int) -> list[list[torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -9,23 +10,14 @@ import pytest
 import torch
 
 from lightning_lazytrain.optim import HybridAdamW, clip_coefficient, global_grad_norm, group_by_layer
+from models import layer_of, mlp_stack
 
 LR = 1e-3
 WD = 0.1
 STEPS = 20
 
 
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-        for _ in range(3)
-    ]
-    return torch.nn.Sequential(*blocks)
-
-
-def layer_of(name: str) -> int:
-    return int(name.split(".")[0])
+make_model = functools.partial(mlp_stack, 3, 32, 64, act=torch.nn.GELU, norm=True)
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

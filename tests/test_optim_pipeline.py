@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
 import torch
 
 from lightning_lazytrain.optim import HybridAdamW, LayerPipeline, group_by_layer
+from models import layer_of, mlp_stack
 
 N_LAYERS = 4
 
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        *[
-            torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Tanh(), torch.nn.Linear(96, 64))
-            for _ in range(N_LAYERS)
-        ]
-    )
-
-
-def layer_of(name: str) -> int:
-    return int(name.split(".")[0])
+make_model = functools.partial(mlp_stack, N_LAYERS, 64, 96, act=torch.nn.Tanh, norm=True)
 
 
 def make_opt(model: torch.nn.Module, eight_bit: object, **kw: object) -> HybridAdamW:

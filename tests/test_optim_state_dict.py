@@ -8,18 +8,12 @@ import pytest
 import torch
 
 from lightning_lazytrain.optim import HybridAdamW, group_by_layer
+from models import layer_of, mlp_block
 
 
 
 def make_model(device: str = "cpu") -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Tanh(), torch.nn.Linear(128, 64)
-    ).to(device)
-
-
-def layer_of(name: str) -> int:
-    return int(name.split(".")[0])
+    return mlp_block(64, 128, act=torch.nn.Tanh, norm=True, seed=0).to(device)
 
 
 def make_opt(model: torch.nn.Module, eight_bit: object) -> HybridAdamW:

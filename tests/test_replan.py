@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_lazytrain.core.replan import DriftMonitor, ReplanOptions, measured_link_rates
+from models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,10 +180,7 @@ class SlowsDown(L.Callback):
 class Net(L.LightningModule):
     def __init__(self):
         super().__init__()
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        torch.manual_seed(0)
-        self.model = transformers.LlamaForCausalLM(cfg)
+        self.model = tiny_llama(0, eager=False)  # (the default attention)
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):

@@ -18,6 +18,7 @@ import lightning_lazytrain
 from lightning_lazytrain.blocks import BlockDiscoveryError
 from lightning_lazytrain.planner import InfeasibleBudget, InvalidInput, Schedule
 from lightning_lazytrain.strategy import LazyTrainStrategy
+from models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,11 +30,7 @@ class HFModule(L.LightningModule):
 
     def __init__(self, lr: float = 1e-3, seed: int = 0):
         super().__init__()
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
-                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=64, attn_implementation="eager")
-        torch.manual_seed(seed)
-        self.model = transformers.LlamaForCausalLM(cfg)
+        self.model = tiny_llama(seed, layers=LAYERS)
         self.lr = lr
 
     def training_step(self, batch, batch_idx):
