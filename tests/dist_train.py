@@ -1,6 +1,7 @@
 """A training script for the data-parallel tests (``tests/test_distributed.py``): run as
-``python tests/dist_train.py '<json options>'``; Lightning's launcher starts the other ranks by
-running this same command. Each rank writes its per-step losses; rank 0 writes the final weights.
+``python tests/dist_train.py '<json options>'`` (or a JSON list of options: the runs one after another in
+the same processes, see ``main``); Lightning's launcher starts the other ranks by running this same
+command. Each rank writes its per-step losses; rank 0 writes the final weights.
 
 Options: out (directory), devices, batch, steps, accum, clip, policy, strategy ("lazytrain" or
 "auto"), fail_rank / fail_step (raise there), optimizer ("sgd", "hybrid" or "hybrid8": HybridAdamW
@@ -31,7 +32,7 @@ from datetime import timedelta
 
 import lightning as L
 import torch
-import transformers
+from models import tiny_llama
 
 LAYERS = 4
 SEQ = 32
@@ -40,11 +41,8 @@ SEQ = 32
 class Net(L.LightningModule):
     def __init__(self, opts: dict):
         super().__init__()
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
-                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=64, attn_implementation="eager")
-        torch.manual_seed(0 if opts.get("same_init", True) else 1000 + int(os.environ.get("LOCAL_RANK", 0)))
-        self.model = transformers.LlamaForCausalLM(cfg)
+        self.model = tiny_llama(0 if opts.get("same_init", True) else 1000 + int(os.environ.get("LOCAL_RANK", 0)),
+                                layers=LAYERS)
         self.opts = opts
         self.losses: list[float] = []
 
@@ -261,7 +259,18 @@ def train(opts: dict) -> Net:
 
 
 def main() -> None:
-    opts = json.loads(sys.argv[1])
+    """One run, or (a JSON list) several runs one after another in the same processes: the first
+    ``Trainer.fit`` launches the other ranks, the later ones find them (Lightning's launcher sets
+    LOCAL_RANK), each with a fresh Trainer, strategy and module. Each rank marks a finished run with
+    ``done_rank{r}`` in its ``out``: a batch that stops shows which run it stopped in."""
+    runs = json.loads(sys.argv[1])
+    for opts in runs if isinstance(runs, list) else [runs]:
+        print(f"dist_train: run {opts['out']}", flush=True)
+        os.chdir(opts["out"])  # each run in its own directory (the Trainer's default root)
+        run(opts)
+
+
+def run(opts: dict) -> None:
     module = train(opts)
     out = opts["out"]
     rank = module.global_rank
@@ -282,6 +291,8 @@ def main() -> None:
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()},
                    os.path.join(out, "weights.pt"))
+    with open(os.path.join(out, f"done_rank{rank}"), "w"):
+        pass
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the error, no hang."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -30,6 +31,7 @@ def mixed_plan(path: Path) -> str:
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
 def _script():
     spec = importlib.util.spec_from_file_location("dist_train", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -48,6 +50,154 @@ def outputs(path: Path, ranks: int = 2) -> tuple[list[list[float]], dict[str, to
             torch.load(path / "weights.pt"))
 
 
+# Finished runs, shared (Note: [shared runs]). Several tests train the same configuration (the same DDP
+# run, the same uninterrupted run, the same one-process reference); each is run once per session, and
+# the runs of all the selected tests start together, one after another in the same processes: the
+# start-up (a fresh interpreter importing torch, Lightning and transformers per rank, one rank after
+# the other) is most of a short run's time. A test names its runs with ``uses_runs(spec)``: spec maps
+# the test's parameters to {name: dist_train options}; the ``runs`` fixture gives {name: the run's
+# output directory}, launching on first use whatever the selected tests need that is not there yet.
+# Options beyond dist_train's: policy "mixed" (``mixed_plan``'s file), ``save`` a file name in the
+# run's directory, ``resume`` {"run": options} (that run's ``save``: launched in a later batch, in
+# fresh processes, after the run that saved it) or {"one_process": options} (dist_train.train in this
+# process, saving its ``save`` once per session). Runs that are meant to fail, and the 4-process run,
+# are launched on their own (``launch``).
+
+
+def key_of(opts: dict) -> str:
+    return json.dumps({"devices": 2, **opts}, sort_keys=True)
+
+
+class Runs:
+    def __init__(self, root: Path, declared):
+        self.root = root
+        self.declared = declared  # () -> the options of every run the selected tests name, in test order
+        self.done: dict[str, Path] = {}
+        self.failed: dict[str, str] = {}
+        self.saved: dict[str, Path] = {}  # one-process checkpoints
+        self._n = 0
+
+    def get(self, opts: dict) -> Path:
+        key = key_of(opts)
+        if key not in self.done and key not in self.failed:
+            self._launch(opts)
+        if key in self.failed:
+            pytest.fail(self.failed[key], pytrace=False)
+        return self.done[key]
+
+    def one_process_save(self, opts: dict) -> Path:
+        """dist_train.train(opts) in this process, once: the checkpoint it saved."""
+        key = json.dumps(opts, sort_keys=True)
+        if key not in self.saved:
+            out = self.root / f"one{len(self.saved)}"
+            out.mkdir()
+            _script().train({**opts, "save": str(out / opts["save"])})
+            self.saved[key] = out / opts["save"]
+        return self.saved[key]
+
+    def _ready(self, opts: dict) -> bool:
+        dep = (opts.get("resume") or {}).get("run")
+        return dep is None or key_of(dep) in self.done
+
+    def _resolved(self, opts: dict, out: Path) -> dict:
+        o = {"devices": 2, **opts, "out": str(out)}
+        if o.get("policy") == "mixed":
+            o["policy"] = mixed_plan(self.root / "mixed_plan.json")
+        if "save" in o:
+            o["save"] = str(out / o["save"])
+        dep = o.get("resume")
+        if isinstance(dep, dict):
+            o["resume"] = (str(self.get(dep["run"]) / dep["run"]["save"]) if "run" in dep
+                           else str(self.one_process_save(dep["one_process"])))
+        return o
+
+    def _launch(self, opts: dict) -> None:
+        dep = (opts.get("resume") or {}).get("run")
+        if dep is not None:
+            self.get(dep)  # (a run's checkpoint is written in an earlier batch)
+        devices = opts.get("devices", 2)
+        batch, keys = [], set()
+        for o in [opts, *self.declared()]:
+            k = key_of(o)
+            if (k in keys or k in self.done or k in self.failed or o.get("devices", 2) != devices
+                    or not self._ready(o)):
+                continue
+            keys.add(k)
+            batch.append(o)
+        # lazytrain's runs first: the first run's strategy makes the process group (its timeout)
+        batch.sort(key=lambda o: o.get("strategy", "lazytrain") != "lazytrain")
+        outs = []
+        for _ in batch:
+            self._n += 1
+            outs.append(self.root / f"run{self._n}")
+            outs[-1].mkdir()
+        resolved = [self._resolved(o, out) for o, out in zip(batch, outs)]
+        try:
+            proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(resolved)], capture_output=True, text=True,
+                                  timeout=180 + 90 * len(batch), cwd=self.root)
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            text = (lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b or "")
+            stdout, stderr, rc = text(e.stdout), text(e.stderr) + f"\n(timed out after {e.timeout} s)", None
+        for o, out in zip(batch, outs):
+            if all((out / f"done_rank{r}").exists() for r in range(devices)):
+                self.done[key_of(o)] = out
+            else:  # the run the batch stopped in; the later ones are launched again when needed
+                start = stdout.find(f"dist_train: run {out}")
+                self.failed[key_of(o)] = (f"dist_train exited with {rc} in the run {json.dumps(o)}:\n"
+                                          + stdout[max(start, 0):][-3000:] + stderr[-8000:])
+                break
+
+
+@pytest.fixture(scope="session")
+def dist_runs(request, tmp_path_factory) -> Runs:
+    def declared() -> list[dict]:
+        out = []
+        for item in request.session.items:
+            spec = getattr(getattr(item, "function", None), "dist_runs", None)
+            if spec is not None:
+                callspec = getattr(item, "callspec", None)
+                out.extend(spec(**(callspec.params if callspec is not None else {})).values())
+        return out
+
+    return Runs(tmp_path_factory.mktemp("dist_runs"), declared)
+
+
+@pytest.fixture
+def runs(request, dist_runs) -> dict[str, Path]:
+    """{name: output directory} of the runs the test names with ``uses_runs``."""
+    callspec = getattr(request.node, "callspec", None)
+    spec = request.function.dist_runs(**(callspec.params if callspec is not None else {}))
+    return {name: dist_runs.get(opts) for name, opts in spec.items()}
+
+
+def uses_runs(spec):
+    def mark(test):
+        test.dist_runs = spec
+        return test
+
+    return mark
+
+
+_references: dict[str, object] = {}
+
+
+def reference(opts: dict):
+    """dist_train.train(opts) in this process (one rank), once per configuration: the module it
+    trained (tests read its losses and weights, never change them)."""
+    key = json.dumps(opts, sort_keys=True)
+    if key not in _references:
+        _references[key] = _script().train(opts)
+    return _references[key]
+
+
+def two_rank_runs(policy, accum, clip, optimizer, overlap) -> dict[str, dict]:
+    common = dict(batch=2, steps=3, accum=accum, clip=clip, optimizer=optimizer,
+                  same_init=False)  # ranks start differently: rank 0's weights are broadcast, as DDP does
+    return {"lazy": dict(policy=policy, overlap=overlap, record_bytes=True, **common),
+            "ddp": dict(strategy="auto", **common)}  # Lightning's DDP
+
+
 @pytest.mark.parametrize("policy, accum, clip, optimizer, overlap", [
     ("milp", 1, None, "sgd", True),
     ("milp", 2, 0.5, "sgd", True),  # planned as replicate (the MILP's overlap is for grad_accum 1)
@@ -55,26 +205,18 @@ def outputs(path: Path, ranks: int = 2) -> tuple[list[list[float]], dict[str, to
     ("megatrain", 2, 0.5, "sgd", False),  # every group averaged after the backward
     ("mixed", 2, 0.5, "sgd", True),  # a host home, a recomputed boundary, internals kept on the host
 ])
-def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer,
-                                                                     overlap):
+@uses_runs(two_rank_runs)
+def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(runs, policy, accum, clip, optimizer, overlap):
     """The same training as Lightning's DDP, bit for bit; with ``overlap`` (distributed.py, Note:
     [overlapped all-reduce]) every group's all-reduce ran on the collective thread as soon as the
     group was finished (the blocks' during the backward), without, all of them after it; each rank's
     bytes per lane equal the simulator's per-rank prediction."""
     b, steps = 2, 3
-    common = dict(batch=b, steps=steps, accum=accum, clip=clip, optimizer=optimizer,
-                  same_init=False)  # ranks start differently: rank 0's weights are broadcast, as DDP does
-    (tmp_path / "lazy").mkdir()
-    (tmp_path / "ddp").mkdir()
-    plan = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
-    for run in (launch(tmp_path / "lazy", policy=plan, overlap=overlap, record_bytes=True, **common),
-                launch(tmp_path / "ddp", strategy="auto", **common)):  # Lightning's DDP
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    losses, weights = outputs(tmp_path / "lazy")
-    ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    losses, weights = outputs(runs["lazy"])
+    ddp_losses, ddp_weights = outputs(runs["ddp"])
     layers = _script().LAYERS
     for r in range(2):
-        rows = json.loads((tmp_path / "lazy" / f"bytes_rank{r}.json").read_text())
+        rows = json.loads((runs["lazy"] / f"bytes_rank{r}.json").read_text())
         assert [row["step"] for row in rows] == list(range(1, steps + 1))
         if policy != "recompute_all":  # the profiled step runs the provisional schedule (recompute_all on CPU)
             assert rows[-1]["policy"] == rows[1]["policy"] != rows[0]["policy"]
@@ -94,8 +236,8 @@ def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, p
     for name, value in ddp_weights.items():
         assert torch.equal(weights[name], value), name
 
-    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "accum": accum, "clip": clip,
-                           "strategy": "auto", "optimizer": optimizer, "same_init": False, "union_of": 2})
+    ref = reference({"devices": 1, "batch": 2 * b, "steps": steps, "accum": accum, "clip": clip,
+                     "strategy": "auto", "optimizer": optimizer, "same_init": False, "union_of": 2})
     # ref's init is rank 0's; each of its micro-batches is the union of the two ranks' (same order)
     ours = [(x + y) / 2 for x, y in zip(*losses)]
     assert len(ours) == len(ref.losses) == steps * accum
@@ -107,56 +249,57 @@ def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(tmp_path, p
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
-def test_a_hook_after_backward_sees_what_it_sees_under_ddp(tmp_path):
+def hook_runs() -> dict[str, dict]:
+    common = dict(batch=2, steps=2, accum=2, clip=0.5, same_init=False, grad_probe=True)
+    return {"lazy": dict(policy="megatrain", **common), "ddp": dict(strategy="auto", **common)}
+
+
+@uses_runs(hook_runs)
+def test_a_hook_after_backward_sees_what_it_sees_under_ddp(runs):
     """distributed.py, Note: [one sync per step]: an ``on_after_backward`` hook makes every micro-batch
     write its gradients back; with accumulation 2 the hook still sees each rank's own gradients after
     the first micro-batch and their average after the last, as under DDP (``no_sync``), and the run
     is DDP's bit for bit."""
-    common = dict(batch=2, steps=2, accum=2, clip=0.5, same_init=False, grad_probe=True)
-    (tmp_path / "lazy").mkdir()
-    (tmp_path / "ddp").mkdir()
-    for run in (launch(tmp_path / "lazy", policy="megatrain", **common),
-                launch(tmp_path / "ddp", strategy="auto", **common)):
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    probes = {k: [json.loads((tmp_path / k / f"probe_rank{r}.json").read_text())["rows"] for r in range(2)]
+    probes = {k: [json.loads((runs[k] / f"probe_rank{r}.json").read_text())["rows"] for r in range(2)]
               for k in ("lazy", "ddp")}
     # the profiled micro-batch averaged nothing (held), yet the plan prices every group's all-reduce
-    assert json.loads((tmp_path / "lazy" / "probe_rank0.json").read_text())["plan_allreduce_bytes"] > 0
+    assert json.loads((runs["lazy"] / "probe_rank0.json").read_text())["plan_allreduce_bytes"] > 0
     for r in range(2):
         assert len(probes["lazy"][r]) == 4
         torch.testing.assert_close(torch.tensor(probes["lazy"][r]), torch.tensor(probes["ddp"][r]),
                                    rtol=1e-6, atol=0.0)
     assert probes["ddp"][0][0] != probes["ddp"][1][0]  # first micro-batch: each rank's own
     assert probes["ddp"][0][1] == probes["ddp"][1][1]  # last: the average
-    losses, weights = outputs(tmp_path / "lazy")
-    ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    losses, weights = outputs(runs["lazy"])
+    ddp_losses, ddp_weights = outputs(runs["ddp"])
     assert losses == ddp_losses
     for name, value in ddp_weights.items():
         assert torch.equal(weights[name], value), name
 
 
-def test_gradient_hooks_and_edits_train_as_ddp_and_sharded_as_one_rank(tmp_path):
+def editing_runs() -> dict[str, dict]:
+    common = dict(batch=2, steps=3, accum=2, clip=0.5, optimizer="hybrid", same_init=False, user_hooks=True)
+    return {"lazy": dict(policy="megatrain", **common),
+            "shard": dict(policy="recompute_all", data_parallel="shard", **common),
+            "ddp": dict(strategy="auto", **common)}
+
+
+@uses_runs(editing_runs)
+def test_gradient_hooks_and_edits_train_as_ddp_and_sharded_as_one_rank(runs):
     """Parameter hooks and gradients edited before the step (dist_train's ``EditingNet``), with
     HybridAdamW's fused clip and accumulation: the replicate mode equals Lightning's DDP bit for bit
     (the post-accumulate hook sees each rank's own gradient, the average comes after it, the clip's
     norms are taken after the edits); the sharded mode equals one rank with twice the batch (its
     norms of edited gradients taken again over the ranks' shards)."""
     b, steps = 2, 3
-    common = dict(batch=b, steps=steps, accum=2, clip=0.5, optimizer="hybrid", same_init=False, user_hooks=True)
-    runs = {"lazy": dict(policy="megatrain"), "shard": dict(policy="recompute_all", data_parallel="shard"),
-            "ddp": dict(strategy="auto")}
-    for name, opts in runs.items():
-        (tmp_path / name).mkdir()
-        run = launch(tmp_path / name, **opts, **common)
-        assert run.returncode == 0, name + run.stdout[-3000:] + run.stderr[-5000:]
-    losses, weights = outputs(tmp_path / "lazy")
-    ddp_losses, ddp_weights = outputs(tmp_path / "ddp")
+    losses, weights = outputs(runs["lazy"])
+    ddp_losses, ddp_weights = outputs(runs["ddp"])
     assert losses == ddp_losses
     for name, value in ddp_weights.items():
         assert torch.equal(weights[name], value), name
-    shard_losses, shard_weights = outputs(tmp_path / "shard")
-    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "accum": 2, "clip": 0.5, "strategy": "auto",
-                           "optimizer": "hybrid", "same_init": False, "union_of": 2, "user_hooks": True})
+    shard_losses, shard_weights = outputs(runs["shard"])
+    ref = reference({"devices": 1, "batch": 2 * b, "steps": steps, "accum": 2, "clip": 0.5, "strategy": "auto",
+                     "optimizer": "hybrid", "same_init": False, "union_of": 2, "user_hooks": True})
     torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*shard_losses)]), torch.tensor(ref.losses),
                                rtol=1e-6, atol=0.0)
     for name, value in ref.model.state_dict().items():  # Adam: DDP's own distance from one rank is the bound
@@ -164,21 +307,20 @@ def test_gradient_hooks_and_edits_train_as_ddp_and_sharded_as_one_rank(tmp_path)
         assert (shard_weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
-def test_a_second_pass_through_the_blocks_averages_after_the_backward(tmp_path):
+@uses_runs(lambda: {"run": dict(batch=2, steps=2, policy="megatrain", two_forwards=True, record_bytes=True,
+                                 same_init=False)})
+def test_a_second_pass_through_the_blocks_averages_after_the_backward(runs):
     """Two forwards before one backward (every block runs an ad-hoc second pass, whose gradients
     reach the host after its planned ones): the overlapped all-reduce would miss them, so the ranks
     agree to average every group after the backward in such a step; the run still equals one rank
     with twice the batch (to 1e-6)."""
     b, steps = 2, 2
-    run = launch(tmp_path, batch=b, steps=steps, policy="megatrain", two_forwards=True, record_bytes=True,
-                 same_init=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    losses, weights = outputs(tmp_path)
+    losses, weights = outputs(runs["run"])
     for r in range(2):
-        rows = json.loads((tmp_path / f"bytes_rank{r}.json").read_text())
+        rows = json.loads((runs["run"] / f"bytes_rank{r}.json").read_text())
         assert [row["overlapped"] for row in rows] == [[]] * steps
-    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "strategy": "auto", "same_init": False,
-                           "union_of": 2, "two_forwards": True})
+    ref = reference({"devices": 1, "batch": 2 * b, "steps": steps, "strategy": "auto", "same_init": False,
+                     "union_of": 2, "two_forwards": True})
     torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
                                rtol=1e-6, atol=0.0)
     for name, value in ref.model.state_dict().items():
@@ -192,20 +334,20 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     assert not (tmp_path / "weights.pt").exists()
 
 
-def resume_three_ways(tmp_path: Path, **common) -> tuple[Path, list[list[float]], dict[str, torch.Tensor]]:
+def resume_runs(**common) -> dict[str, dict]:
     """Two epochs of two steps on 2 ranks: uninterrupted, stopped after epoch 0 with a checkpoint, and
-    resumed from it; asserts the resumed run is the uninterrupted one, bit for bit (losses and weights).
-    Returns the checkpoint, the resumed run's losses per rank and the final weights."""
-    for d in ("full", "first", "second"):
-        (tmp_path / d).mkdir()
-    ckpt = tmp_path / "epoch0.ckpt"
-    for run in (launch(tmp_path / "full", steps=4, **common),
-                launch(tmp_path / "first", steps=2, save=str(ckpt), **common),
-                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    full_losses, full = outputs(tmp_path / "full")
-    first_losses, _ = outputs(tmp_path / "first")
-    second_losses, resumed = outputs(tmp_path / "second")
+    resumed from it (in fresh processes)."""
+    first = dict(steps=2, save="epoch0.ckpt", **common)
+    return {"full": dict(steps=4, **common), "first": first, "second": dict(steps=4, resume={"run": first}, **common)}
+
+
+def resume_three_ways(runs: dict[str, Path]) -> tuple[Path, list[list[float]], dict[str, torch.Tensor]]:
+    """``resume_runs``: asserts the resumed run is the uninterrupted one, bit for bit (losses and
+    weights). Returns the checkpoint, the resumed run's losses per rank and the final weights."""
+    ckpt = runs["first"] / "epoch0.ckpt"
+    full_losses, full = outputs(runs["full"])
+    first_losses, _ = outputs(runs["first"])
+    second_losses, resumed = outputs(runs["second"])
     for r in range(2):
         assert first_losses[r] + second_losses[r] == full_losses[r]
     for name, value in full.items():
@@ -214,16 +356,17 @@ def resume_three_ways(tmp_path: Path, **common) -> tuple[Path, list[list[float]]
 
 
 @pytest.mark.parametrize("fmt, optimizer", [("sharded", "sgd"), ("sharded", "hybrid8"), ("full", "sgd")])
-def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tmp_path, fmt, optimizer):
+@uses_runs(lambda fmt, optimizer: resume_runs(batch=2, epoch_steps=2, policy="milp", same_init=False,
+                                              checkpoint_format=fmt, optimizer=optimizer))
+def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(runs, fmt, optimizer):
     """Two epochs of two steps: 2 ranks uninterrupted; 2 ranks stopped after epoch 0 and resumed from
     the checkpoint (bit-identical); and the same checkpoint resumed by 1 rank with twice the batch
     (the same training, to 1e-6). ``sharded``: a DCP directory, each rank writing a share (with
     ``hybrid8`` HybridAdamW's uint8 states, fp32 block scales and qmaps go through it); ``full``: one
     file from rank 0."""
     b = 2
-    ckpt, second_losses, full = resume_three_ways(tmp_path, batch=b, epoch_steps=2, policy="milp", same_init=False,
-                                                  checkpoint_format=fmt, optimizer=optimizer)
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
+    ckpt, second_losses, full = resume_three_ways(runs)
+    assert [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")] == []  # no temporaries left
     if fmt == "sharded":  # both ranks wrote a share, neither all of it (DCP deduplicated the replicas)
         shares = {p.name: p.stat().st_size for p in ckpt.glob("*.distcp")}
         assert sorted(shares) == ["__0_0.distcp", "__1_0.distcp"], shares
@@ -243,22 +386,24 @@ def test_resume_is_bit_identical_and_a_checkpoint_moves_from_two_ranks_to_one(tm
             assert (full[name] - value).norm() <= 1e-6 * value.norm(), name
 
 
-def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+ONE_RANK_EPOCH0 = {"devices": 1, "batch": 4, "steps": 2, "epoch_steps": 2, "strategy": "lazytrain", "policy": "milp",
+                  "same_init": False, "union_of": 2, "epoch": 0, "save": "epoch0.ckpt"}
+
+
+def one_to_two_runs() -> dict[str, dict]:
+    # (the format and optimizer are dist_train's defaults, named: the uninterrupted run is the resume test's)
+    common = dict(batch=2, epoch_steps=2, policy="milp", same_init=False, checkpoint_format="sharded", optimizer="sgd")
+    return {"full": dict(steps=4, **common), "second": dict(steps=4, resume={"one_process": ONE_RANK_EPOCH0}, **common)}
+
+
+@uses_runs(one_to_two_runs)
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(runs, dist_runs):
     """1 -> 2: one rank with twice the batch trains epoch 0 and saves (one process: the single
     verified file); two ranks resume from it and train epoch 1 as two uninterrupted ranks do (to 1e-6)."""
-    b = 2
-    for d in ("one", "full", "second"):
-        (tmp_path / d).mkdir()
-    ckpt = tmp_path / "one" / "epoch0.ckpt"
-    _script().train({"devices": 1, "batch": 2 * b, "steps": 2, "epoch_steps": 2, "strategy": "lazytrain",
-                     "policy": "milp", "same_init": False, "union_of": 2, "epoch": 0, "save": str(ckpt)})
+    ckpt = dist_runs.one_process_save(ONE_RANK_EPOCH0)
     assert ckpt.is_file()
-    common = dict(batch=b, epoch_steps=2, policy="milp", same_init=False)
-    for run in (launch(tmp_path / "full", steps=4, **common),
-                launch(tmp_path / "second", steps=4, resume=str(ckpt), **common)):
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    full_losses, full = outputs(tmp_path / "full")
-    second_losses, resumed = outputs(tmp_path / "second")
+    full_losses, full = outputs(runs["full"])
+    second_losses, resumed = outputs(runs["second"])
     for r in range(2):
         torch.testing.assert_close(torch.tensor(second_losses[r]), torch.tensor(full_losses[r][2:]), rtol=1e-6, atol=0.0)
     for name, value in full.items():
@@ -294,43 +439,42 @@ def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
         load_sharded(ckpt)
 
 
+def shard_runs(policy, accum, clip, optimizer) -> dict[str, dict]:
+    common = dict(batch=2, steps=3, accum=accum, clip=clip, optimizer=optimizer, same_init=False)
+    runs = {"shard": dict(policy=policy, data_parallel="shard", record_bytes=True, **common)}
+    if optimizer != "sgd":  # Adam divides rounding-level differences of tiny gradients by their own
+        runs["ddp"] = dict(strategy="auto", **common)  # size: DDP's own distance from one rank is the bound there
+    return runs
+
+
 @pytest.mark.parametrize("policy, accum, clip, optimizer", [
     ("milp", 1, None, "sgd"),
     ("megatrain", 2, 0.5, "sgd"),
     ("recompute_all", 2, 0.5, "hybrid"),
     ("mixed", 2, 0.5, "sgd"),
 ])
-def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, accum, clip, optimizer):
+@uses_runs(shard_runs)
+def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(runs, policy, accum, clip, optimizer):
     """``data_parallel="shard"`` (engine/shard_store.py): each rank holds half of every block's host
     masters, gradients and optimizer state; the run equals one rank with twice the batch to 1e-6 (the
     reduce-scatter averages each micro-batch, DDP each step: the same sums in another order), and each
     rank's bytes per lane equal the simulator's."""
     b, steps = 2, 3
-    common = dict(batch=b, steps=steps, accum=accum, clip=clip, optimizer=optimizer, same_init=False)
-    (tmp_path / "shard").mkdir()
-    plan = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
-    run = launch(tmp_path / "shard", policy=plan, data_parallel="shard", record_bytes=True, **common)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    losses, weights = outputs(tmp_path / "shard")
+    losses, weights = outputs(runs["shard"])
     # per step, each rank's host-link bytes (its shards: every fetch, every gradient copy) and collective
     # bytes (all-gathers and reduce-scatters) equal the simulator's for the plan's per-rank workload
     # (multi.measured_shard_workload) and the step's schedule
     for r in range(2):
-        rows = json.loads((tmp_path / "shard" / f"bytes_rank{r}.json").read_text())
+        rows = json.loads((runs["shard"] / f"bytes_rank{r}.json").read_text())
         assert len(rows) == steps
         for row in rows:
             for lane in ("h2d", "d2h", "collective"):
                 assert row["measured"].get(lane, 0.0) > 0, (r, row["step"], lane)
                 assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), \
                     (r, row["step"], lane, row)
-    ddp_weights = None
-    if optimizer != "sgd":  # Adam divides rounding-level differences of tiny gradients by their own
-        (tmp_path / "ddp").mkdir()  # size: DDP's own distance from one rank is the bound there
-        ddp = launch(tmp_path / "ddp", strategy="auto", **common)
-        assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-5000:]
-        ddp_weights = outputs(tmp_path / "ddp")[1]
-    ref = _script().train({"devices": 1, "batch": 2 * b, "steps": steps, "accum": accum, "clip": clip,
-                           "strategy": "auto", "optimizer": optimizer, "same_init": False, "union_of": 2})
+    ddp_weights = outputs(runs["ddp"])[1] if optimizer != "sgd" else None
+    ref = reference({"devices": 1, "batch": 2 * b, "steps": steps, "accum": accum, "clip": clip,
+                     "strategy": "auto", "optimizer": optimizer, "same_init": False, "union_of": 2})
     torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
                                rtol=1e-6, atol=0.0)
     for name, value in ref.model.state_dict().items():
@@ -339,37 +483,35 @@ def test_sharded_ranks_train_as_one_rank_with_twice_the_batch(tmp_path, policy, 
         assert (weights[name] - value).norm() <= 1e-6 * value.norm() + 1.01 * slack, name
 
 
-def test_sharded_16_bit_compute_moves_the_bytes_the_plan_predicts(tmp_path):
+@uses_runs(lambda: {"run": dict(batch=2, steps=3, accum=2, policy="milp", data_parallel="shard", record_bytes=True,
+                                 precision="bf16-true", fp32_masters=True, same_init=False)})
+def test_sharded_16_bit_compute_moves_the_bytes_the_plan_predicts(runs):
     """``bf16-true`` with ``fp32_masters`` in the sharded mode: bf16 shards cross the links and are
     all-gathered, the gradients are widened to fp32 before the reduce-scatter and land as fp32
     shards; each rank's bytes per lane equal the simulator's for the plan's workload (the landed
     gradients priced at 4 bytes: ``LayerWork.grad_widen``), and the run trains."""
-    run = launch(tmp_path, batch=2, steps=3, accum=2, policy="milp", data_parallel="shard", record_bytes=True,
-                 precision="bf16-true", fp32_masters=True, same_init=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     for r in range(2):
-        rows = json.loads((tmp_path / f"bytes_rank{r}.json").read_text())
+        rows = json.loads((runs["run"] / f"bytes_rank{r}.json").read_text())
         assert len(rows) == 3
         for row in rows:
             for lane in ("h2d", "d2h", "collective"):
                 assert row["measured"].get(lane, 0.0) > 0, (r, row["step"], lane)
                 assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), \
                     (r, row["step"], lane, row)
-    losses = outputs(tmp_path)[0]
+    losses = outputs(runs["run"])[0]
     assert all(torch.isfinite(torch.tensor(x)).all() for x in losses)
 
 
-def test_sharded_ranks_train_manual_optimization_as_one_rank_with_twice_the_batch(tmp_path):
+@uses_runs(lambda: {"run": dict(policy="megatrain", data_parallel="shard", batch=2, steps=3, accum=2, clip=0.5,
+                                 optimizer="sgd", same_init=False, manual=True)})
+def test_sharded_ranks_train_manual_optimization_as_one_rank_with_twice_the_batch(runs):
     """Manual optimization in the sharded mode: ``manual_backward`` of every batch (each a full
     micro-batch: its gradients reduce-scattered into the host shards), manual accumulation over two
     batches, ``clip_gradients`` (the norm summed over the shard group) and ``opt.step()`` on the
     shards: equal to one rank with twice the batch to 1e-6."""
-    common = dict(batch=2, steps=3, accum=2, clip=0.5, optimizer="sgd", same_init=False, manual=True)
-    run = launch(tmp_path, policy="megatrain", data_parallel="shard", **common)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    losses, weights = outputs(tmp_path)
-    ref = _script().train({"devices": 1, "batch": 4, "steps": 3, "accum": 2, "clip": 0.5, "strategy": "auto",
-                           "optimizer": "sgd", "same_init": False, "union_of": 2, "manual": True})
+    losses, weights = outputs(runs["run"])
+    ref = reference({"devices": 1, "batch": 4, "steps": 3, "accum": 2, "clip": 0.5, "strategy": "auto",
+                     "optimizer": "sgd", "same_init": False, "union_of": 2, "manual": True})
     assert len(ref.losses) == 6
     torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
                                rtol=1e-6, atol=0.0)
@@ -377,25 +519,24 @@ def test_sharded_ranks_train_manual_optimization_as_one_rank_with_twice_the_batc
         assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
 
 
-def test_sharded_ranks_replan_on_drift_together_and_stay_exact(tmp_path):
+@uses_runs(lambda: {"run": dict(policy="milp", data_parallel="shard", record_bytes=True, batch=2, steps=6,
+                                 optimizer="sgd", same_init=False,
+                                 replan={"threshold": 1e-9, "patience": 1, "max_replans": 1, "min_gain": 0.0})})
+def test_sharded_ranks_replan_on_drift_together_and_stay_exact(runs):
     """Drift re-planning in the sharded mode: rank 0 decides and re-plans for all (its collectives
     priced in line in the re-profiled step), both ranks record the same re-plan, every step's bytes
     per lane still equal the simulator's for the schedule it ran, and training equals one rank with
     twice the batch to 1e-6. (A threshold of ~0 makes the first planned steps' noise the drift.)"""
     steps = 6
-    common = dict(batch=2, steps=steps, optimizer="sgd", same_init=False)
-    run = launch(tmp_path, policy="milp", data_parallel="shard", record_bytes=True,
-                 replan={"threshold": 1e-9, "patience": 1, "max_replans": 1, "min_gain": 0.0}, **common)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    replans = [json.loads((tmp_path / f"replans_rank{r}.json").read_text()) for r in range(2)]
+    replans = [json.loads((runs["run"] / f"replans_rank{r}.json").read_text()) for r in range(2)]
     assert len(replans[0]) == 1 and replans[0] == replans[1], replans
     for r in range(2):
-        for row in json.loads((tmp_path / f"bytes_rank{r}.json").read_text()):
+        for row in json.loads((runs["run"] / f"bytes_rank{r}.json").read_text()):
             for lane in ("h2d", "d2h", "collective"):
                 assert row["measured"][lane] == pytest.approx(row["predicted"].get(lane, 0.0), rel=1e-9), (r, row)
-    losses, weights = outputs(tmp_path)
-    ref = _script().train({"devices": 1, "batch": 4, "steps": steps, "strategy": "auto", "optimizer": "sgd",
-                           "same_init": False, "union_of": 2})
+    losses, weights = outputs(runs["run"])
+    ref = reference({"devices": 1, "batch": 4, "steps": steps, "strategy": "auto", "optimizer": "sgd",
+                     "same_init": False, "union_of": 2})
     torch.testing.assert_close(torch.tensor([(x + y) / 2 for x, y in zip(*losses)]), torch.tensor(ref.losses),
                                rtol=1e-6, atol=0.0)
     for name, value in ref.model.state_dict().items():
@@ -411,7 +552,9 @@ def test_sharded_ranks_refuse_8_bit_states_in_a_full_checkpoint_before_the_first
 
 
 @pytest.mark.parametrize("fmt, optimizer", [("sharded", "sgd"), ("sharded", "hybrid8"), ("full", "hybrid")])
-def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, fmt, optimizer):
+@uses_runs(lambda fmt, optimizer: resume_runs(batch=2, epoch_steps=2, policy="milp", same_init=False, optimizer=optimizer,
+                                              data_parallel="shard", checkpoint_format=fmt))
+def test_sharded_resume_is_bit_identical_and_moves_to_one_process(runs, fmt, optimizer):
     """``data_parallel="shard"``, 2 ranks resume bit-identically. ``sharded`` (the default format): each
     rank writes only its rows of every sharded tensor (``<key>@<start>:<stop>``; 8-bit states per
     rank), nothing is gathered, and the directory joins them whole for one process; ``full``: rank 0
@@ -423,8 +566,7 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, fmt,
     from lightning_lazytrain.sharded_checkpoint import load_sharded
 
     b = 2
-    ckpt, second_losses, _ = resume_three_ways(tmp_path, batch=b, epoch_steps=2, policy="milp", same_init=False,
-                                               optimizer=optimizer, data_parallel="shard", checkpoint_format=fmt)
+    ckpt, second_losses, _ = resume_three_ways(runs)
     ref_shapes = {k: v.shape for k, v in _script().Net({}).state_dict().items()}
     if fmt == "full":
         assert ckpt.is_file()
@@ -447,7 +589,7 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(tmp_path, fmt,
     # the sharded resume read each rank's rows of the model (restored after setup, into the shards),
     # not the whole model on every process; a full file is read whole
     for r in range(2):
-        loaded = json.loads((tmp_path / "second" / f"loaded_shapes_rank{r}.json").read_text())
+        loaded = json.loads((runs["second"] / f"loaded_shapes_rank{r}.json").read_text())
         name = "model.model.layers.0.mlp.gate_proj.weight"
         rows = ref_shapes[name][0]
         assert loaded[name] == ([-(-rows // 2), *ref_shapes[name][1:]] if fmt == "sharded" else list(ref_shapes[name]))
