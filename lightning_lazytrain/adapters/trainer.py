@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import option
 from lightning_lazytrain.adapters.precision import is_lazytrain_precision, lazytrain_precision
+from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_dir
 from lightning_lazytrain.autoplan import NamedOptions, count_tokens
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
 from lightning_lazytrain.planner import Hardware
@@ -315,9 +316,9 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
             self.setup_optimizers(trainer)  # on the host parameters; states stay on the host
             self.core.checkpoints.check_targets([getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks],
                                                 self.optimizers)
-            self.core.start_fit(self.optimizers, self._fit_settings(trainer), artifact_dir=_artifact_dir(trainer))
-            if not any(isinstance(cb, _StepMetrics) for cb in trainer.callbacks):
-                trainer.callbacks.append(_StepMetrics())
+            self.core.start_fit(self.optimizers, self._fit_settings(trainer), artifact_dir=artifact_dir(trainer))
+            if not any(isinstance(cb, StepMetrics) for cb in trainer.callbacks):
+                trainer.callbacks.append(StepMetrics())
         self.setup_precision_plugin()
 
     def _fit_settings(self, trainer: Any) -> FitSettings:
@@ -489,27 +490,6 @@ def _trainer_of(module: Any) -> Any:
         return module.trainer
     except RuntimeError:  # "... is not attached to a `Trainer`"
         return None
-
-
-def _artifact_dir(trainer: Any) -> str | None:
-    """The logger's directory; None without a real logger (no files in the working directory)."""
-    from lightning.pytorch.loggers.logger import DummyLogger
-
-    if not trainer.loggers or all(isinstance(lg, DummyLogger) for lg in trainer.loggers):
-        return None
-    return trainer.log_dir
-
-
-class _StepMetrics(Callback):
-    """Logs the strategy's per-step figures (``lazytrain/*``) through ``LightningModule.log``, so
-    they follow ``log_every_n_steps`` and reach every logger like the user's own metrics."""
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, LazyTrainStrategy):
-            metrics = strategy.core.take_metrics()
-            if metrics:
-                pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
 
 LazyTrainStrategy.register_strategies(StrategyRegistry)

@@ -43,10 +43,11 @@ from lightning_lazytrain.core.checkpoint_state import CheckpointState
 from lightning_lazytrain.core.optimizer_steps import PipelinedSteps, hand_over_norms, hybrid_adamws, split_rest_parts
 from lightning_lazytrain.core.options import CoreOptions, FitSettings, ProcessLayout
 from lightning_lazytrain.core.planning import Planner, Profile
+from lightning_lazytrain.core.shard_norms import clip_sharded, whole_grad_norms
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir, remove_stale_spill_dirs
-from lightning_lazytrain.engine.param_store import REST, upcast_parameters
+from lightning_lazytrain.engine.param_store import upcast_parameters
 from lightning_lazytrain.engine.shard_store import ShardedParamStore
 from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
 from lightning_lazytrain.planner import Hardware, min_memory, recompute_all
@@ -422,43 +423,18 @@ class TrainingCore:
         self.steps.finish()
 
     def clip_sharded(self, optimizer: Any, max_norm: float) -> bool:
-        """``clip_grad_norm_`` over ``optimizer``'s parameters when blocks are sharded (False, nothing
-        done, otherwise): the squared norms of this rank's shards are summed over the ranks (one
-        all-reduce), the whole non-block parameters' counted once; then every gradient (shard or
-        whole) is scaled as torch does."""
+        """``clip_grad_norm_`` over ``optimizer``'s parameters when blocks are sharded, with the norm of
+        the whole gradients (``shard_norms.clip_sharded``); False, nothing done, otherwise."""
         store = self.shard_store()
         if store is None or self.grad_sync is None:
             return False
-        sharded = {id(p) for j in (REST, *range(store.num_layers)) if store.sharded(j)
-                   for p in store.group_parameters(j)}
-        grads = [(id(p) in sharded, p.grad) for g in optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
-        with torch.no_grad():
-            sq = torch.zeros(2, dtype=torch.float64)
-            for is_shard, g in grads:
-                sq[0 if is_shard else 1] += g.detach().double().square().sum()
-            part = sq[:1].clone()
-            torch.distributed.all_reduce(part, group=self.grad_sync.shard_host_group)  # each shard once
-            total = float((part[0] + sq[1]).sqrt())
-            coef = min(max_norm / (total + 1e-6), 1.0)
-            for _, g in grads:
-                g.mul_(coef)
+        clip_sharded(store, self.grad_sync, optimizer, max_norm)
         return True
 
     def _whole_grad_norms(self, stale: list) -> dict:
-        """Sharded mode: each parameter's norm over its whole gradient, taken again from every rank's
-        current shards, when any rank has a stale norm (every rank calls this at every step, so the
-        collectives match). Note: [stale norms] in optim/hybrid_adamw.py."""
-        ex, sync = self.executor, self.grad_sync
-        assert ex is not None and ex.params is not None and sync is not None
-        flag = torch.tensor([int(bool(stale))], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=sync.group)
-        if not flag.item():
-            return {}
-        store = ex.params
-        norms = {j: store.grad_norms(j) for j in (REST, *range(store.num_layers))}
-        sync.combine_shard_norms(store, norms)
-        return {p: n for per_group in norms.values() for p, n in per_group.items()}
+        store = self.shard_store()
+        assert store is not None and self.grad_sync is not None
+        return whole_grad_norms(store, self.grad_sync, stale)
 
     # ---- evaluation ------------------------------------------------------------------------------
     def begin_inference(self) -> None:
