@@ -6,7 +6,7 @@ watches each step's measured time against the plan's prediction. Their ratio is 
 1 (the measured step leaves out the optimizer, a prediction leaves out launch gaps): what counts
 is that it *moves*, and stays moved. The median ratio of the ``patience`` steps after a (re)plan is
 the baseline; when the median of the last ``patience`` steps has been more than a factor
-``1 + threshold`` away from it (slower, or faster) at ``patience`` steps in a row, the strategy
+``1 + threshold`` away from it (slower, or faster) at ``patience`` steps in a row, the training core
 re-profiles the next step (no extra call of user code: that step runs as usual with timing on),
 measures the links from that step's copies, re-solves, and switches the schedule at the step
 boundary when the new plan is predicted at least ``min_gain`` faster than the current schedule on
@@ -101,7 +101,7 @@ class ReplanOptions:
 class DriftMonitor:
     """Decides, step by step, whether the run has drifted from its plan (see the module doc).
 
-    The strategy calls ``observe`` after every planned step, and after each re-plan
+    The planner (planning.py) calls ``observe`` after every planned step, and after each re-plan
     ``replanned(switched)`` (or ``reset()``, which leaves the back-off level as it is)."""
 
     def __init__(self, options: ReplanOptions) -> None:
