@@ -1,6 +1,6 @@
 """A Fabric training script for the data-parallel Fabric tests (``tests/test_fabric.py``): run as
-``python tests/dist_fabric.py '<json options>'``; ``fabric.launch()`` starts the other ranks by
-running this same command. Each rank writes its per-step losses; rank 0 writes the final weights and
+``python tests/dist_fabric.py '<json options>'`` (or a JSON list of options: the runs one after another in
+the same processes); ``fabric.launch()`` starts the other ranks by running this same command. Each rank writes its per-step losses; rank 0 writes the final weights and
 what its strategy planned.
 
 Options: out (directory), devices, batch (per rank), steps, accum (backward calls per optimizer
@@ -84,13 +84,24 @@ def train(opts: dict) -> dict:
 
 
 def main() -> None:
-    opts = json.loads(sys.argv[1])
+    """One run, or (a JSON list) several runs one after another in the same processes (the first
+    ``fabric.launch()`` starts the other ranks, the later ones find them), each in its ``out`` (tests/dist_runs.py)."""
+    runs = json.loads(sys.argv[1])
+    for opts in runs if isinstance(runs, list) else [runs]:
+        print(f"dist_fabric: run {opts['out']}", flush=True)
+        os.chdir(opts["out"])
+        run(opts)
+
+
+def run(opts: dict) -> None:
     result = train(opts)
     out, rank = opts["out"], result["rank"]
     with open(os.path.join(out, f"losses_rank{rank}.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "weights"}, f)
     if rank == 0:
         torch.save(result["weights"], os.path.join(out, "weights.pt"))
+    with open(os.path.join(out, f"done_rank{rank}"), "w"):
+        pass
 
 
 if __name__ == "__main__":

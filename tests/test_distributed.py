@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_runs import Runs, runs_fixtures, uses_runs
 
 pytest.importorskip("transformers")
 if not torch.distributed.is_available():
@@ -50,133 +51,34 @@ def outputs(path: Path, ranks: int = 2) -> tuple[list[list[float]], dict[str, to
             torch.load(path / "weights.pt"))
 
 
-# Finished runs, shared (Note: [shared runs]). Several tests train the same configuration (the same DDP
-# run, the same uninterrupted run, the same one-process reference); each is run once per session, and
-# the runs of all the selected tests start together, one after another in the same processes: the
-# start-up (a fresh interpreter importing torch, Lightning and transformers per rank, one rank after
-# the other) is most of a short run's time. A test names its runs with ``uses_runs(spec)``: spec maps
-# the test's parameters to {name: dist_train options}; the ``runs`` fixture gives {name: the run's
-# output directory}, launching on first use whatever the selected tests need that is not there yet.
-# Options beyond dist_train's: policy "mixed" (``mixed_plan``'s file), ``save`` a file name in the
-# run's directory, ``resume`` {"run": options} (that run's ``save``: launched in a later batch, in
-# fresh processes, after the run that saved it) or {"one_process": options} (dist_train.train in this
-# process, saving its ``save`` once per session). Runs that are meant to fail, and the 4-process run,
-# are launched on their own (``launch``).
+# The runs the tests assert on are shared: tests/dist_runs.py, Note: [shared runs]. Options of this
+# module's own: policy "mixed" (``mixed_plan``'s file) and ``resume`` {"one_process": options}
+# (dist_train.train in this process, saving its ``save``, once per session). The runs that are meant
+# to fail, and the 4-process run, are launched on their own (``launch``).
+_saved: dict[str, Path] = {}
 
 
-def key_of(opts: dict) -> str:
-    return json.dumps({"devices": 2, **opts}, sort_keys=True)
+def one_process_save(root: Path, opts: dict) -> Path:
+    """dist_train.train(opts) in this process, once: the checkpoint it saved (under ``root``)."""
+    key = json.dumps(opts, sort_keys=True)
+    if key not in _saved or not _saved[key].exists():
+        out = root / f"one{len(_saved)}"
+        out.mkdir()
+        _script().train({**opts, "save": str(out / opts["save"])})
+        _saved[key] = out / opts["save"]
+    return _saved[key]
 
 
-class Runs:
-    def __init__(self, root: Path, declared):
-        self.root = root
-        self.declared = declared  # () -> the options of every run the selected tests name, in test order
-        self.done: dict[str, Path] = {}
-        self.failed: dict[str, str] = {}
-        self.saved: dict[str, Path] = {}  # one-process checkpoints
-        self._n = 0
-
-    def get(self, opts: dict) -> Path:
-        key = key_of(opts)
-        if key not in self.done and key not in self.failed:
-            self._launch(opts)
-        if key in self.failed:
-            pytest.fail(self.failed[key], pytrace=False)
-        return self.done[key]
-
-    def one_process_save(self, opts: dict) -> Path:
-        """dist_train.train(opts) in this process, once: the checkpoint it saved."""
-        key = json.dumps(opts, sort_keys=True)
-        if key not in self.saved:
-            out = self.root / f"one{len(self.saved)}"
-            out.mkdir()
-            _script().train({**opts, "save": str(out / opts["save"])})
-            self.saved[key] = out / opts["save"]
-        return self.saved[key]
-
-    def _ready(self, opts: dict) -> bool:
-        dep = (opts.get("resume") or {}).get("run")
-        return dep is None or key_of(dep) in self.done
-
-    def _resolved(self, opts: dict, out: Path) -> dict:
-        o = {"devices": 2, **opts, "out": str(out)}
-        if o.get("policy") == "mixed":
-            o["policy"] = mixed_plan(self.root / "mixed_plan.json")
-        if "save" in o:
-            o["save"] = str(out / o["save"])
-        dep = o.get("resume")
-        if isinstance(dep, dict):
-            o["resume"] = (str(self.get(dep["run"]) / dep["run"]["save"]) if "run" in dep
-                           else str(self.one_process_save(dep["one_process"])))
-        return o
-
-    def _launch(self, opts: dict) -> None:
-        dep = (opts.get("resume") or {}).get("run")
-        if dep is not None:
-            self.get(dep)  # (a run's checkpoint is written in an earlier batch)
-        devices = opts.get("devices", 2)
-        batch, keys = [], set()
-        for o in [opts, *self.declared()]:
-            k = key_of(o)
-            if (k in keys or k in self.done or k in self.failed or o.get("devices", 2) != devices
-                    or not self._ready(o)):
-                continue
-            keys.add(k)
-            batch.append(o)
-        # lazytrain's runs first: the first run's strategy makes the process group (its timeout)
-        batch.sort(key=lambda o: o.get("strategy", "lazytrain") != "lazytrain")
-        outs = []
-        for _ in batch:
-            self._n += 1
-            outs.append(self.root / f"run{self._n}")
-            outs[-1].mkdir()
-        resolved = [self._resolved(o, out) for o, out in zip(batch, outs)]
-        try:
-            proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(resolved)], capture_output=True, text=True,
-                                  timeout=180 + 90 * len(batch), cwd=self.root)
-            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            text = (lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b or "")
-            stdout, stderr, rc = text(e.stdout), text(e.stderr) + f"\n(timed out after {e.timeout} s)", None
-        for o, out in zip(batch, outs):
-            if all((out / f"done_rank{r}").exists() for r in range(devices)):
-                self.done[key_of(o)] = out
-            else:  # the run the batch stopped in; the later ones are launched again when needed
-                start = stdout.find(f"dist_train: run {out}")
-                self.failed[key_of(o)] = (f"dist_train exited with {rc} in the run {json.dumps(o)}:\n"
-                                          + stdout[max(start, 0):][-3000:] + stderr[-8000:])
-                break
+def _resolve(runs: Runs, opts: dict, out: Path) -> dict:
+    if opts.get("policy") == "mixed":
+        opts["policy"] = mixed_plan(runs.root / "mixed_plan.json")
+    dep = opts.get("resume")
+    if isinstance(dep, dict):
+        opts["resume"] = str(one_process_save(runs.root, dep["one_process"]))
+    return opts
 
 
-@pytest.fixture(scope="session")
-def dist_runs(request, tmp_path_factory) -> Runs:
-    def declared() -> list[dict]:
-        out = []
-        for item in request.session.items:
-            spec = getattr(getattr(item, "function", None), "dist_runs", None)
-            if spec is not None:
-                callspec = getattr(item, "callspec", None)
-                out.extend(spec(**(callspec.params if callspec is not None else {})).values())
-        return out
-
-    return Runs(tmp_path_factory.mktemp("dist_runs"), declared)
-
-
-@pytest.fixture
-def runs(request, dist_runs) -> dict[str, Path]:
-    """{name: output directory} of the runs the test names with ``uses_runs``."""
-    callspec = getattr(request.node, "callspec", None)
-    spec = request.function.dist_runs(**(callspec.params if callspec is not None else {}))
-    return {name: dist_runs.get(opts) for name, opts in spec.items()}
-
-
-def uses_runs(spec):
-    def mark(test):
-        test.dist_runs = spec
-        return test
-
-    return mark
+dist_runs, runs = runs_fixtures(SCRIPT, __file__, _resolve)
 
 
 _references: dict[str, object] = {}
@@ -400,7 +302,7 @@ def one_to_two_runs() -> dict[str, dict]:
 def test_a_one_rank_checkpoint_resumes_on_two_ranks(runs, dist_runs):
     """1 -> 2: one rank with twice the batch trains epoch 0 and saves (one process: the single
     verified file); two ranks resume from it and train epoch 1 as two uninterrupted ranks do (to 1e-6)."""
-    ckpt = dist_runs.one_process_save(ONE_RANK_EPOCH0)
+    ckpt = one_process_save(dist_runs.root, ONE_RANK_EPOCH0)
     assert ckpt.is_file()
     full_losses, full = outputs(runs["full"])
     second_losses, resumed = outputs(runs["second"])

@@ -6,8 +6,6 @@ teardown restores the blocks; checkpoints are plain state dicts."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +14,7 @@ import torch
 
 from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy  # (registers the strategies)
 from lightning_lazytrain.planner import InfeasibleBudget, Schedule
+from dist_runs import runs_fixtures, uses_runs
 from models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -428,13 +427,17 @@ def test_a_slower_link_mid_run_triggers_a_replan_and_training_stays_exact():
 DIST_SCRIPT = Path(__file__).with_name("dist_fabric.py")
 
 
-def launch(out: Path, **opts) -> dict:
-    """Run tests/dist_fabric.py with 2 processes (``fabric.launch()`` starts the second); each rank's record."""
-    out.mkdir()
-    run = subprocess.run([sys.executable, str(DIST_SCRIPT), json.dumps({"out": str(out), "devices": 2, **opts})],
-                         capture_output=True, text=True, timeout=300, cwd=out)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+def record(out: Path) -> dict:
+    """Each rank's record of a tests/dist_fabric.py run with 2 processes (``fabric.launch()`` starts the second)."""
     return {r: json.loads((out / f"losses_rank{r}.json").read_text()) for r in range(2)}
+
+
+def fabric_runs(policy, accum, clip, overlap) -> dict[str, dict]:
+    common = dict(batch=2, steps=3, accum=accum, clip=clip, same_init=False)
+    return {"lazy": dict(policy=policy, overlap=overlap, **common), "ddp": dict(strategy="ddp", **common)}
+
+
+dist_runs, runs = runs_fixtures(DIST_SCRIPT, __file__)  # shared runs: tests/dist_runs.py, Note: [shared runs]
 
 
 @pytest.mark.slow
@@ -442,15 +445,15 @@ def launch(out: Path, **opts) -> dict:
     ("milp", 1, None, True),
     ("recompute_all", 2, 0.5, False),  # accumulation: every backward averages, as DDP without no_sync
 ])
-def test_two_processes_train_as_fabric_ddp_and_as_one_with_twice_the_batch(tmp_path, policy, accum, clip, overlap):
+@uses_runs(fabric_runs)
+def test_two_processes_train_as_fabric_ddp_and_as_one_with_twice_the_batch(runs, policy, accum, clip, overlap):
     """Two gloo processes on the CPU (tests/dist_fabric.py): the same training as Fabric's DDP bit for bit
     (ranks start differently: rank 0's weights are broadcast), and as one process with both ranks'
     batches to 1e-6, with a plan rank 0 made for both and the gradients' all-reduces on the collective lane."""
     common = dict(batch=2, steps=3, accum=accum, clip=clip, same_init=False)
-    lazy = launch(tmp_path / "lazy", policy=policy, overlap=overlap, **common)
-    ddp = launch(tmp_path / "ddp", strategy="ddp", **common)
+    lazy, ddp = record(runs["lazy"]), record(runs["ddp"])
     assert [lazy[r]["losses"] for r in range(2)] == [ddp[r]["losses"] for r in range(2)]
-    weights, ddp_weights = torch.load(tmp_path / "lazy" / "weights.pt"), torch.load(tmp_path / "ddp" / "weights.pt")
+    weights, ddp_weights = torch.load(runs["lazy"] / "weights.pt"), torch.load(runs["ddp"] / "weights.pt")
     for name, value in ddp_weights.items():
         assert torch.equal(weights[name], value), name
     assert lazy[0]["policy"] is not None and all(lazy[r]["collective"] > 0 for r in range(2))
