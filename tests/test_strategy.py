@@ -211,16 +211,16 @@ RESUME = textwrap.dedent("""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from test_strategy import HFModule, Hybrid8Module, Losses, batches
     import lightning_lazytrain.strategy  # registers strategy="lazytrain"
-    root, resume, steps = sys.argv[1], (sys.argv[2] or None), int(sys.argv[3])
-    module = {{"adamw": HFModule, "hybrid8": Hybrid8Module}}[sys.argv[4]]()
-    losses = Losses()
-    ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{{step}}")
-    trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=steps, logger=False, callbacks=[losses, ckpt],
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None),
-                ckpt_path=resume)
-    print(json.dumps(losses.values))
+    for root, resume, steps, optimizer in json.loads(sys.argv[1]):  # the runs, one after another
+        module = {{"adamw": HFModule, "hybrid8": Hybrid8Module}}[optimizer]()
+        losses = Losses()
+        ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{{step}}")
+        trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", max_steps=steps, logger=False,
+                            callbacks=[losses, ckpt], enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None),
+                    ckpt_path=resume or None)
+        print("LOSSES", json.dumps(losses.values), flush=True)
 """)
 
 
@@ -231,26 +231,43 @@ class Hybrid8Module(HFModule):
         return HybridAdamW(self.parameters(), lr=self.lr, eight_bit="all")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8"])
-@pytest.mark.slow
-def test_resumed_run_continues_with_the_same_losses(tmp_path, optimizer):
+@pytest.fixture(scope="module")
+def resume_runs(request, tmp_path_factory) -> dict[str, tuple[list, list, list]]:
+    """{optimizer: (losses of 6 steps uninterrupted, of the first 2 steps, of steps 3-6 resumed from the
+    step-2 checkpoint)} for the optimizers of the selected cases (requested once the case knows it
+    can run): each run a ``RESUME`` process as a user's script; the uninterrupted and the stopped runs
+    of every optimizer one after another in one process, the resumed runs in a fresh one."""
+    import importlib.util
     import os
 
+    tmp = tmp_path_factory.mktemp("resume")
+    script = tmp / "run.py"
+    script.write_text(RESUME.format(tests=os.path.dirname(__file__)))
+    optimizers = [o for o in ("adamw", "hybrid8")
+                  if (o != "hybrid8" or importlib.util.find_spec("bitsandbytes") is not None)
+                  and any(getattr(item, "originalname", None) == "test_resumed_run_continues_with_the_same_losses"
+                          and item.callspec.params["optimizer"] == o for item in request.session.items)]
+
+    def run(jobs):
+        out = subprocess.run([sys.executable, str(script), json.dumps(jobs)], capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        losses = [json.loads(line[len("LOSSES "):]) for line in out.stdout.splitlines() if line.startswith("LOSSES ")]
+        assert len(losses) == len(jobs), out.stdout[-2000:]
+        return losses
+
+    fresh = run([job for o in optimizers for job in ([str(tmp / o / "a"), "", 6, o], [str(tmp / o / "b"), "", 2, o])])
+    rest = run([[str(tmp / o / "c"), str(tmp / o / "b" / "step=2.ckpt"), 6, o] for o in optimizers])
+    return {o: (fresh[2 * i], fresh[2 * i + 1], rest[i]) for i, o in enumerate(optimizers)}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8"])
+@pytest.mark.slow
+def test_resumed_run_continues_with_the_same_losses(request, optimizer):
     if optimizer == "hybrid8":
         pytest.importorskip("bitsandbytes")
 
-    script = tmp_path / "run.py"
-    script.write_text(RESUME.format(tests=os.path.dirname(__file__)))
-
-    def run(root, resume, steps):
-        out = subprocess.run([sys.executable, str(script), str(root), resume, str(steps), optimizer],
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    full = run(tmp_path / "a", "", 6)
-    first = run(tmp_path / "b", "", 2)
-    rest = run(tmp_path / "c", str(tmp_path / "b" / "step=2.ckpt"), 6)
+    full, first, rest = request.getfixturevalue("resume_runs")[optimizer]
     assert len(full) == 6 and len(first) == 2 and len(rest) == 4
     assert first == full[:2]
     assert rest == full[2:]  # bit-identical continuation: weights and optimizer state (8-bit too) restored exactly
