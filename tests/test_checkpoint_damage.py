@@ -55,6 +55,7 @@ def saved(tmp_path: Path) -> Path:
 
 
 # ---- single files --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_byte_of_the_zip_central_directory_damaged_is_refused_or_harmless(saved: Path, tmp_path: Path) -> None:
     """Damage in the zip central directory that Python's zipfile tolerates used to reach torch's reader
     and fail with its raw RuntimeError (or load a member as empty): each flipped byte now either loads

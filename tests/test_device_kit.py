@@ -228,6 +228,7 @@ def test_fit_ratios_and_targets(kit):
     assert ratios["why_none"]["lazytrain_over_auto"] == "auto oom: CUDA OOM"
 
 
+@pytest.mark.slow
 def test_fit_job_timeout_kills_the_run_and_what_it_started(kit, tmp_path):
     """A variant past its timeout is killed with everything it started (its own session), and what it
     wrote before is kept; a run that ends in time is left alone."""
@@ -456,6 +457,7 @@ def _check_sh(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_check_sh_refuses_wheels_of_another_python(tmp_path):
     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
     other = "cp39" if here != "cp39" else "cp310"

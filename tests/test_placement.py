@@ -156,6 +156,7 @@ def test_pricing_moves_the_conversions_work_between_the_host_lane_and_the_links(
     assert price(dev, Placement(), hw).layers[1] == a  # and back, exactly
 
 
+@pytest.mark.slow
 def test_the_plan_puts_the_conversions_where_they_are_fastest():
     from lightning_lazytrain.planner import MilpOptions, simulate
     from lightning_lazytrain.planner.plan import plan_workload

@@ -268,6 +268,7 @@ def test_a_running_jobs_rank_workload_prices_the_measured_all_reduce():
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.slow
 def test_widened_shard_gradients_are_priced_alike_by_the_milp_and_the_simulator(seed):
     """A sharded run with 16-bit compute lands its gradients widened to the masters' dtype
     (``measured_shard_workload(reduce_element_bytes=4)`` of a 2-byte measured workload: ``grad_widen``

@@ -190,6 +190,7 @@ def two_ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 def test_a_tied_parameter_is_saved_under_each_name_as_rows(two_ranks):
     """Each name of a tied parameter is written as row chunks (the state dict has both names, the
     module's parameters list it once): the joined checkpoint holds the whole tensor under both."""
@@ -210,6 +211,7 @@ def test_a_tied_parameter_is_saved_under_each_name_as_rows(two_ranks):
         assert tuple(state["momentum_buffer"].shape) in shapes
 
 
+@pytest.mark.slow
 def test_the_overlapped_all_gather_is_bit_identical_to_the_in_line_one(two_ranks):
     """Note: [overlapped all-gather]: the async all-gather finished at bind fills the slots as the
     in-line one does (the profiled step runs in line): the same losses and weights, bit for bit."""
@@ -221,6 +223,7 @@ def test_the_overlapped_all_gather_is_bit_identical_to_the_in_line_one(two_ranks
         assert bytes_over == bytes_line
 
 
+@pytest.mark.slow
 def test_the_launching_thread_does_not_wait_for_the_reduce_scatters(two_ranks):
     """Note: [overlapped reduce-scatter]: with every reduce-scatter held back RS_DELAY, the backward's
     send_grads calls return at once (the collectives run on the store's gradient lane); in line (a
@@ -233,6 +236,7 @@ def test_the_launching_thread_does_not_wait_for_the_reduce_scatters(two_ranks):
         assert over["seconds"] < RS_DELAY, over
 
 
+@pytest.mark.slow
 def test_a_failed_reduce_scatter_fails_the_step_with_its_cause(two_ranks):
     """An error in an overlapped collective reaches the launching thread when the step ends (no hang,
     no silent zero gradient), naming its cause."""
@@ -267,6 +271,7 @@ def test_two_sharded_ranks_train_as_one_process_with_twice_the_batch(two_ranks, 
         assert mean == pytest.approx(want_losses[step], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_each_rank_moves_half_of_the_block_weights_over_its_link(two_ranks):
     """The H2D of a sharded rank is the non-block weights plus half of every block fetch (its
     shard), against one process moving whole blocks; the other half arrives by the all-gather."""
@@ -280,6 +285,7 @@ def test_each_rank_moves_half_of_the_block_weights_over_its_link(two_ranks):
             assert lane["collective"] > 0
 
 
+@pytest.mark.slow
 def test_sharded_16_bit_gradients_are_averaged_in_fp32(two_ranks):
     """With bf16 compute copies each rank's device gradients are bf16; the sharded mode widens them
     before the reduce-scatter, so a block's host shard gradient is exactly the fp32 average of the two

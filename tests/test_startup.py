@@ -109,6 +109,7 @@ def test_the_package_registers_nothing_and_rewrites_no_loader(tmp_path):
     assert "NOTHING" in proc.stdout
 
 
+@pytest.mark.slow
 def test_importing_the_strategy_modules_registers_the_names(tmp_path):
     code = "import sys\nimport lightning as L\n" + EXPLICIT + REGISTERED
     proc = _python(code, tmp_path)
@@ -137,6 +138,7 @@ def test_the_strategy_modules_register_whichever_module_comes_first(tmp_path, fi
     assert "REGISTERED" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_core_imports_no_lightning(tmp_path):
     """The training core (core/) sits below the Lightning adapters: it imports torch, never Lightning."""
     code = "import sys\nimport lightning_lazytrain.core\n" + REPORT_HEAVY
