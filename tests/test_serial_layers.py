@@ -104,7 +104,7 @@ def test_the_strategy_updates_the_serial_layers_in_t_exactly(tmp_path):
         def on_train_batch_end(self, trainer, *args):
             st = trainer.strategy
             ex = st.executor
-            orders.append(st.pipelined_order(trainer.optimizers[0].optimizer
+            orders.append(st.core.pipelined_order(trainer.optimizers[0].optimizer
                                              if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers[0]))
             if not getattr(ex.wait_updated, "spied", False) and ex.wait_updated is not None:
                 inner = ex.wait_updated

@@ -55,7 +55,6 @@ import hydra
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -308,7 +307,10 @@ class RunTQDMProgressBar(_EndsWhereTheRunEnds, TQDMProgressBar):
 
 def progress_bar() -> Callback:
     """The progress bar Lightning would pick (Rich when installed, else tqdm), ending where the run ends."""
-    return RunRichProgressBar() if _RICH_AVAILABLE else RunTQDMProgressBar()
+    from lightning_utilities.core.imports import RequirementCache
+
+    rich = RequirementCache("rich>=10.2.2")  # what Lightning's RichProgressBar requires
+    return RunRichProgressBar() if rich else RunTQDMProgressBar()
 
 
 def say(text: str, out: TextIO, trainer: Optional[Trainer] = None) -> None:
