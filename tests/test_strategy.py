@@ -406,6 +406,52 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
     assert pipelined == serial
 
 
+def test_a_replan_inside_the_closure_that_makes_the_step_serial_steps_serially(monkeypatch):
+    """A re-plan runs at the end of a step's backward, inside the optimizer's closure: when the new
+    schedule's optimizer is serial, the step whose closure just re-planned cannot start a pipelined
+    update (seen on an H200: a memory re-plan mid-fit raised KeyError in OptimizerSteps.start). The
+    plugin then steps the optimizer itself, and training equals the serial run throughout."""
+    from lightning_lazytrain.core import planning
+    from lightning_lazytrain.lit_module import CausalLMModule
+
+    original = planning.plan_from_workload
+    replans = []
+
+    def plan_from_workload(wl, hardware, *, policy="milp", start=None, **kw):
+        if start is not None:  # the re-plan: MegaTrain's schedule, whose optimizer step is serial
+            replans.append(1)
+            policy = "megatrain"
+        return original(wl, hardware, policy=policy, start=start, **kw)
+
+    def no_current(*a, **k):  # "the current schedule no longer fits": the re-plan switches
+        raise RuntimeError("does not fit")
+
+    class ReplanAtStep2(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                trainer.strategy.core.planner.replan_reason = "test: a forced re-plan"
+
+    def run(policy, callbacks=()):
+        torch.manual_seed(0)
+        module = CausalLMModule(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
+        losses = Losses()
+        strategy = LazyTrainStrategy(policy=policy)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=5, logger=False,
+                            enable_checkpointing=False, callbacks=[losses, *callbacks], enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=0.5)
+        g = torch.Generator().manual_seed(3)
+        data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(5)]
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        return losses.values, strategy
+
+    serial, _ = run("megatrain")
+    monkeypatch.setattr(planning, "plan_from_workload", plan_from_workload)
+    monkeypatch.setattr(planning, "simulate", no_current)
+    switched, strategy = run("recompute_all", [ReplanAtStep2()])
+    assert replans == [1] and strategy.core.planner.replans[0]["switched"]
+    assert switched == serial
+
+
 def test_named_hardware_profile_and_unknown_name():
     from lightning_lazytrain.config import load_hardware
 

@@ -54,7 +54,8 @@ class _CoreRouting:
         if kwargs or getattr(self, "scaler", None) is not None or self.core.pipelined_order(inner) is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
         result = self._wrap_closure(model, optimizer, closure)  # type: ignore[attr-defined]
-        self.core.start_pipelined_step(inner)
+        if not self.core.start_pipelined_step(inner):  # the closure's backward re-planned to a serial step
+            optimizer.step()
         return result
 
 

@@ -414,9 +414,14 @@ class TrainingCore:
         """The layer order of ``optimizer``'s pipelined step, or None (a serial step)."""
         return self.steps.order(optimizer)
 
-    def start_pipelined_step(self, optimizer: Any) -> None:
-        """``optimizer``'s closure has run: start its layer-pipelined update (Note: [pipelined step])."""
+    def start_pipelined_step(self, optimizer: Any) -> bool:
+        """``optimizer``'s closure has run: start its layer-pipelined update (Note: [pipelined step]).
+        False when the closure re-planned to a schedule whose optimizer step is serial (a re-plan runs
+        at the end of a step's backward): the caller then steps ``optimizer`` itself."""
+        if self.steps.order(optimizer) is None:
+            return False
         self.steps.start(optimizer)
+        return True
 
     def finish_optimizer_steps(self) -> None:
         """Wait for pipelined updates still running (before evaluation, checkpoints, teardown)."""
