@@ -13,11 +13,16 @@ Note: [the budget is what the allocator reserves]
       ``RESERVE_RATIO_EXPANDABLE`` = 1.05, else ``RESERVE_RATIO`` = 1.15 (the first run measured
       1.14 at b32 and 1.07 at b8 on a 1B model without them);
     - every step's own ``max_memory_reserved`` / ``max_memory_allocated`` is read (``MemoryWatch``):
-      a ratio above the one planned for, or reserved bytes near the budget, raise the ratio to what
-      was measured (+2%) and re-plan at the next step (the drift mechanism: re-profile, solve,
+      a ratio above the one planned for (+2%), or reserved bytes over the budget, raise the ratio to
+      what was measured (+2%) and re-plan at the next step (the drift mechanism: re-profile, solve,
       switch when the current schedule no longer fits); allocated bytes above the plan's peak
       re-profile too, so the plan counts what the step left untracked (Note: [untracked device
-      bytes] in engine/step_stats.py). Each is logged; at most ``max_replans`` per run.
+      bytes] in engine/step_stats.py). Each is logged; at most ``max_replans`` per run. Reserved
+      bytes close to the budget with the planned ratio are the plan working as meant, not a reason;
+    - a switch to a new schedule gives the allocator's cached segments back (``release_cache``):
+      the cache of the old schedule's buffer sizes would otherwise stay reserved under the new one,
+      and the next step's ratio would measure the old plan's cache against the new plan's tensors
+      (on the first H200 fit this fed three memory re-plans in a row, each ratio higher).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MemoryWatch", "RESERVE_RATIO", "RESERVE_RATIO_EXPANDABLE", "configure_allocator"]
+__all__ = ["MemoryWatch", "RESERVE_RATIO", "RESERVE_RATIO_EXPANDABLE", "configure_allocator", "release_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,16 @@ def configure_allocator(device: torch.device) -> bool:
         log.info("lazytrain: the CUDA allocator refused expandable segments (%s); planning with a reserve "
                  "ratio of %.2f", err, RESERVE_RATIO)
         return False
+    return True
+
+
+def release_cache(device: torch.device) -> bool:
+    """A new schedule runs from the next step: give the allocator's cached, unused segments back
+    (Note: [the budget is what the allocator reserves]); True on CUDA."""
+    if device.type != "cuda":
+        return False
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     return True
 
 
@@ -78,7 +93,7 @@ class MemoryWatch:
             return None
         measured = reserved / allocated
         reason = None
-        if measured > self.ratio * 1.02 or reserved > 0.98 * budget_bytes:
+        if measured > self.ratio * 1.02 or reserved > budget_bytes:
             self.ratio = max(self.ratio, measured * 1.02)
             reason = (f"memory: the allocator reserved {reserved / 1e9:.3g} GB, {measured:.3f}x what it allocated, "
                       f"against a budget of {budget_bytes / 1e9:.3g} GB: re-planning with a reserve ratio of "

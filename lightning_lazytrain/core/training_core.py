@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lightning_lazytrain.allocator import MemoryWatch, configure_allocator
+from lightning_lazytrain.allocator import MemoryWatch, configure_allocator, release_cache
 from lightning_lazytrain.autoplan import AutoPlan
 from lightning_lazytrain.blocks import find_blocks
 from lightning_lazytrain.core.checkpoint_state import CheckpointState
@@ -397,6 +397,7 @@ class TrainingCore:
         t0 = time.perf_counter()
         ex.set_schedule(plan.schedule)
         ex.set_placement(**plan.result.placement.groups(len(ex.stack)))  # Note: [conversion placement]
+        release_cache(ex.device)  # the old schedule's cached segments (Note: [the budget is what the allocator reserves])
         plan.timings["executor"] = time.perf_counter() - t0
         self.planner.adopt(plan)
         # the plan decides: serial or pipelined optimizer (Note: [pipelined step])
