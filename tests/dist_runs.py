@@ -14,7 +14,8 @@ the run's directory; ``resume`` {"run": options}: that run's ``save``, launched 
 fresh processes) after the run that saved it. The script writes ``done_rank{r}`` in a run's ``out``
 when rank r finished it, and prints ``<script>: run <out>`` as it starts one: a batch that stops shows
 which run it stopped in; that run's tests fail with its output, the later runs are launched again when
-needed. Runs that are meant to fail are launched on their own.
+needed; processes that exit with an error after finishing every run fail the tests of all their runs.
+Runs that are meant to fail are launched on their own.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class Runs:
                 self.failed[key_of(o)] = (f"{self.script.name} exited with {rc} in the run {json.dumps(o)}:\n"
                                           + stdout[max(start, 0):][-3000:] + stderr[-8000:])
                 break
+        else:
+            if rc != 0:  # every run finished, yet the processes did not exit cleanly: the runs' tests fail
+                for o in batch:
+                    del self.done[key_of(o)]
+                    self.failed[key_of(o)] = (f"{self.script.name} exited with {rc} after its runs:\n"
+                                              + stdout[-3000:] + stderr[-8000:])
 
 
 def uses_runs(spec: Callable[..., dict[str, dict]]):
