@@ -2,6 +2,7 @@
 casts, adds and the 32-bit AdamW update at >= 0.7x of the copy rate).
 
     python bench/bench_host_ops.py [N | N1,N2,...] [--mib 256] [--repeats 5] [--rounds 3] [--inner 1]
+                                   [--chunk-mib M] [--widen-kib K]
 
 For 1..N threads (N: default os.cpu_count(); or the listed counts, e.g. 1,4,8,16), on fp32 tensors of
 ``--mib`` MiB (AdamW: that many MiB per state, 64M params at 256 MiB): each op through ``HostOps(n)``
@@ -69,16 +70,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--inner", type=int, default=1)
+    ap.add_argument("--chunk-mib", type=float, default=None, help="HostOps chunk_bytes in MiB (default: HostOps')")
+    ap.add_argument("--widen-kib", type=float, default=None, help="HostOps widen_bytes in KiB (default: HostOps')")
     args = ap.parse_args()
+    sizes = {k: int(v * m) for k, v, m in (("chunk_bytes", args.chunk_mib, 1 << 20), ("widen_bytes", args.widen_kib, 1 << 10))
+             if v is not None}
     counts = [int(x) for x in args.threads.split(",")]
     t0, threads = time.perf_counter(), counts if len(counts) > 1 else range(1, counts[0] + 1)
     print(f"# bench_host_ops: {args.mib} MiB fp32 tensors, median of {args.repeats} calls, median of {args.rounds} "
           f"rounds (ratios: median of the rounds' ratios), torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"inner threads {args.inner}, {time.strftime('%Y-%m-%d')}", flush=True)
+          f"inner threads {args.inner}, {sizes or 'default chunk sizes'}, {time.strftime('%Y-%m-%d')}", flush=True)
     cells: dict = {}  # (threads, op, impl) -> [(rate, rate / copy of that round and thread count)]
     for _ in range(args.rounds):
         r = measure_host_rates(args.mib << 20, threads=threads, repeats=args.repeats, ops=list(BYTES_PER_ELEM),
-                               statistic="median", inner_threads=args.inner)["rates"]
+                               statistic="median", inner_threads=args.inner, **sizes)["rates"]
         steps = optimizer_step_rates(args.mib, threads, args.repeats)
         for n, row in r.items():
             copy = row["copy_fp32"]["torch"]
