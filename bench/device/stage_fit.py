@@ -73,6 +73,7 @@ import datetime as dt
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -721,7 +722,7 @@ def lazytrain_cap(module: Any, tokens: torch.Tensor, dev: str, dtype: torch.dtyp
                   workdir: Path) -> dict:
     """The budget ``frac`` of the way from the smallest to the keep-all footprint of the workload measured
     on ``dev`` (forward + backward + gradient write-back, as ``stage_throughput`` measures it)."""
-    from lightning_lazytrain.autoplan import measure_hardware
+    from lightning_lazytrain.core.autoplan import measure_hardware
     from lightning_lazytrain.engine.executor import Executor
     from lightning_lazytrain.engine.profiler import measure_workload
     from lightning_lazytrain.planner import min_memory
@@ -789,6 +790,13 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
         return (getattr(opt, "update_seconds", float("nan")), getattr(opt, "update_calls", 0))
 
     clock.hooks["first_timed"].append(lambda: captured.__setitem__("opt0", opt_counter()))
+    if os.environ.get("KIT_FIT_CPROFILE") == "1":  # where the training loop's own thread spends the timed steps
+        import cProfile
+
+        prof = cProfile.Profile()
+        clock.hooks["first_timed"].append(prof.enable)
+        clock.hooks["last_timed"].append(lambda: (prof.disable(), res.__setitem__("main_thread_profile",
+                                                                                  profile_lines(prof))))
     clock.hooks["profiled_start"].append(lambda: captured.__setitem__("opt1", opt_counter()))
     clock.hooks["last_timed"].append(lambda: captured.__setitem__("stats", trainer.strategy.last_stats))
     clock.hooks["done"].append(lambda: captured.__setitem__("plan", trainer.strategy.plan))
@@ -831,6 +839,20 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
         say(f"lazytrain: {len(res['replans'])} re-plan(s) during the run")
     if cuda and res.get("max_memory_reserved_gb") is not None:
         res["reserved_over_cap_gb"] = res["max_memory_reserved_gb"] - res["cap_gb"]
+
+
+def profile_lines(prof: Any, top: int = 45) -> list[str]:
+    """The main thread's cProfile of the timed steps: the ``top`` functions by cumulative seconds."""
+    import io
+    import pstats
+
+    lines = []
+    for key, n in (("cumulative", top), ("tottime", 15)):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(n)
+        text = re.sub(r"\S*/(site-packages|lightning_lazytrain)/", r"\1/", buf.getvalue())
+        lines += [f"# by {key}"] + [line.rstrip()[:200] for line in text.splitlines() if line.strip()][:n + 12]
+    return lines
 
 
 def run_auto(a: argparse.Namespace, res: dict, save: Callable[..., None]) -> None:
