@@ -5,12 +5,17 @@ Why: torch's mixed-dtype ``add_`` (bf16 grads into fp32) runs at ~1/5 of the hos
 copy bandwidth, its CPU 2-norm is one serial loop, and a single caller gets only the cores torch's
 OpenMP team gives it.
 
-How (``HostOps``): a tensor's flat range is cut into chunks of ``chunk_bytes / 4`` elements, a multiple
-of ``ALIGN`` = 64, counted from its first element (the last chunk takes the rest). The ``threads``
+How (``HostOps``): a tensor's flat range is cut into chunks, a multiple of ``ALIGN`` = 64 elements,
+counted from its first element (the last chunk takes the rest): about two per worker, between
+``min_chunk_bytes`` and ``chunk_bytes`` (counted at 4 bytes per element) -- few enough that the
+Python around each chunk's torch call stays small next to the call (on the 16-core host of the H200
+run, fixed 2 MiB chunks ran a 16-thread copy at 0.29x torch's own and 16 MiB chunks at 0.98x:
+bench/device/runs/h200-2026-12-04-e899c93), enough for the workers to balance. The ``threads``
 workers take chunks from a shared counter (contiguous chunks, dynamic balance) and run the plain
 torch op on each chunk's views: ``dst[a:b].copy_(src[a:b])`` (``cast_into``), ``dst[a:b].add_(src[a:b])``
 (``add_into``; a 16-bit ``src`` into fp32 is widened piece by piece into the worker's own fp32 scratch,
-``widen_bytes``, small enough to stay in its L2 between the widening and the add, then added
+``widen_bytes``, 2 MiB: on the H200's host 512 KiB pieces ran the 8-thread widening add at 0.23x the
+copy rate and 2 MiB pieces at 0.64x, the Python per piece being the cost; then added
 same-dtype: no mixed-dtype kernel), ``torch._fused_adamw_`` on chunk views (``adamw_chunked``).
 ``norms`` spreads whole tensors over the workers. Each worker runs torch with ``inner_threads``
 (default 1) OpenMP threads of its own, so ``threads`` is the number of cores an op uses and nothing is
@@ -88,10 +93,11 @@ class HostOps:
     """Chunked, multi-threaded host kernels (see the module docstring); safe to share between
     threads (calls run one at a time). ``close()`` stops the workers."""
 
-    def __init__(self, threads: int | None = None, *, chunk_bytes: int = 2 << 20, widen_bytes: int = 512 << 10,
-                 inline_bytes: int = 1 << 20, inner_threads: int = 1) -> None:
+    def __init__(self, threads: int | None = None, *, chunk_bytes: int = 16 << 20, widen_bytes: int = 2 << 20,
+                 inline_bytes: int = 1 << 20, inner_threads: int = 1, min_chunk_bytes: int = 1 << 20) -> None:
         self.threads = max(1, int(threads or torch.get_num_threads()))
-        self.chunk = max(ALIGN, chunk_bytes // 4 // ALIGN * ALIGN)  # elements a worker takes at a time
+        self.chunk = max(ALIGN, chunk_bytes // 4 // ALIGN * ALIGN)  # the most elements a worker takes at a time
+        self.min_chunk = min(self.chunk, max(ALIGN, min_chunk_bytes // 4 // ALIGN * ALIGN))  # the fewest
         self.widen = max(ALIGN, widen_bytes // 4 // ALIGN * ALIGN)  # elements of the fp32 widening scratch
         self.inline_bytes = inline_bytes
         self.inner_threads = inner_threads
@@ -145,12 +151,18 @@ class HostOps:
         if not self._queues or self._pid != os.getpid():
             raise RuntimeError("HostOps is closed (or was created before a fork: make a new one)")
         with self._call:
-            job = _Job(fn, n, chunk or self.chunk, len(self._queues))
+            job = _Job(fn, n, chunk or self.chunk_for(n), len(self._queues))
             for q in self._queues:
                 q.put(job)
             job.done.wait()
         if job.error is not None:
             raise job.error
+
+    def chunk_for(self, n: int) -> int:
+        """Elements per chunk for an op over ``n``: about two chunks per worker, a multiple of ``ALIGN``,
+        between the smallest and the largest chunk."""
+        per = -(-n // (2 * self.threads))
+        return min(self.chunk, max(self.min_chunk, -(-per // ALIGN) * ALIGN))
 
     def _chunked(self, dst: torch.Tensor, *others: torch.Tensor) -> bool:
         """Whether the pool should run an op over these (else: the plain op inline)."""
