@@ -1,5 +1,5 @@
 """Several processes on CPU (gloo): the overlapped gradient all-reduce against the serial one, measured
-and predicted (Note: [overlapped all-reduce] in lightning_lazytrain/distributed.py).
+and predicted (Note: [overlapped all-reduce] in lightning_lazytrain/core/grad_sync.py).
 
     python bench/bench_distributed.py          # ~3 minutes on a 2-core machine
 

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from lightning_lazytrain.autoplan import measure_hardware
+from lightning_lazytrain.core.autoplan import measure_hardware
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.engine.profiler import workload_from_stats

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from lightning_lazytrain.config import CONF_DIR, load_hardware, to_model, to_train
 from lightning_lazytrain.planner import MilpOptions, SimResult, make_plan
-from lightning_lazytrain.report import format_table
+from lightning_lazytrain.planner.report import format_table
 
 
 def main(argv: list[str] | None = None) -> None:

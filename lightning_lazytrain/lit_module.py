@@ -225,7 +225,7 @@ class CausalLMModule(LightningModule):
         for the embeddings' and ``"head"`` for the rest (final norm, LM head): two layers, so the
         strategy moves, updates and stages them as two parts that overlap in the step's tail (Note:
         [non-block parts] in planner/schedule.py)."""
-        from .blocks import BlockDiscoveryError, find_blocks
+        from .engine.blocks import BlockDiscoveryError, find_blocks
 
         embeddings = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
         out: Dict[str, Any] = {n: "embed" if id(p) in embeddings else "head" for n, p in self.named_parameters()}

@@ -1,4 +1,4 @@
-"""The device budget is what the CUDA allocator reserves (allocator.py, Note: [the budget is what the
+"""The device budget is what the CUDA allocator reserves (core/allocator.py, Note: [the budget is what the
 allocator reserves]): the plan's allocated peak is held to budget / reserve ratio, and a step whose
 allocator reserved more than planned for (or allocated beyond the plan) re-plans before it can run
 out of memory. The allocator's figures are injected here (no GPU); the device kit measures them."""
@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_lazytrain.allocator import RESERVE_RATIO, RESERVE_RATIO_EXPANDABLE, MemoryWatch
+from lightning_lazytrain.core.allocator import RESERVE_RATIO, RESERVE_RATIO_EXPANDABLE, MemoryWatch
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.strategy import LazyTrainStrategy
 from test_conformance import Net, fit
@@ -84,7 +84,7 @@ def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
 def test_a_switch_gives_the_allocators_cache_back(monkeypatch):
     """A new schedule releases the cached segments of the old one (allocator.release_cache): on the CPU
     nothing to release; on CUDA torch.cuda.empty_cache runs (counted here without a GPU)."""
-    from lightning_lazytrain import allocator
+    from lightning_lazytrain.core import allocator
 
     assert allocator.release_cache(torch.device("cpu")) is False
     calls = []

@@ -18,7 +18,7 @@ from test_conformance import (  # the conformance tests' helpers
 )
 from torch import nn
 
-from lightning_lazytrain.blocks import BlockDiscoveryError, BlockStack, find_blocks
+from lightning_lazytrain.engine.blocks import BlockDiscoveryError, BlockStack, find_blocks
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
 

@@ -1,6 +1,6 @@
 """Every kind of checkpoint damage is ``CorruptCheckpoint`` naming the file and the fix, never the error
 the damage happens to cause in torch's reader or unpickler; a write that fails (a full disk) names the
-path, the bytes and the fix and leaves nothing behind (checkpoint_io.py, Note: [checkpoint damage])."""
+path, the bytes and the fix and leaves nothing behind (adapters/checkpoint_io.py, Note: [checkpoint damage])."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_lazytrain import checkpoint_io
-from lightning_lazytrain.checkpoint_io import CheckpointWriteError, CorruptCheckpoint, VerifiedCheckpointIO
+from lightning_lazytrain.adapters import checkpoint_io
+from lightning_lazytrain.adapters.checkpoint_io import CheckpointWriteError, CorruptCheckpoint, VerifiedCheckpointIO
 
 FIX = r"Fix: resume from an earlier checkpoint"
 
@@ -159,7 +159,7 @@ def one_process_group():
 
 @pytest.fixture
 def sharded(tmp_path: Path, one_process_group: None) -> Path:
-    from lightning_lazytrain.sharded_checkpoint import save_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import save_sharded
 
     path = tmp_path / "sharded.ckpt"
     save_sharded(state(), path)
@@ -187,7 +187,7 @@ def _write(name: str, text: str):
 def test_a_damaged_sharded_directory_is_refused(sharded: Path, damage, pattern: str) -> None:
     """A directory given as the checkpoint goes to the sharded loader, damaged or not (``.metadata``
     deleted used to reach torch.load as a file: IsADirectoryError)."""
-    from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import is_sharded_checkpoint, load_sharded
 
     assert same(load(sharded), state())  # intact: loads through the checkpoint IO as well
     damage(sharded)
@@ -266,8 +266,8 @@ def test_a_short_write_torch_reports_without_the_os_error_is_a_full_disk_when_th
 @pytest.mark.parametrize("where", ["dcp-writer", "rank-0-files"])
 def test_a_full_disk_during_a_sharded_save_names_the_path_and_leaves_the_old_checkpoint(
         sharded: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    from lightning_lazytrain import sharded_checkpoint
-    from lightning_lazytrain.sharded_checkpoint import load_sharded, save_sharded
+    from lightning_lazytrain.core import sharded_checkpoint
+    from lightning_lazytrain.core.sharded_checkpoint import load_sharded, save_sharded
 
     if where == "dcp-writer":  # DCP's FileSystemWriter fsyncs every file it writes
         monkeypatch.setattr(os, "fsync", _fail(errno.ENOSPC))

@@ -109,7 +109,7 @@ def two_rank_runs(policy, accum, clip, optimizer, overlap) -> dict[str, dict]:
 ])
 @uses_runs(two_rank_runs)
 def test_two_ranks_train_as_ddp_and_as_one_rank_with_twice_the_batch(runs, policy, accum, clip, optimizer, overlap):
-    """The same training as Lightning's DDP, bit for bit; with ``overlap`` (distributed.py, Note:
+    """The same training as Lightning's DDP, bit for bit; with ``overlap`` (core/grad_sync.py, Note:
     [overlapped all-reduce]) every group's all-reduce ran on the collective thread as soon as the
     group was finished (the blocks' during the backward), without, all of them after it; each rank's
     bytes per lane equal the simulator's per-rank prediction."""
@@ -158,7 +158,7 @@ def hook_runs() -> dict[str, dict]:
 
 @uses_runs(hook_runs)
 def test_a_hook_after_backward_sees_what_it_sees_under_ddp(runs):
-    """distributed.py, Note: [one sync per step]: an ``on_after_backward`` hook makes every micro-batch
+    """core/grad_sync.py, Note: [one sync per step]: an ``on_after_backward`` hook makes every micro-batch
     write its gradients back; with accumulation 2 the hook still sees each rank's own gradients after
     the first micro-batch and their average after the last, as under DDP (``no_sync``), and the run
     is DDP's bit for bit."""
@@ -317,7 +317,7 @@ def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
     at the third rank 1's DCP writer writes its file and then fails. Every rank stops with that
     error (no hang), and the path holds the second save, whole (its CRCs check), with no temporary
     directory or half checkpoint next to it."""
-    from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import is_sharded_checkpoint, load_sharded
 
     ckpt = tmp_path / "ckpts" / "every.ckpt"
     run = launch(tmp_path, timeout=180, batch=2, steps=4, save=str(ckpt), save_every=1, fail_save_rank=1,
@@ -331,7 +331,7 @@ def test_a_writer_that_fails_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert len(state["optimizer_states"][0]["state"]) == len(state["state_dict"])  # SGD momentum per parameter
     assert not (tmp_path / "weights.pt").exists()
     # flipped bytes in a shard are refused before they could resume, naming the file
-    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
+    from lightning_lazytrain.adapters.checkpoint_io import CorruptCheckpoint
 
     shard = ckpt / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -465,7 +465,7 @@ def test_sharded_resume_is_bit_identical_and_moves_to_one_process(runs, fmt, opt
     refused on another number of processes, before the first step, with the fix."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_lazytrain.sharded_checkpoint import load_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import load_sharded
 
     b = 2
     ckpt, second_losses, _ = resume_three_ways(runs)
@@ -515,7 +515,7 @@ def test_hybrid_sharding_two_groups_of_two_train_as_one_rank_with_four_times_the
     the run's final weights."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_lazytrain.sharded_checkpoint import load_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import load_sharded
 
     b, steps, accum = 1, 2, 2
     ckpt = tmp_path / "last.ckpt"

@@ -294,7 +294,7 @@ def test_save_and_load_round_trip(tmp_path):
     fabric2.strategy.teardown()
 
     # one flipped bit: fabric.load refuses the file, naming it (the CRCs are checked first)
-    from lightning_lazytrain.checkpoint_io import CorruptCheckpoint
+    from lightning_lazytrain.adapters.checkpoint_io import CorruptCheckpoint
 
     data = bytearray((tmp_path / "ckpt.pt").read_bytes())
     data[len(data) // 2] ^= 0x04
@@ -336,7 +336,7 @@ def test_the_budget_applies_to_a_hardware_object_and_no_nvme_tier_without_nvme_d
 def test_module_without_block_stack_and_unusable_accelerator_are_clear_errors():
     from lightning.fabric.accelerators import Accelerator
 
-    from lightning_lazytrain.blocks import BlockDiscoveryError
+    from lightning_lazytrain.engine.blocks import BlockDiscoveryError
 
     fabric = L.Fabric(accelerator="cpu", strategy="lazytrain")
     with pytest.raises(BlockDiscoveryError):
@@ -364,7 +364,7 @@ def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
     """As tests/test_allocator.py for the Trainer: the allocator's peaks of each step are injected (from the
     third on it reserves 1.3x what it allocates); the Fabric strategy re-plans once, with that ratio, and the
     training is auto's bit for bit."""
-    from lightning_lazytrain.allocator import MemoryWatch
+    from lightning_lazytrain.core.allocator import MemoryWatch
     from lightning_lazytrain.engine.executor import Executor
 
     real_end = Executor.end_microbatch

@@ -24,7 +24,7 @@ import functools
 import pytest
 import torch
 
-from lightning_lazytrain.blocks import find_blocks
+from lightning_lazytrain.engine.blocks import find_blocks
 from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
 from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.planner import Schedule, megatrain, recompute_all

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_lazytrain.autoplan import validate_options
+from lightning_lazytrain.core.autoplan import validate_options
 from lightning_lazytrain.engine import nvme
 from lightning_lazytrain.engine.nvme import NvmeDirError, check_nvme_dir, check_spill_fits
 

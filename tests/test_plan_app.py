@@ -22,7 +22,7 @@ from lightning_lazytrain.config import CONF_DIR
 from lightning_lazytrain.planner import InfeasibleBudget, PlannerError
 from lightning_lazytrain.planner.simulator import Segment
 from lightning_lazytrain.planner.units import format_bytes
-from lightning_lazytrain.report import format_table, plot_timeline, write_sweep_csv
+from lightning_lazytrain.planner.report import format_table, plot_timeline, write_sweep_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["hardware=cpu", "model=tiny", "train=cpu", "plan.time_limit=10"]

@@ -111,7 +111,7 @@ def test_a_resuming_rank_reads_only_its_rows_of_a_row_chunked_state(rows, saved_
     """sharded_checkpoint: a state written as row chunks by ``saved_world`` ranks, read back for rank r
     of ``world`` (``own``), is exactly that rank's ``ShardLayout`` shard of the whole tensor (padding
     zero), from the chunks that overlap its rows only."""
-    from lightning_lazytrain.sharded_checkpoint import (MARKER, _own_rows, _wanted, join_tensors, markers,
+    from lightning_lazytrain.core.sharded_checkpoint import (MARKER, _own_rows, _wanted, join_tensors, markers,
                                                         split_tensors)
 
     full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)

@@ -81,7 +81,7 @@ def tied_checkpoint(rank: int, out: str) -> dict[str, torch.Tensor]:
     """A model whose embedding and head are one parameter, sharded, one SGD step, then saved as the
     strategy saves a sharded checkpoint (each rank its rows, ``checkpoint_layout``); returns the
     whole weights the store gives back at close."""
-    from lightning_lazytrain.sharded_checkpoint import save_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import save_sharded
 
     torch.manual_seed(0)
     m = LlamaLM(dataclasses.replace(SPEC, tied_embeddings=True))
@@ -196,7 +196,7 @@ def test_a_tied_parameter_is_saved_under_each_name_as_rows(two_ranks):
     module's parameters list it once): the joined checkpoint holds the whole tensor under both."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_lazytrain.sharded_checkpoint import load_sharded
+    from lightning_lazytrain.core.sharded_checkpoint import load_sharded
 
     path = two_ranks[0]["tied_path"]
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

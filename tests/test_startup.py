@@ -36,7 +36,7 @@ def _heavy(proc: subprocess.CompletedProcess) -> list:
 
 
 def test_planner_import_loads_neither_torch_nor_lightning(tmp_path):
-    proc = _python("import lightning_lazytrain.planner, lightning_lazytrain.config, lightning_lazytrain.report\n"
+    proc = _python("import lightning_lazytrain.planner, lightning_lazytrain.config, lightning_lazytrain.planner.report\n"
                    + REPORT_HEAVY, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert _heavy(proc) == []
@@ -126,8 +126,9 @@ def test_the_strategy_modules_register_before_lightning_is_imported_elsewhere(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first", ["lightning_lazytrain.checkpoint_io", "lightning_lazytrain.sharded_checkpoint",
-                                   "lightning_lazytrain.distributed", "lightning_lazytrain.core",
+@pytest.mark.parametrize("first", ["lightning_lazytrain.adapters.checkpoint_io",
+                                   "lightning_lazytrain.core.sharded_checkpoint",
+                                   "lightning_lazytrain.core.grad_sync", "lightning_lazytrain.core",
                                    "lightning_lazytrain.fabric_strategy"])
 def test_the_strategy_modules_register_whichever_module_comes_first(tmp_path, first):
     """Any module of the package imported first (one that imports Lightning itself, or the core, which

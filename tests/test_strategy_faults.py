@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_lazytrain.checkpoint_io import CheckpointWriteError, CorruptCheckpoint
+from lightning_lazytrain.adapters.checkpoint_io import CheckpointWriteError, CorruptCheckpoint
 from lightning_lazytrain.planner import InfeasibleBudget, Schedule
 from lightning_lazytrain.strategy import LazyTrainStrategy
 

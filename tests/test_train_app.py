@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from lightning_lazytrain.cli.train import LossHistory, TrainConfigError, step_time_line, summarize, train_job
 from lightning_lazytrain.config import CONF_DIR
-from lightning_lazytrain.report import format_value
+from lightning_lazytrain.planner.report import format_value
 
 try:
     import lightning_lazytrain.strategy  # noqa: F401

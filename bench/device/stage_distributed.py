@@ -1,5 +1,5 @@
 """Stage (h): the several-devices path on one device — an NCCL default group (gloo in a CPU
-rehearsal) of world size 1, the strategy's own gloo group for host tensors (``distributed.GradSync``)
+rehearsal) of world size 1, the strategy's own gloo group for host tensors (``core/grad_sync.GradSync``)
 and the overlapped all-reduce thread (Note: [overlapped all-reduce]) next to the CUDA executor.
 
 A tiny Llama trains ``--steps`` optimizer steps of ``--micro`` micro-batches through the executor
@@ -69,7 +69,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         dist.all_reduce(x)
         st.check(torch.equal(x.cpu(), torch.arange(4.0)), f"{backend} broadcast/all-reduce changed a tensor: {x}")
 
-        from lightning_lazytrain.distributed import GradSync
+        from lightning_lazytrain.core.grad_sync import GradSync
 
         sync = GradSync()
         model = tiny_model()

@@ -15,7 +15,7 @@ recompute activations.
   the kernels' launch order differs. Memory, a hard check: ``max_memory_reserved`` (what runs
   out of memory; the allocator's peak over the strategy's whole ``fit``: its profiled first step,
   training, validation, across the executor's per-step resets) must stay within the
-  ``gpu_memory_budget_gb`` it was given (lightning_lazytrain/allocator.py, Note: [the budget is
+  ``gpu_memory_budget_gb`` it was given (lightning_lazytrain/core/allocator.py, Note: [the budget is
   what the allocator reserves]); ``max_memory_allocated`` and their ratio are reported beside it.
 * CPU rehearsal: ``accelerator="cpu"``, ``precision="32-true"``, two pairs of runs: with the clip
   routed but inactive (``gradient_clip_val=100``) every loss must be bitwise equal; with an active
@@ -183,7 +183,7 @@ def compare_pair(st: Stage, tag: str, spec: ModelSpec, train, val, *, accelerato
                  clip: float, tol: float, budget_gb: float, workdir: Path, cuda: bool) -> None:
     from lightning_lazytrain.strategy import LazyTrainStrategy
 
-    from lightning_lazytrain.autoplan import load_schedule
+    from lightning_lazytrain.core.autoplan import load_schedule
 
     strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=budget_gb)
     from lightning_lazytrain.engine.live_bytes import max_memory_allocated, max_memory_reserved, reset_cuda_peak
@@ -213,7 +213,7 @@ def compare_pair(st: Stage, tag: str, spec: ModelSpec, train, val, *, accelerato
                  "skipped_steps": getattr(opt, "skipped_steps", None), "memory": memory}
     st.figures[tag] = fig
     if cuda:
-        # the budget bounds what the allocator reserves (lightning_lazytrain/allocator.py)
+        # the budget bounds what the allocator reserves (lightning_lazytrain/core/allocator.py)
         st.check(memory["max_memory_reserved_gb"] <= budget_gb,
                  f"{tag}: max_memory_reserved {memory['max_memory_reserved_gb']:.4f} GB > the strategy's "
                  f"gpu_memory_budget_gb {budget_gb:.4f} (allocated {memory['max_memory_allocated_gb']:.4f} GB)")

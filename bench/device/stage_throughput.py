@@ -189,16 +189,16 @@ def profile_step(dev: str, step, between=None) -> dict:
 
 
 def body(st: Stage, args: argparse.Namespace) -> None:
-    from lightning_lazytrain.autoplan import measure_hardware
+    from lightning_lazytrain.core.autoplan import measure_hardware
     from lightning_lazytrain.engine.executor import Executor
     from lightning_lazytrain.engine.profiler import measure_workload
     from lightning_lazytrain.models import LlamaLM
 
-    from lightning_lazytrain.allocator import MemoryWatch, configure_allocator
+    from lightning_lazytrain.core.allocator import MemoryWatch, configure_allocator
 
     dev = args.device
     cuda = dev == "cuda"
-    # expandable segments, and the allocator's reserve in the plan's cap (lightning_lazytrain/allocator.py)
+    # expandable segments, and the allocator's reserve in the plan's cap (lightning_lazytrain/core/allocator.py)
     watch = MemoryWatch.for_device(torch.device(dev), configure_allocator(torch.device(dev)))
     spec = ONE_B if cuda else tiny_spec()
     batch = args.batch or (8 if cuda else 2)
@@ -327,7 +327,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         variants[name] = r
         st.check(max(peaks) <= pred.peak_gpu_bytes,
                  f"{name}: tracked peak {max(peaks) / GB:.3f} GB > predicted peak {pred.peak_gpu_bytes / GB:.3f} GB")
-        if cuda:  # what the allocator reserves is what runs out of memory (lightning_lazytrain/allocator.py)
+        if cuda:  # what the allocator reserves is what runs out of memory (lightning_lazytrain/core/allocator.py)
             r["reserved_over_allocated"] = r["max_memory_reserved_gb"] / max(r["max_memory_allocated_gb"], 1e-9)
         if cuda and name.startswith("milp"):
             st.check(r["max_memory_reserved_gb"] * GB <= cap,

@@ -26,7 +26,7 @@ optimizer updates them in place and the next forward stages the updated weights.
 Several processes (``devices=N``; ``fabric.launch()`` starts them, as for Fabric's DDP): every
 process streams the same plan (rank 0 profiles, solves and broadcasts it), starts from rank 0's
 weights, and every backward averages the host gradients over the processes, as DDP does without
-``no_sync`` (``distributed.py``, Note: [replicate mode]).
+``no_sync`` (``core/grad_sync.py``, Note: [replicate mode]).
 
 The class derives from Fabric's ``SingleDeviceStrategy``: one process needs no ``fabric.launch()``
 (Lightning 2.6.x asks every ``ParallelStrategy`` for one), and ``fabric.no_backward_sync`` does
@@ -48,10 +48,10 @@ from typing_extensions import override
 
 from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import option
-from lightning_lazytrain.autoplan import NamedOptions, count_tokens
-from lightning_lazytrain.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
+from lightning_lazytrain.core.autoplan import NamedOptions, count_tokens
 from lightning_lazytrain.core.processes import distributed_ready
+from lightning_lazytrain.engine.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.planner import Hardware
 
 __all__ = ["LazyTrainFabricStrategy", "SUPPORTED_PRECISIONS"]
@@ -113,7 +113,7 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
                  accelerator: Any = None, checkpoint_io: Any = None, precision: Precision | None = None,
                  verify_checkpoints: bool = True, replan: Any = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, overlap_grad_sync: bool = True) -> None:
-        from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
+        from lightning_lazytrain.adapters.checkpoint_io import VerifiedCheckpointIO
 
         options = CoreOptions(hardware=hardware, gpu_memory_budget_gb=gpu_memory_budget_gb, nvme_dir=nvme_dir,
                               policy=policy, blocks=blocks, emulate_link_gb_per_s=emulate_link_gb_per_s,

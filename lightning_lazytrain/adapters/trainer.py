@@ -12,7 +12,7 @@ the checkpoint hooks and the logged figures. The module's parameters stay on the
 copy, so ``configure_optimizers``, LR schedulers and checkpoints work unchanged; optimizer states
 stay on the host too. With several devices (``devices=N``, ``num_nodes=M``; Lightning's launcher,
 ``torchrun`` or SLURM) every process streams the blocks of the same plan and gradients are averaged
-as under DDP (``distributed.py``, Note: [replicate mode]).
+as under DDP (``core/grad_sync.py``, Note: [replicate mode]).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import option
 from lightning_lazytrain.adapters.precision import is_lazytrain_precision, lazytrain_precision
 from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_dir
-from lightning_lazytrain.autoplan import NamedOptions, count_tokens
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
+from lightning_lazytrain.core.autoplan import NamedOptions, count_tokens
 from lightning_lazytrain.planner import Hardware
 
 __all__ = ["COMPUTE_DTYPES", "LazyTrainStrategy"]
@@ -48,7 +48,7 @@ COMPUTE_DTYPES = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": t
 
 class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
     """Train with weights streamed from host memory and a planned activation schedule, on one device
-    or data parallel on several (one process per device; see ``distributed.py``).
+    or data parallel on several (one process per device; see ``core/grad_sync.py``).
 
     The training itself is ``TrainingCore``'s (``strategy.core``, core/training_core.py); ``plan``,
     ``replans``, ``last_stats``, ``executor``, ``grad_sync`` and ``metrics`` are the core's.
@@ -64,7 +64,7 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
             speed (to study overlap without a GPU).
         verify_checkpoints: check a checkpoint's CRCs before resuming from it (checkpoints are
             always written atomically); see ``checkpoint_io.VerifiedCheckpointIO`` and, for sharded
-            checkpoints, ``sharded_checkpoint.py``.
+            checkpoints, ``core/sharded_checkpoint.py``.
         checkpoint_format: with several processes, ``"sharded"`` (the default) saves a checkpoint
             as a directory through ``torch.distributed.checkpoint``: each rank writes a share of the
             (replicated) weights and optimizer states, no rank gathers the model, and the directory
@@ -80,7 +80,7 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
             when they next exchange data, at the latest after this long.
         overlap_grad_sync: with several processes, average each group's host gradients as soon as
             the step's backward has finished it, on a thread of its own, instead of all of them after
-            the backward (``distributed.py``: Note: [overlapped all-reduce]; bit-identical; the plan
+            the backward (``core/grad_sync.py``: Note: [overlapped all-reduce]; bit-identical; the plan
             is made for the planner's ``replicate_overlap`` mode, else ``replicate``). Only with
             automatic optimization. With ``data_parallel="shard"``: each block's all-gather overlaps
             the previous block's compute (engine/shard_store.py, Note: [overlapped all-gather]);
@@ -94,7 +94,7 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
             tensor to rank 0 and cannot hold 8-bit states; automatic and manual optimization).
         shard_size: ``data_parallel="shard"``: the processes that share one copy of the host state
             (default: the devices per node; the state is replicated across nodes, and each shard's
-            gradient all-reduced across them: Note: [hybrid sharding] in distributed.py). Must divide
+            gradient all-reduced across them: Note: [hybrid sharding] in core/grad_sync.py). Must divide
             ``devices x num_nodes``.
         nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
             (``CausalLMModule``: ``embed``, ``head``): the step's tail moves, updates and stages them
@@ -143,7 +143,7 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
                  data_parallel: str = "replicate", shard_size: int | None = None, fp32_masters: bool = False,
                  keep_compute_copy: bool | str = "auto", conversions: str = "plan",
                  chunked_loss: bool | int = False) -> None:
-        from lightning_lazytrain.checkpoint_io import VerifiedCheckpointIO
+        from lightning_lazytrain.adapters.checkpoint_io import VerifiedCheckpointIO
 
         options = CoreOptions(hardware=hardware, gpu_memory_budget_gb=gpu_memory_budget_gb, nvme_dir=nvme_dir,
                               policy=policy, blocks=blocks, emulate_link_gb_per_s=emulate_link_gb_per_s,
@@ -441,7 +441,7 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Several processes (``checkpoint_format="sharded"``): every rank writes its share of one
-        directory through DCP, atomically (``sharded_checkpoint.py``). Otherwise rank 0 writes the
+        directory through DCP, atomically (``core/sharded_checkpoint.py``). Otherwise rank 0 writes the
         whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
         self.core.finish_optimizer_steps()
         full = self.core.checkpoints.save(checkpoint, filepath, storage_options, self.lightning_module,

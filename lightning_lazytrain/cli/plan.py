@@ -45,7 +45,7 @@ from ..planner.errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
 from ..planner.multi import ClusterResult, plan_cluster, rank_hardware
 from ..planner.plan import PlanResult, cap_violations
 from ..planner.policies import BASELINES, baseline
-from ..report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
+from ..planner.report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
 
 GB = 1e9
 ROW_FILE = "summary_row.json"

@@ -64,8 +64,8 @@ from ..config import (CONF_DIR, ConfigKeyError, HardwareConfig, ModelConfig, che
                       in_config_units, to_container, to_hardware, to_model)
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
+from ..planner.report import format_table, format_value
 from ..planner.units import format_bytes
-from ..report import format_table, format_value
 from .plan import ROW_FILE, SweepSummary, remove_run_dir
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)

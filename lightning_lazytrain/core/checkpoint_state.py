@@ -65,7 +65,7 @@ class CheckpointState:
         """Write ``checkpoint`` as a sharded directory (every rank; None returned), or return the dict
         rank 0 writes as one file (a sharded store's tensors gathered whole first: a collective)."""
         if self.writes_sharded(filepath, storage_options):
-            from lightning_lazytrain.sharded_checkpoint import save_sharded
+            from lightning_lazytrain.core.sharded_checkpoint import save_sharded
 
             # data_parallel="shard": each rank writes its rows (and its own 8-bit states); none gathers
             layout = self.store.checkpoint_layout(checkpoint, module, optimizers) if self.store else None
@@ -82,7 +82,7 @@ class CheckpointState:
     def load(self, path: Any, weights_only: bool | None) -> dict[str, Any] | None:
         """A sharded directory (any world size, one process included) read as one checkpoint dict;
         None when ``path`` is a single file (the strategy's ``CheckpointIO`` reads it)."""
-        from lightning_lazytrain.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+        from lightning_lazytrain.core.sharded_checkpoint import is_sharded_checkpoint, load_sharded
 
         if not is_sharded_checkpoint(path):
             return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_lazytrain.autoplan import validate_options
+from lightning_lazytrain.core.autoplan import validate_options
 from lightning_lazytrain.core.replan import ReplanOptions
 from lightning_lazytrain.planner import Hardware, Schedule
 

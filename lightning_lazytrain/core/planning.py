@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lightning_lazytrain.allocator import MemoryWatch
-from lightning_lazytrain.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload
+from lightning_lazytrain.core.allocator import MemoryWatch
+from lightning_lazytrain.core.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload
 from lightning_lazytrain.core.options import CoreOptions, ProcessLayout
 from lightning_lazytrain.core.processes import broadcast_object
 from lightning_lazytrain.core.replan import DriftMonitor, measured_link_rates

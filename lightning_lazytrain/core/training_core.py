@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from lightning_lazytrain.allocator import MemoryWatch, configure_allocator, release_cache
-from lightning_lazytrain.autoplan import AutoPlan
-from lightning_lazytrain.blocks import find_blocks
+from lightning_lazytrain.core.allocator import MemoryWatch, configure_allocator, release_cache
+from lightning_lazytrain.core.autoplan import AutoPlan
+from lightning_lazytrain.engine.blocks import find_blocks
 from lightning_lazytrain.core.checkpoint_state import CheckpointState
 from lightning_lazytrain.core.optimizer_steps import PipelinedSteps, hand_over_norms, hybrid_adamws, split_rest_parts
 from lightning_lazytrain.core.options import CoreOptions, FitSettings, ProcessLayout
@@ -136,7 +136,7 @@ class TrainingCore:
         self.layout, self.device = layout, device
         if not layout.is_distributed:
             return
-        from lightning_lazytrain.distributed import GradSync
+        from lightning_lazytrain.core.grad_sync import GradSync
 
         self.grad_sync = GradSync(timeout)
         if self.options.data_parallel == "shard":  # Note: [hybrid sharding]: within a node by default
@@ -402,7 +402,7 @@ class TrainingCore:
         self.planner.adopt(plan)
         # the plan decides: serial or pipelined optimizer (Note: [pipelined step])
         ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(ex, self.optimizers) else None)
-        from lightning_lazytrain.report import format_table
+        from lightning_lazytrain.planner.report import format_table
 
         self._info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "
                    f"solve {plan.timings['solve']:.2f} s){conversions_note(plan.result.workload, plan.result.placement)}:\n"
@@ -493,7 +493,7 @@ def _write_measured_timeline(stats: StepStats, directory: str) -> None:
     if not stats.segments:
         return
     try:
-        from lightning_lazytrain.report import plot_timeline
+        from lightning_lazytrain.planner.report import plot_timeline
 
         os.makedirs(directory, exist_ok=True)
         plot_timeline(stats.segments, os.path.join(directory, "timeline_measured.png"), title="measured: last step")

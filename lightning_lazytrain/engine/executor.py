@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lazytrain.blocks import BlockStack, find_blocks
+from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.block_fn import (AdhocPass, BlockContext, BlockFunction, CountingHooks, Grads,
                                                 KeptGraph, SharedInputs, WeightTokenHooks, backprop, run_block)

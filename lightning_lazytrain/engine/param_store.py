@@ -89,7 +89,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from lightning_lazytrain.blocks import BlockStack, find_blocks
+from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum

@@ -33,7 +33,7 @@ Note: [overlapped all-gather]
 
 Clip norms from ``grad_norms`` are per shard; the strategy sums their squares over the shard group
 (``GradSync.combine_shard_norms``, ``LazyTrainStrategy.clip_sharded``). With a ``replica_group`` (Note:
-[hybrid sharding] in distributed.py) each reduce-scattered shard is also summed over the ranks holding
+[hybrid sharding] in core/grad_sync.py) each reduce-scattered shard is also summed over the ranks holding
 the same shard in the other shard groups before the division.
 """
 
@@ -111,7 +111,7 @@ class ShardedParamStore(ParamStore):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # Note: [hybrid sharding] (distributed.py): the ranks holding the same shard in other groups
+        # Note: [hybrid sharding] (core/grad_sync.py): the ranks holding the same shard in other groups
         self.replica_group = replica_group
         self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
         self.collective_bytes = {"gather": 0, "reduce": 0, "replica": 0}  # what this rank sent, per kind
@@ -246,7 +246,7 @@ class ShardedParamStore(ParamStore):
             mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
         flags = torch.tensor([id(info) in s.touched for info in g.params], dtype=torch.int32)
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
-        # a ring all-reduce sends 2 (R-1)/R of the buffer (Note: [collective bytes] in distributed.py)
+        # a ring all-reduce sends 2 (R-1)/R of the buffer (Note: [collective bytes] in core/grad_sync.py)
         self.collective_bytes["replica"] += 2 * (self.replicas - 1) / self.replicas * mine.nbytes
         after = [s.accumulated] if s.accumulated else []
         if self.overlap:  # Note: [overlapped reduce-scatter]: the launching thread goes on at once

@@ -1,6 +1,6 @@
 """Accounting of one step: tracked device bytes (current and peak, by what holds them) and a
 measured timeline in the simulator's ``Segment`` format, so predicted and measured can be drawn
-and compared with the same code (``lightning_lazytrain.report``)."""
+and compared with the same code (``lightning_lazytrain.planner.report``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Note: [one worker, one error rule]
     engine is one: each lane of the copy engine that runs on the host (the CPU backend's h2d and
     d2h, both backends' nvme_read, nvme_write and host lanes: copy_engine.py), a sharded store's
     gloo reduce-scatters (shard_grads.py) and the several-process gradient all-reduces
-    (distributed.GradSync). Every job returns a ``ThreadHandle``, the one completion signal
+    (core/grad_sync.GradSync). Every job returns a ``ThreadHandle``, the one completion signal
     (``wait``, ``done``, ``exception``, ``add_done_callback``).
 
     The error rule: a job that raises stops its worker. Every later job of that worker, already

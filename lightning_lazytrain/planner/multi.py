@@ -43,7 +43,7 @@ all-reduce of ``N`` bytes over ``W`` ranks counts ``2 (W-1)/W x N`` per rank, wh
 (and receives) in a ring all-reduce (gloo's; the bus-bandwidth convention of nccl-tests), with
 ``N = params x HOST_GRAD_BYTES``: the group's fp32 host gradient. For a measured workload
 ``params`` is the engine's group size (every parameter padded to 64 elements), so this is exactly
-what the engine's ``distributed.GradSync`` all-reduces and counts (its Note: [collective bytes]);
+what the core's ``core/grad_sync.GradSync`` all-reduces and counts (its Note: [collective bytes]);
 ``bf16-true`` runs (16-bit host gradients) move half of it (``measured_rank_workload(grad_element_bytes=2)``).
 Not modelled: the reduce-scatter's 1/n output buffer and NCCL's channels on the device (small),
 contention between the collective lane and compute (SM sharing), stragglers.
@@ -76,7 +76,7 @@ def _check_mode(mode: str) -> None:
 def host_allreduce_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one rank moves in an all-reduce of an ``nbytes`` buffer over ``world_size`` ranks:
     ``2 (W-1)/W x nbytes`` (see the module docstring); 0 for one rank. The unit of
-    ``LayerWork.allreduce_bytes``; ``distributed.GradSync`` counts with this very function."""
+    ``LayerWork.allreduce_bytes``; ``core/grad_sync.GradSync`` counts with this very function."""
     if world_size <= 1:
         return 0.0
     return 2 * (world_size - 1) / world_size * nbytes

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from lightning_lazytrain.checkpoint_files import (
+from lightning_lazytrain.core.checkpoint_files import (
     CheckpointWriteError,
     CorruptCheckpoint,
     check_integrity,

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .planner.units import format_bytes
+from .units import format_bytes
 
 GB = 1e9
 

@@ -25,7 +25,7 @@ Note: [checkpoint damage]
       checkpoints load as before. A flipped byte inside a legacy pickle that keeps it well formed
       cannot be found without CRCs: it loads wrong, or fails with torch's own error.
 
-    A directory is a sharded checkpoint (``sharded_checkpoint.py``), damaged or not: it is loaded
+    A directory is a sharded checkpoint (``core/sharded_checkpoint.py``), damaged or not: it is loaded
     and checked there (a missing ``.metadata``, manifest, or file; a manifest that is not JSON).
 
     A write that fails (full disk, quota, permissions) raises ``CheckpointWriteError``: an
@@ -43,7 +43,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_lazytrain.checkpoint_files import (
+from lightning_lazytrain.core.checkpoint_files import (
     FIX,
     CheckpointWriteError,
     CorruptCheckpoint,
@@ -55,7 +55,7 @@ from lightning_lazytrain.checkpoint_files import (
     torch_says_damaged,
     write_error,
 )
-from lightning_lazytrain.sharded_checkpoint import load_sharded
+from lightning_lazytrain.core.sharded_checkpoint import load_sharded
 
 __all__ = ["CheckpointWriteError", "CorruptCheckpoint", "VerifiedCheckpointIO", "check_integrity", "failed_write_cause",
            "write_error"]
@@ -97,7 +97,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         local = "://" not in str(path)
-        if local and Path(path).is_dir():  # a sharded checkpoint (sharded_checkpoint.py), checked there
+        if local and Path(path).is_dir():  # a sharded checkpoint (core/sharded_checkpoint.py), checked there
             return load_sharded(path, weights_only=weights_only, verify=self.verify)
         if local and Path(path).is_file():
             check_integrity(path, crcs=self.verify)

@@ -1,7 +1,9 @@
 """Plan for the model in hand: measure the link and memory of this machine, profile the blocks on
 the real device, solve (or apply a fixed policy), and describe what was done.
 
-Used by the Lightning strategy; imports the engine and the planner, never Lightning.
+Used by the training core (``core/``); imports the engine and the planner, never Lightning. A named
+hardware profile is read with ``config.load_hardware`` (the top-level module: Hydra's YAML, the planner's
+types, no torch).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class AutoPlan:
         (out / "plan.json").write_text(json.dumps(data, indent=1, default=str))
         paths = [out / "plan.json"]
         try:
-            from lightning_lazytrain.report import plot_timeline
+            from lightning_lazytrain.planner.report import plot_timeline
 
             plot_timeline(self.result.sim, out / "timeline.png", title=f"predicted: {self.schedule.policy}",
                           cap_bytes=self.result.hardware.gpu_memory_cap_bytes)

@@ -1,7 +1,7 @@
 """The checkpoint file's checks and errors, without Lightning: ``check_integrity`` (a file's damage,
-Note: [checkpoint damage] in checkpoint_io.py), ``CorruptCheckpoint``, and a failed write's
+Note: [checkpoint damage] in adapters/checkpoint_io.py), ``CorruptCheckpoint``, and a failed write's
 ``CheckpointWriteError`` with the OS error behind it (``failed_write_cause``, ``write_error``).
-Both the single-file ``CheckpointIO`` (checkpoint_io.py) and sharded checkpoints
+Both the single-file ``CheckpointIO`` (adapters/checkpoint_io.py) and sharded checkpoints
 (sharded_checkpoint.py) use them.
 """
 
