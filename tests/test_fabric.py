@@ -294,7 +294,7 @@ def test_save_and_load_round_trip(tmp_path):
     fabric2.strategy.teardown()
 
     # one flipped bit: fabric.load refuses the file, naming it (the CRCs are checked first)
-    from lightning_lazytrain.adapters.checkpoint_io import CorruptCheckpoint
+    from lightning_lazytrain.fabric_strategy import CorruptCheckpoint
 
     data = bytearray((tmp_path / "ckpt.pt").read_bytes())
     data[len(data) // 2] ^= 0x04
@@ -336,7 +336,7 @@ def test_the_budget_applies_to_a_hardware_object_and_no_nvme_tier_without_nvme_d
 def test_module_without_block_stack_and_unusable_accelerator_are_clear_errors():
     from lightning.fabric.accelerators import Accelerator
 
-    from lightning_lazytrain.engine.blocks import BlockDiscoveryError
+    from lightning_lazytrain.fabric_strategy import BlockDiscoveryError
 
     fabric = L.Fabric(accelerator="cpu", strategy="lazytrain")
     with pytest.raises(BlockDiscoveryError):

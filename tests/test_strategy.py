@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import lightning_lazytrain
-from lightning_lazytrain.engine.blocks import BlockDiscoveryError
 from lightning_lazytrain.planner import InfeasibleBudget, InvalidInput, Schedule
-from lightning_lazytrain.strategy import LazyTrainStrategy
+from lightning_lazytrain.strategy import BlockDiscoveryError, LazyTrainStrategy
 from models import tiny_llama
 
 transformers = pytest.importorskip("transformers")

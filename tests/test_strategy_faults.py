@@ -14,9 +14,8 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_lazytrain.adapters.checkpoint_io import CheckpointWriteError, CorruptCheckpoint
 from lightning_lazytrain.planner import InfeasibleBudget, Schedule
-from lightning_lazytrain.strategy import LazyTrainStrategy
+from lightning_lazytrain.strategy import CheckpointWriteError, CorruptCheckpoint, LazyTrainStrategy
 
 from test_conformance import LAYERS, Net, data, mixed_plan
 
