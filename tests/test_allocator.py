@@ -43,6 +43,21 @@ def test_a_step_over_its_reserve_raises_the_ratio_and_asks_for_a_re_plan():
     assert tired.observe(reserved=int(19 * GB), allocated=int(10 * GB), **calm) is None  # at most max_replans
 
 
+def test_a_fixed_overhead_converges_in_one_re_plan():
+    """The H200 kit's Lightning stage (a 0.4 GB model): the allocator reserved 0.581 GB for 0.377 GB
+    allocated (0.204 GB over, mostly fixed) against a 0.489 GB budget. A ratio alone (1.57) leaves the
+    next plan over again (0.306 + 0.204 GB); the re-plan takes the byte overhead, and the plan it makes
+    holds: no further re-plan."""
+    w = MemoryWatch(ratio=1.05)
+    budget = 0.489 * GB
+    assert w.observe(reserved=int(0.581 * GB), allocated=int(0.377 * GB), budget_bytes=budget,
+                     predicted_peak=0.46 * GB) is not None
+    cap = w.cap(budget)
+    assert cap + 0.204 * GB <= budget and w.ratio > 0.581 / 0.377 * 1.02
+    assert w.observe(reserved=int(cap + 0.204 * GB), allocated=int(cap), budget_bytes=budget,
+                     predicted_peak=cap) is None
+
+
 def test_the_plan_gets_the_budget_less_the_reserve():
     strategy = LazyTrainStrategy(hardware="cpu", gpu_memory_budget_gb=2.0)
     strategy.core.planner.memory = MemoryWatch(ratio=1.25)
