@@ -271,3 +271,28 @@ def test_a_slow_profile_is_re_profiled_and_its_prediction_corrected():
     first = slow.predicted[0]
     assert r["current_predicted_s"] < first / 2, (slow.predicted, r)
     assert slow.predicted[-1] == pytest.approx(r["new_predicted_s"] if r["switched"] else r["current_predicted_s"])
+
+
+def test_warm_up_steps_run_before_the_profiled_one_and_training_stays_exact():
+    """Note: [profile warm-up] (core/replan.py): ``profile_warmup`` steps run on the provisional schedule
+    before the profiled step (default 1 on CUDA, 0 on the CPU); the plan exists from the step after the
+    profiled one, and the losses are auto's."""
+    from lightning_lazytrain.strategy import LazyTrainStrategy
+    from test_conformance import Net, fit
+
+    class PlanSeen(L.Callback):
+        def __init__(self):
+            self.planned = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.planned.append(trainer.strategy.core.plan is not None)
+
+    _, want = fit("auto", Net(), steps=5)
+    for warmup, first_planned in ((None, 1), (0, 1), (2, 3)):
+        seen = PlanSeen()
+        strategy = LazyTrainStrategy(policy="milp", replan={"profile_warmup": warmup})
+        _, got = fit(strategy, Net(), steps=5, callbacks_extra=[seen])
+        assert got == want
+        assert seen.planned == [False] * first_planned + [True] * (5 - first_planned), (warmup, seen.planned)
+    with pytest.raises(ValueError, match="profile_warmup"):
+        LazyTrainStrategy(replan={"profile_warmup": -1})

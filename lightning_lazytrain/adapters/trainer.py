@@ -102,7 +102,9 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
             parts] in planner/schedule.py; bit-identical). False: one part (the ablation).
         replan: re-profile and re-plan when the measured step time drifts from the prediction
             (``True``, ``False`` or a dict of ``replan.ReplanOptions``: threshold, patience,
-            min_gain, max_replans); only for ``policy="milp"``.
+            min_gain, max_replans, backoff, profile_check); only for ``policy="milp"``. Its
+            ``profile_warmup`` (steps before the profiled first one; default 1 on CUDA, 0 on the CPU)
+            applies to every policy.
         fp32_masters: with ``precision="bf16-true"`` (or ``"16-true"``): keep fp32 master weights
             on the host (the optimizer and its states, gradient accumulation across micro-batches
             and clipping in fp32) and stream 16-bit compute copies (the papers' setup: half the

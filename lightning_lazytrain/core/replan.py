@@ -34,6 +34,14 @@ the monitor asks for a re-profile, once per run: the re-plan then predicts from 
 step, and switches or keeps the schedule as any re-plan (that step's prediction of the schedule,
 0.058 s there, is the reference from then on). Measured/predicted is otherwise 0.4-1.1
 (bench/RESULTS.md; 0.65-0.85 for the main job on a 2-core CPU).
+
+Note: [profile warm-up]. On a GPU the first training step is not like the others: cuBLAS handles
+and workspaces, kernel selection, the allocator's first segments, first touches of pinned host
+buffers. On the H200 (1B model, b32) the profiled first step took 12.3 s and the plan predicted
+compute at 2.74 s per step against 0.65 s measured after it, until the profile check re-profiled at
+the sixth step. ``profile_warmup`` steps run on the provisional schedule, untimed, before the
+profiled one: default 1 on CUDA, 0 elsewhere (the CPU has no such first-call costs, and the CPU tests
+plan from the first step).
 """
 
 from __future__ import annotations
@@ -57,7 +65,9 @@ class ReplanOptions:
     ``backoff``: each re-plan that did not switch adds ``backoff`` x ``patience`` steps to the window
     and the streak, and ``backoff`` x ``log(1 + threshold)`` to the factor's logarithm (Note: [drift
     back-off]); 0 turns the back-off off. ``profile_check``: a first baseline beyond this factor from 1
-    either way re-profiles, once per run (Note: [profile check]); 0 turns the check off."""
+    either way re-profiles, once per run (Note: [profile check]); 0 turns the check off.
+    ``profile_warmup``: steps before the first profiled one (Note: [profile warm-up]; None: 1 on CUDA,
+    0 elsewhere). It applies with ``enabled=False`` too (it is about the first plan, not re-plans)."""
 
     enabled: bool = True
     threshold: float = 0.25
@@ -66,6 +76,7 @@ class ReplanOptions:
     max_replans: int = 5
     backoff: float = 1.0
     profile_check: float = 3.0
+    profile_warmup: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold:
@@ -78,6 +89,11 @@ class ReplanOptions:
             raise ValueError(f"replan max_replans={self.max_replans!r}: must be an integer >= 0")
         if isinstance(self.backoff, bool) or not (isinstance(self.backoff, (int, float)) and 0 <= self.backoff <= 10):
             raise ValueError(f"replan backoff={self.backoff!r}: must be a number in [0, 10] (0: no back-off)")
+        if self.profile_warmup is not None and not (isinstance(self.profile_warmup, int)
+                                                    and not isinstance(self.profile_warmup, bool)
+                                                    and self.profile_warmup >= 0):
+            raise ValueError(f"replan profile_warmup={self.profile_warmup!r}: must be a number of steps >= 0, or None "
+                             "(1 on CUDA, 0 elsewhere)")
         if isinstance(self.profile_check, bool) or not (isinstance(self.profile_check, (int, float)) and
                                                         (self.profile_check == 0 or self.profile_check > 1)):
             raise ValueError(f"replan profile_check={self.profile_check!r}: must be a factor > 1 (e.g. 3) or 0 (off)")

@@ -2,7 +2,7 @@
 
 It owns the executor (``engine.Executor``), the plan (profile the first step, solve, switch; re-plan
 on drift or when the allocator outgrows the plan: ``planning.py``), the gradient synchronisation of
-several processes (``distributed.GradSync``), the pipelined optimizer steps (``optimizer_steps.py``)
+several processes (``grad_sync.GradSync``), the pipelined optimizer steps (``optimizer_steps.py``)
 and the checkpoint state transforms (``checkpoint_state.py``). The Lightning strategies
 (``adapters/``) translate their framework's hooks into this API::
 
@@ -16,9 +16,10 @@ and the checkpoint state transforms (``checkpoint_state.py``). The Lightning str
     core.teardown()
 
 Note: [profiled first step]
-    The first real step is the profile: it runs under a provisional schedule (``min_memory`` on CUDA,
-    ``recompute_all`` on the CPU) with timing on, and the plan is made from it before its optimizer
-    step, so no user code runs an extra time. A step whose backward left blocks of its planned pass
+    The first real step is the profile (on CUDA the second: core/replan.py, Note: [profile
+    warm-up]): it runs under a provisional schedule (``min_memory`` on CUDA, ``recompute_all`` on the
+    CPU) with timing on, and the plan is made from it before its optimizer step, so no user code runs
+    an extra time. A step whose backward left blocks of its planned pass
     without a gradient (Note: [unreached blocks] in engine/executor.py) is no profile: the next step
     is, three times at most, after which the run goes on, exactly, on the provisional schedule.
 """
@@ -73,7 +74,7 @@ class TrainingCore:
         self.steps = PipelinedSteps()
         self.layout = ProcessLayout()
         self.device = torch.device("cpu")
-        self.grad_sync: Any = None  # distributed.GradSync with several processes
+        self.grad_sync: Any = None  # grad_sync.GradSync with several processes
         self.executor: Executor | None = None
         self.module: torch.nn.Module | None = None
         self.automatic = True  # automatic optimization: a micro-batch begins with its training step
@@ -132,7 +133,7 @@ class TrainingCore:
     # ---- setup -----------------------------------------------------------------------------------
     def connect_processes(self, layout: ProcessLayout, device: torch.device, *, timeout: timedelta | None = None) -> None:
         """This process's place in the run; with several, the host-side collectives (a gloo group of
-        their own, ``distributed.py``) once the default process group exists."""
+        their own, ``grad_sync.py``) once the default process group exists."""
         self.layout, self.device = layout, device
         if not layout.is_distributed:
             return
@@ -270,12 +271,19 @@ class TrainingCore:
         ex.disarm()
         self.abort_microbatch()  # the previous step returned None, or ran a forward without backward
         if self.plan is None and self._tokens is None:  # Note: [profiled first step]
-            self._tokens = tokens()
-            ex.profiling = True
+            if self._micro_index == 0 and self._steps_ended >= self._profile_warmup():
+                self._tokens = tokens()
+                ex.profiling = True
         elif self.planner.replan_reason is not None and self._micro_index == 0 and not ex.profiling:
             ex.profiling = True  # this step is the new profile (see replan.py)
         self._last_of_step = last
         self._open()
+
+    def _profile_warmup(self) -> int:
+        """Steps run on the provisional schedule before the profiled one (core/replan.py, Note:
+        [profile warm-up])."""
+        n = self.options.replan.profile_warmup
+        return (1 if self.device.type == "cuda" else 0) if n is None else n
 
     def _open(self) -> None:
         ex = self._ex()
@@ -292,7 +300,7 @@ class TrainingCore:
             store = self.shard_store()
             if store is not None:  # a profiled step's collectives run in line: their times price the plan
                 store.overlap = self.options.overlap_grad_sync and not ex.profiling  # Note: [overlapped all-gather]
-            if self.grad_sync is not None:  # distributed.py, Note: [one sync per step]
+            if self.grad_sync is not None:  # grad_sync.py, Note: [one sync per step]
                 self.grad_sync.hold = (self._full and self.options.data_parallel != "shard"
                                        and not self._last_of_step)
         if self.automatic:
@@ -344,12 +352,12 @@ class TrainingCore:
         if sync is None:
             return
         assert ex.params is not None
-        if sync.hold:  # averaged after the step's last micro-batch (distributed.py, Note: [one sync per step])
+        if sync.hold:  # averaged after the step's last micro-batch (grad_sync.py, Note: [one sync per step])
             if ex.profiling:  # the plan prices the all-reduces this micro-batch does not run
                 sync.time_all_reduce(ex.params)
             return
         # before the plan, clipping and the optimizer see them; the collective lane's bytes, in the
-        # planner's unit (distributed.py, Note: [collective bytes])
+        # planner's unit (grad_sync.py, Note: [collective bytes])
         stats.lane_bytes["collective"] = sync.average_grads(ex.params, stats.grad_norms, stats.layer_sq_norms)
         # sharded groups (their average came with the reduce-scatter): per-parameter norms of the whole
         # gradients from every rank's shard norms; their all-gathers and reduce-scatters are the step's

@@ -103,7 +103,7 @@ class Executor:
         # sharded data parallel (engine/shard_store.py): the process group whose ranks share every
         # block's host state ("world": the default group); None: this process holds all of it
         self.shard_group = shard_group
-        self.replica_group = replica_group  # Note: [hybrid sharding] (distributed.py)
+        self.replica_group = replica_group  # Note: [hybrid sharding] (core/grad_sync.py)
         # gloo, over the shard group's ranks: the overlapped reduce-scatters' (shard_grads.py); with
         # the "world" group on CPU devices made here, once, by every rank, when not given
         self.grad_group = grad_group
@@ -129,7 +129,7 @@ class Executor:
         if self.params is None or self.params.num_slots != slots:
             hook = None
             if self.params is not None:
-                hook = self.params.final_grads_hook  # (distributed.GradSync's, if any) carries over
+                hook = self.params.final_grads_hook  # (core/grad_sync.GradSync's, if any) carries over
                 self.params.close()
             # The recompute slot and the resident slots hold device memory only while the plan counts
             # them (lazy slots: allocated by stage, given back by evict).
@@ -453,7 +453,7 @@ class Executor:
         """In this step, a group's gradients may change after its final accumulation: an ad-hoc
         pass added to them, or the user's post-accumulate-grad hooks run when the micro-batch ends.
         Several processes then average the gradients after the micro-batch, not group by group as
-        they complete (distributed.py, Note: [overlapped all-reduce])."""
+        they complete (core/grad_sync.py, Note: [overlapped all-reduce])."""
         return self._adhoc_used or self._post_hooks
 
     # ---- forward ---------------------------------------------------------------------------
@@ -645,7 +645,7 @@ class Executor:
         backward. Exact, synchronous and not part of the plan (its memory and time are not predicted)."""
         assert self.params is not None
         j = ctx.j
-        self._adhoc_used = True  # from here on (distributed.py: Note: [overlapped all-reduce])
+        self._adhoc_used = True  # from here on (core/grad_sync.py: Note: [overlapped all-reduce])
         ctx.serial = self._serial
         state = ForwardState.capture(self.device)
         args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)  # before the cache grows

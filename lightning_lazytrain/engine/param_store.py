@@ -247,7 +247,7 @@ class ParamStore(GradWriteBack):
     def set_final_grads_hook(self, fn: FinalGradsHook | None) -> None:
         """Call ``fn(store, layer, accumulated_handle, param_norms, sq_norm)`` at a step's last
         accumulation of a group (``finish_grads`` with ``norm``): several processes average a group's
-        gradients as soon as they are complete (distributed.GradSync, overlap). None: no hook."""
+        gradients as soon as they are complete (core/grad_sync.GradSync, overlap). None: no hook."""
         self._on_final_grads = fn
 
     @property
