@@ -517,3 +517,28 @@ def test_check_sh_refuses_an_interpreter_that_does_not_run_or_lacks_torch(tmp_pa
     r = subprocess.run(["bash", str(KIT / "check.sh"), "--rehearse", str(tmp_path / "out")], cwd=ROOT,
                        env={**base, "PYTHON": str(broken)}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"{broken} (PYTHON) does not run" in r.stderr, r.stdout + r.stderr
+
+
+def test_memory_trace_finds_what_is_alive_at_the_peak(kit):
+    """engine/alloc_trace.peak_allocations replays an allocator trace: the peak of the traced allocations and
+    what was alive then, by the first frames of this project on the stack (frees of earlier allocations
+    ignored)."""
+    from lightning_lazytrain.engine.alloc_trace import peak_allocations, site_of
+
+    ours = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/r/lightning_lazytrain/engine/executor.py", "line": 7, "name": "_forward_window"},
+            {"filename": "/r/lightning_lazytrain/models/llama.py", "line": 9, "name": "forward"}]
+    other = [{"filename": "/x/torch/autograd/graph.py", "line": 3, "name": "backward"}]
+    assert site_of(ours) == ("lightning_lazytrain/engine/executor.py:7(_forward_window) < "
+                             "lightning_lazytrain/models/llama.py:9(forward)")
+    assert site_of(other) == "/x/torch/autograd/graph.py:3(backward)" and site_of([]) == "(no stack)"
+    trace = [{"action": "free_requested", "addr": 99, "size": 7},  # made before the trace began
+             {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": other},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": ours},
+             {"action": "free_requested", "addr": 2, "size": 50},
+             {"action": "free_completed", "addr": 2, "size": 50},
+             {"action": "alloc", "addr": 4, "size": 10, "frames": other}]
+    out = peak_allocations(trace, top=1)
+    assert out["traced_peak_bytes"] == 180 and out["alive_at_peak"] == 3 and out["entries"] == 7
+    assert out["sites"] == [{"site": site_of(ours), "bytes": 130, "count": 2}] and out["other_sites_bytes"] == 50

@@ -18,7 +18,8 @@ Each runs one warm-up step and ``--repeats`` timed steps (median reported): toke
 predicted step seconds, busy seconds per lane (measured in the last step and predicted; ``host``:
 the host lane's casts and gradient accumulation), ``max_memory_allocated``/``max_memory_reserved`` against the predicted
 peak and the cap, the executor's tracked peak, and ``num_alloc_retries`` during the timed steps.
-Then:
+Then (MILP variants): one more step under the allocator's history recording: what is alive at the
+step's peak, by allocation site (``memory_at_peak``, lightning_lazytrain/engine/alloc_trace.py; CUDA only). Then:
 
 * achieved GB/s per lane (executor variants): the bytes the lane moved in the last timed step
   (``StepStats.lane_bytes``) over its busy seconds, the union of that lane's measured
@@ -50,6 +51,7 @@ import time
 import torch
 
 from kit import GB, Stage, footprint_range, stage_main, tiny_spec
+from lightning_lazytrain.engine.alloc_trace import record_peak
 from lightning_lazytrain.planner import MilpOptions, ModelSpec, megatrain, min_memory, simulate
 from lightning_lazytrain.planner.placement import HOST_ONLY, calibrate_host_rates, price
 from lightning_lazytrain.planner.plan import plan_workload
@@ -292,6 +294,9 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             r = time_steps(dev, step, warmup, repeats, between=ex.params.zero_grad)
             timed = dict(last)  # the last timed step (the profiled one below is not timed)
             r["gpu_busy"] = profile_step(dev, step, between=ex.params.zero_grad)
+            if name != "megatrain":  # what the allocator holds at the peak, by site (memory_trace.py)
+                r["memory_at_peak"] = record_peak(dev, step)
+                ex.params.zero_grad()
         finally:
             ex.close()
         m = ex = step = None  # drop this variant's host copy before the next one
