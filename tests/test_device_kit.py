@@ -542,3 +542,31 @@ def test_memory_trace_finds_what_is_alive_at_the_peak(kit):
     out = peak_allocations(trace, top=1)
     assert out["traced_peak_bytes"] == 180 and out["alive_at_peak"] == 3 and out["entries"] == 7
     assert out["sites"] == [{"site": site_of(ours), "bytes": 130, "count": 2}] and out["other_sites_bytes"] == 50
+
+
+@pytest.mark.slow
+def test_session_script_rehearses_and_returns_few_flat_files(tmp_path):
+    """bench/device/session.sh (the next short lease's calls) on the CPU: the kit's lightning, throughput
+    and pytest_gpu stages, the fit at two batches and the host kernels, each bounded; what it leaves is
+    at most 8 flat files (what a lent machine returns), every stage passed or skipped with its reason."""
+    out = tmp_path / "session"
+    env = {**os.environ, "PYTHON": sys.executable, "SESSION_KIT_S": "150", "SESSION_B32_S": "60", "SESSION_B8_S": "60",
+           "KIT_SITE": str(tmp_path / "site")}
+    r = subprocess.run(["bash", str(KIT / "session.sh"), "--rehearse", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["fit-b32.json", "fit-b32.log", "fit-b8.json", "fit-b8.log", "host-ops.log", "kit.json", "kit.log"]
+    assert all(p.is_file() for p in out.iterdir())
+    kit_doc = json.loads((out / "kit.json").read_text())
+    stages = {s["name"]: s for s in kit_doc["stages"]}
+    assert set(stages) == {"lightning", "throughput", "pytest_gpu"}
+    assert stages["lightning"]["status"] == stages["throughput"]["status"] == "pass"
+    assert stages["pytest_gpu"]["status"] == "skipped" and stages["pytest_gpu"]["reason"]
+    for label in ("b32", "b8"):
+        fit_doc = json.loads((out / f"fit-{label}.json").read_text())
+        assert fit_doc["status"] == "pass", fit_doc.get("reason")
+        (run,) = fit_doc["figures"]["runs"].values()
+        assert {v: run["variants"][v]["status"] for v in ("lazytrain", "auto", "fsdp2_offload")} == dict.fromkeys(
+            ("lazytrain", "auto", "fsdp2_offload"), "measured")
+    assert "copy fp32" in (out / "host-ops.log").read_text()
