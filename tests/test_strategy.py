@@ -405,6 +405,41 @@ def test_pipelined_hybrid_adamw_step_equals_the_serial_step():
     assert pipelined == serial
 
 
+def test_the_wait_for_a_pipelined_update_is_counted(monkeypatch):
+    """StepStats.optimizer_wait_seconds: the seconds the next step waited for the pipelined HybridAdamW
+    update before staging a layer (an update slower than the forward shows here; the device kit's fit
+    records it). A slowed per-layer update is waited for; a serial step (megatrain) waits for none."""
+    import time as _time
+
+    from lightning_lazytrain.lit_module import CausalLMModule
+    from lightning_lazytrain.optim import HybridAdamW
+
+    original = HybridAdamW._update_layer
+
+    def slow_update(self, layer, plan):
+        _time.sleep(0.03)
+        return original(self, layer, plan)
+
+    monkeypatch.setattr(HybridAdamW, "_update_layer", slow_update)
+
+    def run(policy):
+        torch.manual_seed(0)
+        module = CausalLMModule(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
+        strategy = LazyTrainStrategy(policy=policy)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        g = torch.Generator().manual_seed(3)
+        data = [torch.randint(0, 256, (2, 17), generator=g) for _ in range(4)]
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        return strategy.core.last_stats, trainer.callback_metrics
+
+    stats, metrics = run("recompute_all")
+    assert stats.optimizer_wait_seconds > 0.03  # at least one layer's update was waited for
+    assert float(metrics["lazytrain/optimizer_wait_seconds"]) == pytest.approx(stats.optimizer_wait_seconds)
+    serial, _ = run("megatrain")
+    assert serial.optimizer_wait_seconds == 0.0
+
+
 def test_a_replan_inside_the_closure_that_makes_the_step_serial_steps_serially(monkeypatch):
     """A re-plan runs at the end of a step's backward, inside the optimizer's closure: when the new
     schedule's optimizer is serial, the step whose closure just re-planned cannot start a pipelined

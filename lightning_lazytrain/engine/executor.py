@@ -36,6 +36,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -172,6 +173,13 @@ class Executor:
     @nvme_required_bytes.setter
     def nvme_required_bytes(self, nbytes: int) -> None:
         self._nvme_required = int(nbytes)
+
+    def _wait_for_update(self, j: int) -> None:
+        """``wait_updated(j)``, its seconds counted in the step's ``optimizer_wait_seconds``."""
+        assert self.wait_updated is not None
+        t0 = time.perf_counter()
+        self.wait_updated(j)
+        self.stats.optimizer_wait_seconds += time.perf_counter() - t0
 
     def set_wait_updated(self, fn: Callable[[int], None] | None) -> None:
         """Wait for the pipelined optimizer: ``fn(j)`` returns once layer ``j``'s masters are
@@ -392,15 +400,15 @@ class Executor:
             parts = len(self.params.rest_parts)
             for p in range(parts):
                 if self.wait_updated is not None:
-                    self.wait_updated(-1 - p)  # REST, or its part p
+                    self._wait_for_update(-1 - p)  # REST, or its part p
                 # first: the embedding needs it first; bind makes compute wait for it
                 self.params.stage(REST, part=p if parts > 1 else None)
             if self.wait_updated is not None:
-                self.wait_updated(0)
+                self._wait_for_update(0)
             self._stage(0)
             if self.wait_updated is not None and self.schedule.optimizer == "pipelined":
                 for j in self.schedule.serial_layers:  # the per-layer mode: T ends when their updates do
-                    self.wait_updated(j)
+                    self._wait_for_update(j)
             self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
         self._memory_window("F0")
 
@@ -503,7 +511,7 @@ class Executor:
         assert self.params is not None
         if self._micro is not None:
             if self.schedule.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
-                self.wait_updated(j)  # the pipelined step may still be updating layer j's masters
+                self._wait_for_update(j)  # the pipelined step may still be updating layer j's masters
             self.params.stage(j, RECOMPUTE_SLOT)
             try:
                 with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
@@ -549,7 +557,7 @@ class Executor:
                     self._internals[op.index].offload(self.acts)
             elif op.lane == "h2d" and op.kind == "weights":
                 if s.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
-                    self.wait_updated(op.index)
+                    self._wait_for_update(op.index)
                 self._stage(op.index)
                 if op.index in self.resident_slot:
                     self.tracker.add(f"resident{op.index}", self.params.slot_bytes(op.index, self.slot_of(op.index)))

@@ -53,6 +53,9 @@ class StepStats:
     # batch; CPU: what ops allocated during the step and kept). They live through every window of the
     # next steps: the profile makes them the plan's ``device_overhead_bytes``.
     untracked_bytes: int = 0
+    # the seconds the launching thread waited for a pipelined optimizer update before staging a layer
+    # (core/optimizer_steps.py, Note: [pipelined step]): the update not hidden under the forward
+    optimizer_wait_seconds: float = 0.0
 
     def metrics(self, seconds: float, predicted_seconds: float) -> dict[str, float]:
         """The ``lazytrain/*`` figures of a step that took ``seconds`` (what the Trainer's strategy
@@ -63,6 +66,7 @@ class StepStats:
             "lazytrain/predicted_step_seconds": predicted_seconds,
             "lazytrain/stall_seconds": max(0.0, seconds - compute),
             "lazytrain/peak_tracked_gb": self.peak_tracked_bytes / 1e9,
+            "lazytrain/optimizer_wait_seconds": self.optimizer_wait_seconds,
         }
         for lane, nbytes in self.lane_bytes.items():
             out[f"lazytrain/{lane}_gb"] = nbytes / 1e9
