@@ -37,7 +37,7 @@ import torch
 from lightning_lazytrain.engine.host_ops import BYTES_PER_ELEM, measure_host_rates
 
 NAMES = {"copy_fp32": "copy fp32", "cast_fp32_bf16": "cast fp32->bf16", "add_bf16_fp32": "add bf16 into fp32",
-         "add_fp32_fp32": "add fp32 into fp32", "adamw_fp32": "_fused_adamw_ fp32",
+         "add_fp32_fp32": "add fp32 into fp32", "norm_fp32": "norms fp32 (8 tensors)", "adamw_fp32": "_fused_adamw_ fp32",
          "step": "AdamW(fused).step()"}
 
 

@@ -154,6 +154,12 @@ def test_pricing_moves_the_conversions_work_between_the_host_lane_and_the_links(
     assert dev.conversion_gpu_bytes == 2 * 4 * CONVERSION_BUFFER_ELEMENTS  # one buffer per lane
     assert dev.static_gpu_bytes == wl.static_gpu_bytes + dev.conversion_gpu_bytes
     assert price(dev, Placement(), hw).layers[1] == a  # and back, exactly
+    # the norms at their own rate (Hardware.host_norm_bytes_per_s: torch's serial CPU 2-norm per tensor)
+    slow_norms = hw.replace(host_norm_bytes_per_s=hw.host_bytes_per_s / 4)
+    landed = price(wl, Placement(widen_blocks=True), slow_norms).layers[1]
+    assert landed.accum_seconds == pytest.approx(landed.params * 4 / slow_norms.host_norm_bytes_per_s)
+    on_host = price(price(wl, Placement(widen_blocks=True), hw), Placement(), slow_norms).layers[1]
+    assert on_host.accum_seconds == pytest.approx(a.accum_seconds + a.params * 4 * 3 / hw.host_bytes_per_s)
 
 
 @pytest.mark.slow
@@ -195,6 +201,7 @@ def test_the_profiled_host_lane_calibrates_the_rates():
     assert cal.host_bytes_per_s == pytest.approx(hw.host_bytes_per_s / k)
     assert cal.host_widen_bytes_per_s == pytest.approx((hw.host_widen_bytes_per_s or hw.host_bytes_per_s) / k_acc)
     assert cal.host_add_bytes_per_s == pytest.approx((hw.host_add_bytes_per_s or hw.host_bytes_per_s) / k_acc)
+    assert cal.host_norm_bytes_per_s == pytest.approx(cal.host_add_bytes_per_s)  # unset: the adds' rate
 
     def host(w, h, kind):
         return sum(x.end - x.start for x in simulate(s, w, h, check=False).timeline

@@ -68,15 +68,16 @@ def _copy_rate(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, flo
     return rate, rate
 
 
-_HOST_RATES: dict[tuple[str, int], tuple[float, float, float, float]] = {}
+_HOST_RATES: dict[tuple[str, int], tuple[float, float, float, float, float]] = {}
 
 
-def host_rates(device: torch.device) -> tuple[float, float, float, float]:
+def host_rates(device: torch.device) -> tuple[float, float, float, float, float]:
     """The engine's host kernels as this machine runs them (engine/host_ops.py, its default thread
     count): bytes/s of the fp32 -> 16-bit cast, of the widening add of 16-bit gradients into fp32
-    ones, of the fp32 add; fused AdamW parameters/s with 32-bit states, as HybridAdamW runs them.
-    Bytes counted as ``Hardware.host_bytes_per_s``, ``host_widen_bytes_per_s`` and
-    ``host_add_bytes_per_s`` price them (planner/workload.py). Measured once per process: 256 MiB
+    ones, of the fp32 add, of the per-tensor gradient norms; fused AdamW parameters/s with 32-bit
+    states, as HybridAdamW runs them. Bytes counted as ``Hardware.host_bytes_per_s``,
+    ``host_widen_bytes_per_s``, ``host_add_bytes_per_s`` and ``host_norm_bytes_per_s`` price them
+    (planner/workload.py). Measured once per process: 256 MiB
     tensors next to a GPU (out of the caches of a server's sockets), 16 MiB on a CPU-only run."""
     from lightning_lazytrain.engine.host_ops import BYTES_PER_ELEM, default_host_threads, measure_host_rates
 
@@ -85,10 +86,10 @@ def host_rates(device: torch.device) -> tuple[float, float, float, float]:
     if key not in _HOST_RATES:
         nbytes = (256 if device.type == "cuda" else 16) << 20
         rates = measure_host_rates(nbytes, (threads,), repeats=2,
-                                   ops=("cast_fp32_bf16", "add_fp32_fp32", "add_bf16_fp32", "adamw_fp32"))
+                                   ops=("cast_fp32_bf16", "add_fp32_fp32", "add_bf16_fp32", "norm_fp32", "adamw_fp32"))
         r = {op: v["host_ops"] if op != "adamw_fp32" else v["torch"] for op, v in rates["rates"][threads].items()}
         _HOST_RATES[key] = (r["cast_fp32_bf16"] * GB, r["add_bf16_fp32"] * GB, r["add_fp32_fp32"] * GB,
-                            r["adamw_fp32"] * GB / BYTES_PER_ELEM["adamw_fp32"])
+                            r["norm_fp32"] * GB, r["adamw_fp32"] * GB / BYTES_PER_ELEM["adamw_fp32"])
     return _HOST_RATES[key]
 
 
@@ -114,14 +115,14 @@ def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None
         h2d = d2h = link_gb_per_s * GB
     nvme_cap = shutil.disk_usage(nvme_dir).free if nvme_dir is not None and Path(nvme_dir).exists() else 0.0
     nvme_bw = nvme_gb_per_s * GB if nvme_cap else 0.0
-    cast, widen, add, adam = host_rates(device)
+    cast, widen, add, norm, adam = host_rates(device)
     adam = opt_params_per_s or adam
     return Hardware(name=f"measured-{device.type}", gpu_memory_bytes=float(total), gpu_memory_cap_bytes=float(cap),
                     peak_tflops=1.0, efficiency=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                     nvme_read_bytes_per_s=nvme_bw, nvme_write_bytes_per_s=nvme_bw, nvme_capacity_bytes=float(nvme_cap),
                     cpu_memory_bytes=_host_memory_bytes(), cpu_adam_params_per_s=adam,
                     cpu_adam8_params_per_s=adam, host_bytes_per_s=cast,
-                    host_widen_bytes_per_s=widen, host_add_bytes_per_s=add).validate()
+                    host_widen_bytes_per_s=widen, host_add_bytes_per_s=add, host_norm_bytes_per_s=norm).validate()
 
 
 @dataclass

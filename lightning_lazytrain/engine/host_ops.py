@@ -295,7 +295,9 @@ def default_host_ops() -> HostOps:
 
 
 # ---- measured rates (the profile prices the host lane with these) ----------------------------------
-BYTES_PER_ELEM = {"copy_fp32": 8, "cast_fp32_bf16": 6, "add_bf16_fp32": 10, "add_fp32_fp32": 12, "adamw_fp32": 28}
+BYTES_PER_ELEM = {"copy_fp32": 8, "cast_fp32_bf16": 6, "add_bf16_fp32": 10, "add_fp32_fp32": 12, "norm_fp32": 4,
+                  "adamw_fp32": 28}
+NORM_PIECES = 8  # norm_fp32 measures the norms of this many equal tensors, as a group's several parameters
 
 
 def _seconds(fn: Callable[[], object], repeats: int, statistic: str) -> float:
@@ -315,8 +317,9 @@ def measure_host_rates(nbytes: int = 256 << 20, threads: Iterable[int] = (1, 2),
     of ``repeats`` timed calls after one warm-up call; ``host_ops_kw`` go to ``HostOps``), per thread
     count: ``HostOps(n)``'s kernel and the plain single torch call with ``torch.set_num_threads(n)``
     (restored after). Bytes counted as read + written per element: copy fp32 8, cast fp32 -> bf16 6,
-    add bf16 into fp32 10, add fp32 into fp32 12, AdamW fp32 28 (p, g, m, v read; p, m, v written;
-    ``"adamw_fp32"``, not measured by default). Returns ``{"nbytes": nbytes, "bytes_per_elem": {...},
+    add bf16 into fp32 10, add fp32 into fp32 12, norms 4 (``"norm_fp32"``: ``NORM_PIECES`` equal tensors'
+    norms, as a parameter group's; not measured by default), AdamW fp32 28 (p, g, m, v read; p, m, v
+    written; ``"adamw_fp32"``, not measured by default). Returns ``{"nbytes": nbytes, "bytes_per_elem": {...},
     "rates": {n: {op: {"host_ops": GB/s, "torch": GB/s}}}}``."""
     n = nbytes // 4
     gen = torch.Generator().manual_seed(0)
@@ -328,6 +331,7 @@ def measure_host_rates(nbytes: int = 256 << 20, threads: Iterable[int] = (1, 2),
         adam = [a, b.mul(1e-3), torch.rand(n, generator=gen).mul_(1e-3), torch.rand(n, generator=gen).mul_(1e-6)]
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
     step = torch.tensor(1.0)
+    pieces = list(b.view(NORM_PIECES, -1)) if n % NORM_PIECES == 0 else [b]
     out: dict = {"nbytes": nbytes, "bytes_per_elem": {o: BYTES_PER_ELEM[o] for o in ops}, "rates": {}}
     before = torch.get_num_threads()
     try:
@@ -339,6 +343,7 @@ def measure_host_rates(nbytes: int = 256 << 20, threads: Iterable[int] = (1, 2),
                     "cast_fp32_bf16": (lambda: ho.cast_into(h, a), lambda: h.copy_(a)),
                     "add_bf16_fp32": (lambda: ho.add_into(a, h), lambda: a.add_(h)),
                     "add_fp32_fp32": (lambda: ho.add_into(a, b), lambda: a.add_(b)),
+                    "norm_fp32": (lambda: ho.norms(pieces), lambda: torch._foreach_norm(pieces, 2.0)),
                     "adamw_fp32": (lambda: ho.adamw_chunked(*([x] for x in adam), [step], **kw),
                                    lambda: torch._fused_adamw_(*([x] for x in adam), [], [step], **kw)),
                 }

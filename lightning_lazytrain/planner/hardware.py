@@ -50,6 +50,10 @@ class Hardware:
     # its like-to-like work after a gradient copy: an fp32 add into the fp32 gradient, the norms (bytes
     # counted: read and written). 0: host_bytes_per_s (which then prices the casts and these alike)
     host_add_bytes_per_s: float = 0.0
+    # its per-parameter gradient norms for the exact clip (bytes counted: the fp32 gradient read once):
+    # torch's CPU 2-norm is one serial loop per tensor, so a group's norms run at a few tensors' width
+    # (measured on the 2-core machine: ~3.6 GB/s against ~15 for the fp32 add). 0: host_add_bytes_per_s
+    host_norm_bytes_per_s: float = 0.0
     # ---- several devices (``planner/multi.py``); the defaults are one GPU ----------------------
     gpus_per_node: int = 1  # ranks per node, sharing this node's host memory, optimizer and host-lane rates
     nodes: int = 1
@@ -87,7 +91,8 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"hardware.{key}", value, "must be an integer >= 1")
         for key in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_collective_bytes_per_s",
-                    "gpu_memory_bytes_per_s", "host_widen_bytes_per_s", "host_add_bytes_per_s"):
+                    "gpu_memory_bytes_per_s", "host_widen_bytes_per_s", "host_add_bytes_per_s",
+                    "host_norm_bytes_per_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = none)")
@@ -122,7 +127,8 @@ class Hardware:
                 host_gb_per_s: float = DEFAULT_HOST_BYTES_PER_S / GB, gpus_per_node: int = 1, nodes: int = 1,
                 intra_node_gb_per_s: float = 0.0, inter_node_gb_per_s: float = 0.0, host_link_share: float = 1.0,
                 host_collective_gb_per_s: float = 0.0, gpu_memory_gb_per_s: float = 0.0,
-                host_widen_gb_per_s: float = 0.0, host_add_gb_per_s: float = 0.0) -> Hardware:
+                host_widen_gb_per_s: float = 0.0, host_add_gb_per_s: float = 0.0,
+                host_norm_gb_per_s: float = 0.0) -> Hardware:
         """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
         return cls(
             name=name,
@@ -148,4 +154,5 @@ class Hardware:
             gpu_memory_bytes_per_s=gpu_memory_gb_per_s * GB,
             host_widen_bytes_per_s=host_widen_gb_per_s * GB,
             host_add_bytes_per_s=host_add_gb_per_s * GB,
+            host_norm_bytes_per_s=host_norm_gb_per_s * GB,
         ).validate()

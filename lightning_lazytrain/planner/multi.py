@@ -103,6 +103,7 @@ def rank_hardware(hw: Hardware) -> Hardware:
                       cpu_adam8_params_per_s=hw.cpu_adam8_params_per_s / n, host_bytes_per_s=hw.host_bytes_per_s / n,
                       host_widen_bytes_per_s=hw.host_widen_bytes_per_s / n,
                       host_add_bytes_per_s=hw.host_add_bytes_per_s / n,
+                      host_norm_bytes_per_s=hw.host_norm_bytes_per_s / n,
                       nvme_read_bytes_per_s=hw.nvme_read_bytes_per_s / n, nvme_write_bytes_per_s=hw.nvme_write_bytes_per_s / n,
                       nvme_capacity_bytes=hw.nvme_capacity_bytes / n, gpus_per_node=1, nodes=1)
 

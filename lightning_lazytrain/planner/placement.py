@@ -91,12 +91,13 @@ def candidates(wl: Workload) -> list[Placement]:
             for a, b, c, d in itertools.product((False, True), repeat=4)]
 
 
-def _host_rates(hw: Hardware) -> tuple[float, float, float]:
+def _host_rates(hw: Hardware) -> tuple[float, float, float, float]:
     """Bytes/s of the host lane's casts (``host_bytes_per_s``), its widening add (16-bit into fp32;
-    ``host_widen_bytes_per_s``) and its fp32 adds and norms (``host_add_bytes_per_s``); the last two
-    default to the first."""
-    return (hw.host_bytes_per_s, hw.host_widen_bytes_per_s or hw.host_bytes_per_s,
-            hw.host_add_bytes_per_s or hw.host_bytes_per_s)
+    ``host_widen_bytes_per_s``), its fp32 adds (``host_add_bytes_per_s``) and its gradient norms
+    (``host_norm_bytes_per_s``); the widening and fp32 adds default to the casts', the norms to the adds'."""
+    add = hw.host_add_bytes_per_s or hw.host_bytes_per_s
+    return (hw.host_bytes_per_s, hw.host_widen_bytes_per_s or hw.host_bytes_per_s, add,
+            hw.host_norm_bytes_per_s or add)
 
 
 def _cast_seconds(params: float, e: int, device: bool, hw: Hardware) -> tuple[float, float]:
@@ -110,14 +111,14 @@ def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, 
     """(grad_widen, host seconds per gradient copy, on average over a step's ``copies_per_step``).
 
     Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write), then the
-    norm reads it (``HOST_GRAD_BYTES``). Device: a step's first copy lands in the host gradient (the
-    norm only), the others add fp32 to fp32 (read 4, read + write 8, norm 4)."""
-    _, widen, same = _host_rates(hw)
+    norms read it (``HOST_GRAD_BYTES``, at the norm rate). Device: a step's first copy lands in the
+    host gradient (the norms only), the others add fp32 to fp32 (read 4, read + write 8) before them."""
+    _, widen, same, norm = _host_rates(hw)
     if not device:
-        return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / same)
+        return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / norm)
     n = max(1.0, copies_per_step)
-    per_copy = (HOST_GRAD_BYTES + (n - 1) * 4 * HOST_GRAD_BYTES) / n
-    return HOST_MASTER_BYTES / e, params * per_copy / same
+    per_copy = (n - 1) * 3 * HOST_GRAD_BYTES / n / same + HOST_GRAD_BYTES / norm
+    return HOST_MASTER_BYTES / e, params * per_copy
 
 
 def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
@@ -190,11 +191,11 @@ def calibrate_host_rates(wl: Workload, schedule: Schedule, hw: Hardware) -> Hard
                if measured.get(kind, 0) > 0 and predicted.get(kind, 0) > 0}
     if not factors:
         return hw
-    cast, widen, add = _host_rates(hw)
+    cast, widen, add, norm = _host_rates(hw)
     k_cast = factors.get("cast", factors.get("accumulate"))
     k_acc = factors.get("accumulate", k_cast)
     return hw.replace(host_bytes_per_s=cast / k_cast, host_widen_bytes_per_s=widen / k_acc,
-                      host_add_bytes_per_s=add / k_acc)
+                      host_add_bytes_per_s=add / k_acc, host_norm_bytes_per_s=norm / k_acc)
 
 
 def _conversion_gpu_bytes(wl: Workload, p: Placement) -> int:

@@ -83,14 +83,15 @@ def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: H
       the compute dtype);
     - accumulate, after each gradient D2H: read the landed gradient (``grad_bytes``), read and write
       the fp32 host gradient (``2 * HOST_GRAD_BYTES``; a 16-bit gradient's widening add at
-      ``host_widen_bytes_per_s``), read it again for the squared norm (``HOST_GRAD_BYTES``, at
-      ``host_add_bytes_per_s``, as an fp32 add).
+      ``host_widen_bytes_per_s``), read it again for the norms (``HOST_GRAD_BYTES``, at
+      ``host_norm_bytes_per_s``, else as an fp32 add).
     """
     cast_rate = hardware.host_bytes_per_s
     add = hardware.host_add_bytes_per_s or cast_rate
     widen = (hardware.host_widen_bytes_per_s or cast_rate) if grad_bytes != HOST_GRAD_BYTES else add
     cast = HOST_MASTER_BYTES + compute_bytes if compute_bytes != HOST_MASTER_BYTES else 0
-    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / add
+    norm = hardware.host_norm_bytes_per_s or add
+    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / norm
     return cast / cast_rate, accum
 
 
