@@ -106,3 +106,39 @@ def test_a_switch_gives_the_allocators_cache_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
     assert allocator.release_cache(torch.device("cuda", 0)) is True and calls == ["sync", "empty"]
+
+
+def test_the_first_plan_leaves_room_for_the_overhead_of_the_profiled_step(monkeypatch):
+    """The profiled step's allocator peaks (injected here) show a byte overhead (1 GB reserved beyond
+    what was allocated; the CPU profile's budget is 4 GB): the first plan already leaves room for it
+    (ratio budget / (budget - 1.02 GB)), so the steps after it need no memory re-plan; training equals
+    auto's."""
+    real_end = Executor.end_microbatch
+    seen = []
+
+    def end_microbatch(self):
+        stats = real_end(self)
+        if stats is not None:
+            seen.append(1)
+            allocated = int(stats.peak_tracked_bytes)
+            stats.max_memory_allocated = allocated
+            stats.max_memory_reserved = allocated + int(1 * GB) if len(seen) == 1 else int(allocated * 1.01)
+        return stats
+
+    monkeypatch.setattr(Executor, "end_microbatch", end_microbatch)
+    strategy = LazyTrainStrategy(policy="milp", hardware="cpu", gpu_memory_budget_gb=100.0)
+    ref, want = fit("auto", Net(), steps=6)
+
+    class Watch(L.Callback):
+        def on_fit_start(self, trainer, module):
+            trainer.strategy.core.planner.memory = MemoryWatch(ratio=1.05)
+
+    got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[Watch()])
+    budget = strategy.core.planner.budget_bytes
+    assert strategy.core.planner.memory.ratio == pytest.approx(budget / (budget - 1.02 * GB), rel=1e-3)
+    assert strategy.core.planner.memory.ratio > 1.2
+    assert not [r for r in strategy.replans if r["reason"].startswith("memory:")]
+    assert got == want
+    w = MemoryWatch(ratio=1.2)  # an overhead the starting ratio covers: unchanged
+    assert not w.prime(reserved=int(10.5 * GB), allocated=int(10 * GB), budget_bytes=20 * GB) and w.ratio == 1.2
+    assert not w.prime(reserved=None, allocated=None, budget_bytes=20 * GB)

@@ -15,7 +15,8 @@ Note: [the budget is what the allocator reserves]
     - every step's own ``max_memory_reserved`` / ``max_memory_allocated`` is read (``MemoryWatch``):
       a ratio above the one planned for (+2%), or reserved bytes over the budget, raise the ratio to
       what was measured (+2%) -- or, if larger, to the ratio that leaves room for the measured
-      overhead in bytes (reserved - allocated, +2%) under the budget -- and re-plan at the next step (the drift mechanism: re-profile, solve,
+      overhead in bytes (reserved - allocated, +2%) under the budget -- and re-plan at the next step
+      (the first plan already leaves room for the byte overhead the profiled step showed: ``prime``) (the drift mechanism: re-profile, solve,
       switch when the current schedule no longer fits); allocated bytes above the plan's peak
       re-profile too, so the plan counts what the step left untracked (Note: [untracked device
       bytes] in engine/step_stats.py). Each is logged; at most ``max_replans`` per run. Reserved
@@ -88,6 +89,21 @@ class MemoryWatch:
     def cap(self, budget_bytes: float) -> float:
         """The plan's cap on allocated bytes for a budget of reserved bytes."""
         return budget_bytes / self.ratio
+
+    def prime(self, *, reserved: int | None, allocated: int | None, budget_bytes: float | None) -> bool:
+        """The profiled step's peaks, before the first plan: room for the byte overhead the allocator
+        showed there (reserved - allocated, +2%: its fixed part, small-block segments and workspaces),
+        when that needs a larger ratio than the starting one; True if it did (not a re-plan)."""
+        if reserved is None or allocated is None or allocated <= 0 or not budget_bytes:
+            return False
+        extra = (reserved - allocated) * 1.02
+        if extra <= 0 or extra >= 0.95 * budget_bytes:
+            return False
+        ratio = budget_bytes / (budget_bytes - extra)
+        if ratio <= self.ratio:
+            return False
+        self.ratio = ratio
+        return True
 
     def observe(self, *, reserved: int | None, allocated: int | None, budget_bytes: float,
                 predicted_peak: float) -> str | None:

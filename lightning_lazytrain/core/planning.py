@@ -119,6 +119,13 @@ class Planner:
             try:
                 t0 = time.perf_counter()
                 hardware = self.hardware(device, layout.per_node)
+                if reason is None and self.plan is None and self.memory.prime(
+                        reserved=p.stats.max_memory_reserved, allocated=p.stats.max_memory_allocated,
+                        budget_bytes=self.budget_bytes):  # the allocator's overhead, seen in the profiled step
+                    self._info(f"lazytrain: the allocator reserved {p.stats.max_memory_reserved / 1e9:.3g} GB for "
+                               f"{p.stats.max_memory_allocated / 1e9:.3g} GB allocated in the profiled step: the plan "
+                               f"leaves room for it (reserve ratio {self.memory.ratio:.3f})")
+                    hardware = self.hardware(device, layout.per_node)
                 if reason is not None:
                     rates = measured_link_rates(p.stats.segments)
                     hardware = hardware.replace(h2d_bytes_per_s=rates.get("h2d", hardware.h2d_bytes_per_s),

@@ -274,6 +274,7 @@ class TrainingCore:
             if self._micro_index == 0 and self._steps_ended >= self._profile_warmup():
                 self._tokens = tokens()
                 ex.profiling = True
+                release_cache(ex.device)  # the profile's reserved bytes are its own, not an earlier cache's
         elif self.planner.replan_reason is not None and self._micro_index == 0 and not ex.profiling:
             ex.profiling = True  # this step is the new profile (see replan.py)
         self._last_of_step = last
