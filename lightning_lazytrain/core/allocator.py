@@ -16,11 +16,12 @@ Note: [the budget is what the allocator reserves]
       a ratio above the one planned for (+2%), or reserved bytes over the budget, raise the ratio to
       what was measured (+2%) -- or, if larger, to the ratio that leaves room for the measured
       overhead in bytes (reserved - allocated, +2%) under the budget -- and re-plan at the next step
-      (the first plan already leaves room for the byte overhead the profiled step showed: ``prime``) (the drift mechanism: re-profile, solve,
-      switch when the current schedule no longer fits); allocated bytes above the plan's peak
+      (the drift mechanism: re-profile, solve, switch when the current schedule no longer fits); allocated bytes above the plan's peak
       re-profile too, so the plan counts what the step left untracked (Note: [untracked device
       bytes] in engine/step_stats.py). Each is logged; at most ``max_replans`` per run. Reserved
       bytes close to the budget with the planned ratio are the plan working as meant, not a reason;
+    - the first plan already leaves room for the byte overhead the profiled step showed
+      (``MemoryWatch.prime``; that step starts with the allocator's cache released);
     - a switch to a new schedule gives the allocator's cached segments back (``release_cache``):
       the cache of the old schedule's buffer sizes would otherwise stay reserved under the new one,
       and the next step's ratio would measure the old plan's cache against the new plan's tensors
