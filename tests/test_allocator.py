@@ -110,7 +110,7 @@ def test_a_switch_gives_the_allocators_cache_back(monkeypatch):
 
 def test_the_first_plan_leaves_room_for_the_overhead_of_the_profiled_step(monkeypatch):
     """The profiled step's allocator peaks (injected here) show a byte overhead (1 GB reserved beyond
-    what was allocated; the CPU profile's budget is 4 GB): the first plan already leaves room for it
+    what was allocated, against the CPU profile's budget): the first plan already leaves room for it
     (ratio budget / (budget - 1.02 GB)), so the steps after it need no memory re-plan; training equals
     auto's."""
     real_end = Executor.end_microbatch

@@ -285,3 +285,21 @@ def test_an_in_place_edit_invalidates_only_the_edited_norms():
     assert (opt.handed_norms_used, opt.stale_norms) == (1, 2)
     assert opt.last_grad_norm == ref.last_grad_norm
     assert all(torch.equal(p, t) for p, t in zip(params, twins))
+
+
+def test_without_a_clip_value_16_bit_gradients_keep_the_fp32_norm_for_the_skip():
+    """The handed-over norms are in the gradient's dtype: an fp16 gradient whose norm is finite in fp32
+    but above fp16's range (here 1e5) would read as inf and skip a step plain training takes. So without a
+    clip value only fp32 gradients' norms are handed over; 16-bit ones get the fp32-accumulated pass."""
+    from lightning_lazytrain.core.optimizer_steps import hand_over_norms
+    from lightning_lazytrain.engine.step_stats import StepStats
+
+    for dtype, handed in ((torch.float16, 0), (torch.float32, 1)):
+        p = nn.Parameter(torch.zeros(10_000, dtype=dtype))
+        p.grad = torch.full_like(p, 1000.0)
+        opt = HybridAdamW([p], lr=1e-3)
+        stats = StepStats(grad_norms={0: {p: torch._foreach_norm([p.grad], 2.0)[0]}})
+        hand_over_norms([opt], stats, clip=False, trusted=True, recompute=None)
+        opt.step()
+        assert opt.handed_norms_used == handed and opt.skipped_steps == 0, dtype
+        assert opt.last_grad_norm == pytest.approx(1e5, rel=1e-3)

@@ -294,7 +294,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             r = time_steps(dev, step, warmup, repeats, between=ex.params.zero_grad)
             timed = dict(last)  # the last timed step (the profiled one below is not timed)
             r["gpu_busy"] = profile_step(dev, step, between=ex.params.zero_grad)
-            if name != "megatrain":  # what the allocator holds at the peak, by site (memory_trace.py)
+            if name != "megatrain":  # what the allocator holds at the peak, by site (engine/alloc_trace.py)
                 r["memory_at_peak"] = record_peak(dev, step)
                 ex.params.zero_grad()
         finally:

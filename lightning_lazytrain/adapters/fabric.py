@@ -17,7 +17,7 @@ whose forward opens a micro-batch (a forward with grad while none is open); ``ba
 backward and closes it. Each forward ... ``fabric.backward`` is therefore one executor micro-batch
 with ``first=last=True``: exact, and accumulation is several backward calls adding into the host
 ``.grad``. A further forward before the backward runs ad hoc (the executor's second-pass path). The
-first micro-batch is the profile: after its backward the workload is measured from its trace, the
+first micro-batch is the profile (on CUDA the second: the first warms up, ``replan={"profile_warmup": n}``): after its backward the workload is measured from its trace, the
 plan solved and the executor switched to it, before the optimizer step (an impossible budget raises
 there); later backward calls re-plan when the run drifts from the plan or the allocator outgrows it,
 as under the Trainer. The module's parameters stay on the host as the fp32 masters; the user's
@@ -89,7 +89,8 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
         verify_checkpoints: ``fabric.save`` writes atomically and ``fabric.load`` checks the file's CRCs
             first (``checkpoint_io.VerifiedCheckpointIO``; a ``checkpoint_io=`` of your own replaces it).
         replan: re-profile and re-plan when the measured step time drifts from the prediction, or the
-            allocator's peaks outgrow the plan (``True``, ``False`` or a dict of ``ReplanOptions``).
+            allocator's peaks outgrow the plan (``True``, ``False`` or a dict of ``ReplanOptions``; its
+            ``profile_warmup``: backward passes before the profiled one, default 1 on CUDA, 0 on the CPU).
         process_group_backend: of the default process group with several devices (default: nccl on
             GPUs, gloo on CPU); gradients and masters are exchanged on a gloo group of their own.
         timeout: of the collectives (default: torch's).

@@ -117,8 +117,12 @@ def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: 
     for inner in hybrid_adamws(optimizers):
         # the non-finite skip needs the global norm too: without the handed-over norms it is one serial
         # pass over every host gradient on the step's critical path (~0.5 s per step for 1B parameters
-        # on the H200's host, a third of the step)
-        if not (clip or inner.max_grad_norm is not None or inner.skip_nonfinite or recompute is not None):
+        # on the H200's host, a third of the step). Only for fp32 gradients: that pass sums 16-bit ones in
+        # fp32, the handed-over norms are in their own dtype (an fp16 norm overflows at 65504 and would
+        # skip a finite step)
+        skip_only = inner.skip_nonfinite and all(p.dtype == torch.float32 for g in inner.param_groups
+                                                 for p in g["params"])
+        if not (clip or inner.max_grad_norm is not None or skip_only or recompute is not None):
             inner.set_grad_norms(None)  # never a stale step's norms
             continue
         if norms is None:

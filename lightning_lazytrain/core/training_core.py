@@ -490,6 +490,7 @@ class TrainingCore:
         self.planner.reset()
         self._tokens = None
         self._micro_index = 0
+        self._steps_ended = self._incomplete_profiles = 0  # a next fit warms up and profiles again
         self.metrics, self._metrics_taken = {}, True
         if self.grad_sync is not None:
             self.grad_sync.close()

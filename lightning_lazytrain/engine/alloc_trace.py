@@ -90,10 +90,15 @@ def record_peak(dev: str, step: Callable[[], Any], top: int = 25, max_entries: i
     if dev != "cuda":
         step()
         return {"status": "skipped", "reason": "CUDA only: the allocator history is CUDA's (the step ran)"}
+    from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
+
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    reset_cuda_peak(torch.device("cuda", torch.cuda.current_device()))  # the run's peak kept (live_bytes.py)
+    try:  # an earlier recording's entries are not this step's
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python", clear_history=True)
+    except TypeError:  # a torch without clear_history
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         step()
         torch.cuda.synchronize()

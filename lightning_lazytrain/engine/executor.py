@@ -175,7 +175,8 @@ class Executor:
         self._nvme_required = int(nbytes)
 
     def _wait_for_update(self, j: int) -> None:
-        """``wait_updated(j)``, its seconds counted in the step's ``optimizer_wait_seconds``."""
+        """``wait_updated(j)``, the seconds this thread is blocked on it counted in the step's
+        ``optimizer_wait_seconds``."""
         assert self.wait_updated is not None
         t0 = time.perf_counter()
         self.wait_updated(j)

@@ -53,8 +53,9 @@ class StepStats:
     # batch; CPU: what ops allocated during the step and kept). They live through every window of the
     # next steps: the profile makes them the plan's ``device_overhead_bytes``.
     untracked_bytes: int = 0
-    # the seconds the launching thread waited for a pipelined optimizer update before staging a layer
-    # (core/optimizer_steps.py, Note: [pipelined step]): the update not hidden under the forward
+    # the seconds the launching thread was blocked on a pipelined optimizer update before staging a layer
+    # (core/optimizer_steps.py, Note: [pipelined step]): host blocking, not device idle time (on CUDA
+    # the kernels already queued may keep the GPU busy meanwhile)
     optimizer_wait_seconds: float = 0.0
 
     def metrics(self, seconds: float, predicted_seconds: float) -> dict[str, float]:
