@@ -162,6 +162,28 @@ def test_pricing_moves_the_conversions_work_between_the_host_lane_and_the_links(
     assert on_host.accum_seconds == pytest.approx(a.accum_seconds + a.params * 4 * 3 / hw.host_bytes_per_s)
 
 
+def test_with_accumulation_the_norms_are_priced_once_per_step():
+    """The executor takes a group's norms at a step's last gradient copy only: per copy, the host lane's
+    norm seconds are 1/n of a step's (n copies per step), on the host path and where the device widens;
+    the non-block gradients, accumulated on the device, cross once per step and keep the whole norm."""
+    from lightning_lazytrain.config import load_hardware, load_model
+    from lightning_lazytrain.planner import TrainSpec, Workload
+    from lightning_lazytrain.planner.placement import Placement, price
+
+    hw = load_hardware("h800")
+    hw = hw.replace(host_norm_bytes_per_s=hw.host_bytes_per_s / 4)  # norms slower than the adds: visible
+    model = load_model("qwen2.5-3b")
+    one, four = (Workload.analytic(model, TrainSpec(micro_batch_size=4, seq_len=1024, grad_accum=g), hw) for g in (1, 4))
+    params = one.layers[1].params
+    norm = params * 4 / hw.host_norm_bytes_per_s
+    assert one.layers[1].accum_seconds - four.layers[1].accum_seconds == pytest.approx(norm * 3 / 4)
+    assert one.nonblock_accum_seconds == four.nonblock_accum_seconds
+    dev = price(four, Placement(widen_blocks=True), hw).layers[1]
+    same = hw.host_add_bytes_per_s or hw.host_bytes_per_s
+    assert dev.accum_seconds == pytest.approx(params * (3 * 12 / 4 / same) + norm / 4)
+    assert price(price(four, Placement(widen_blocks=True), hw), Placement(), hw).layers[1] == four.layers[1]
+
+
 @pytest.mark.slow
 def test_the_plan_puts_the_conversions_where_they_are_fastest():
     from lightning_lazytrain.planner import MilpOptions, simulate

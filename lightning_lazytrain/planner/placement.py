@@ -110,15 +110,15 @@ def _cast_seconds(params: float, e: int, device: bool, hw: Hardware) -> tuple[fl
 def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, hw: Hardware) -> tuple[float, float]:
     """(grad_widen, host seconds per gradient copy, on average over a step's ``copies_per_step``).
 
-    Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write), then the
-    norms read it (``HOST_GRAD_BYTES``, at the norm rate). Device: a step's first copy lands in the
-    host gradient (the norms only), the others add fp32 to fp32 (read 4, read + write 8) before them."""
+    Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write). Device: a
+    step's first copy lands in the host gradient, the others add fp32 to fp32 (read 4, read + write 8).
+    Either way the step's last copy then reads it for the norms (``HOST_GRAD_BYTES``, at the norm rate)."""
     _, widen, same, norm = _host_rates(hw)
-    if not device:
-        return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / norm)
     n = max(1.0, copies_per_step)
-    per_copy = (n - 1) * 3 * HOST_GRAD_BYTES / n / same + HOST_GRAD_BYTES / norm
-    return HOST_MASTER_BYTES / e, params * per_copy
+    norms = HOST_GRAD_BYTES / norm / n
+    if not device:
+        return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + norms)
+    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same + norms)
 
 
 def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:

@@ -74,7 +74,8 @@ def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, maste
     return masters + host_arena_bytes(slots) + third
 
 
-def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware) -> tuple[float, float]:
+def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware,
+                                copies_per_step: float = 1.0) -> tuple[float, float]:
     """Host-lane seconds per parameter, conversions on the host (the plan may move them to the
     device: planner/placement.py):
 
@@ -83,15 +84,16 @@ def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: H
       the compute dtype);
     - accumulate, after each gradient D2H: read the landed gradient (``grad_bytes``), read and write
       the fp32 host gradient (``2 * HOST_GRAD_BYTES``; a 16-bit gradient's widening add at
-      ``host_widen_bytes_per_s``), read it again for the norms (``HOST_GRAD_BYTES``, at
-      ``host_norm_bytes_per_s``, else as an fp32 add).
+      ``host_widen_bytes_per_s``), and at a step's last copy read it again for the norms
+      (``HOST_GRAD_BYTES``, at ``host_norm_bytes_per_s``, else as an fp32 add): per copy, averaged over
+      a step's ``copies_per_step``.
     """
     cast_rate = hardware.host_bytes_per_s
     add = hardware.host_add_bytes_per_s or cast_rate
     widen = (hardware.host_widen_bytes_per_s or cast_rate) if grad_bytes != HOST_GRAD_BYTES else add
     cast = HOST_MASTER_BYTES + compute_bytes if compute_bytes != HOST_MASTER_BYTES else 0
     norm = hardware.host_norm_bytes_per_s or add
-    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / norm
+    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / norm / max(1.0, copies_per_step)
     return cast / cast_rate, accum
 
 
@@ -349,7 +351,9 @@ class Workload:
         rate = hardware.flops_per_s
         frac8 = train.eight_bit_fraction
         opt_per_param = (1 - frac8) / hardware.cpu_adam_params_per_s + frac8 / hardware.cpu_adam8_params_per_s
-        cast_per_param, accum_per_param = host_lane_seconds_per_param(e, ge, hardware)
+        cast_per_param, accum_per_param = host_lane_seconds_per_param(e, ge, hardware, train.grad_accum)
+        # the non-block gradients are accumulated on the device: one copy per step
+        _, nonblock_accum_per_param = host_lane_seconds_per_param(e, ge, hardware)
         fwd_seconds = cost.fwd_flops / rate
         partial_seconds = (cost.elementwise_bytes / (hardware.gpu_memory_bytes_per_s * ELEMENTWISE_EFFICIENCY)
                            if hardware.gpu_memory_bytes_per_s > 0 else fwd_seconds)
@@ -388,7 +392,7 @@ class Workload:
             nonblock_grad_bytes=float(nonblock * ge),
             nonblock_opt_seconds=nonblock / hardware.cpu_adam_params_per_s,
             nonblock_cast_seconds=nonblock * cast_per_param,
-            nonblock_accum_seconds=nonblock * accum_per_param,
+            nonblock_accum_seconds=nonblock * nonblock_accum_per_param,
             host_static_bytes=float(host),
             tokens=n_tok,
             grad_accum=train.grad_accum,
