@@ -65,10 +65,9 @@ def test_the_plan_gets_the_budget_less_the_reserve():
     assert strategy.core.planner.budget_bytes == pytest.approx(2.0 * GB)
 
 
-def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
-    """The allocator's peaks of each step (CUDA's max_memory_reserved / max_memory_allocated) are
-    injected: from the third step on it reserves 1.3x what it allocates; the strategy re-plans once,
-    with that ratio, and says why; the training is unchanged (same losses as auto)."""
+def inject_allocator_peaks(monkeypatch, reserved) -> None:
+    """Each executor step reports CUDA-like allocator peaks on the CPU: allocated = its tracked peak,
+    reserved = ``reserved(k, allocated)`` for the k-th step (from 1)."""
     real_end = Executor.end_microbatch
     steps = []
 
@@ -78,18 +77,27 @@ def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
             steps.append(1)
             allocated = int(stats.peak_tracked_bytes)
             stats.max_memory_allocated = allocated
-            stats.max_memory_reserved = int(allocated * (1.3 if len(steps) >= 3 else 1.0))
+            stats.max_memory_reserved = int(reserved(len(steps), allocated))
         return stats
 
     monkeypatch.setattr(Executor, "end_microbatch", end_microbatch)
+
+
+class AsOnCuda(L.Callback):
+    """The reserve ratio of CUDA with expandable segments (the CPU's is 1.0)."""
+
+    def on_fit_start(self, trainer, module):
+        trainer.strategy.core.planner.memory = MemoryWatch(ratio=1.05)
+
+
+def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
+    """The allocator's peaks of each step (CUDA's max_memory_reserved / max_memory_allocated) are
+    injected: from the third step on it reserves 1.3x what it allocates; the strategy re-plans once,
+    with that ratio, and says why; the training is unchanged (same losses as auto)."""
+    inject_allocator_peaks(monkeypatch, lambda k, allocated: allocated * (1.3 if k >= 3 else 1.0))
     strategy = LazyTrainStrategy(policy="milp", hardware="cpu", gpu_memory_budget_gb=100.0)
     ref, want = fit("auto", Net())
-
-    class Watch(L.Callback):
-        def on_fit_start(self, trainer, module):
-            trainer.strategy.core.planner.memory = MemoryWatch(ratio=1.05)  # as on CUDA with expandable segments
-
-    got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[Watch()])
+    got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[AsOnCuda()])
     memory = [r for r in strategy.replans if r["reason"].startswith("memory:")]
     assert len(memory) == 1 and "1.300x what it allocated" in memory[0]["reason"]
     assert strategy.core.planner.memory.ratio == pytest.approx(1.3 * 1.02, rel=1e-3)
@@ -113,27 +121,10 @@ def test_the_first_plan_leaves_room_for_the_overhead_of_the_profiled_step(monkey
     what was allocated, against the CPU profile's budget): the first plan already leaves room for it
     (ratio budget / (budget - 1.02 GB)), so the steps after it need no memory re-plan; training equals
     auto's."""
-    real_end = Executor.end_microbatch
-    seen = []
-
-    def end_microbatch(self):
-        stats = real_end(self)
-        if stats is not None:
-            seen.append(1)
-            allocated = int(stats.peak_tracked_bytes)
-            stats.max_memory_allocated = allocated
-            stats.max_memory_reserved = allocated + int(1 * GB) if len(seen) == 1 else int(allocated * 1.01)
-        return stats
-
-    monkeypatch.setattr(Executor, "end_microbatch", end_microbatch)
+    inject_allocator_peaks(monkeypatch, lambda k, allocated: allocated + int(1 * GB) if k == 1 else allocated * 1.01)
     strategy = LazyTrainStrategy(policy="milp", hardware="cpu", gpu_memory_budget_gb=100.0)
     ref, want = fit("auto", Net(), steps=6)
-
-    class Watch(L.Callback):
-        def on_fit_start(self, trainer, module):
-            trainer.strategy.core.planner.memory = MemoryWatch(ratio=1.05)
-
-    got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[Watch()])
+    got_model, got = fit(strategy, Net(), steps=6, callbacks_extra=[AsOnCuda()])
     budget = strategy.core.planner.budget_bytes
     assert strategy.core.planner.memory.ratio == pytest.approx(budget / (budget - 1.02 * GB), rel=1e-3)
     assert strategy.core.planner.memory.ratio > 1.2

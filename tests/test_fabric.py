@@ -365,21 +365,9 @@ def test_a_run_whose_allocator_outgrows_the_plan_re_plans(monkeypatch):
     third on it reserves 1.3x what it allocates); the Fabric strategy re-plans once, with that ratio, and the
     training is auto's bit for bit."""
     from lightning_lazytrain.core.allocator import MemoryWatch
-    from lightning_lazytrain.engine.executor import Executor
+    from test_allocator import inject_allocator_peaks
 
-    real_end = Executor.end_microbatch
-    ended = []
-
-    def end_microbatch(self):
-        stats = real_end(self)
-        if stats is not None:
-            ended.append(1)
-            allocated = int(stats.peak_tracked_bytes)
-            stats.max_memory_allocated = allocated
-            stats.max_memory_reserved = int(allocated * (1.3 if len(ended) >= 3 else 1.0))
-        return stats
-
-    monkeypatch.setattr(Executor, "end_microbatch", end_microbatch)
+    inject_allocator_peaks(monkeypatch, lambda k, allocated: allocated * (1.3 if k >= 3 else 1.0))
     strategy = LazyTrainFabricStrategy(policy="milp", hardware="cpu", gpu_memory_budget_gb=100.0)
 
     def as_on_cuda(fabric, step):
