@@ -91,6 +91,12 @@ class MemoryWatch:
         """The plan's cap on allocated bytes for a budget of reserved bytes."""
         return budget_bytes / self.ratio
 
+    @staticmethod
+    def _room_ratio(extra: float, budget_bytes: float) -> float:
+        """The ratio that leaves ``extra`` bytes of the budget to the allocator's overhead (20 when it
+        would leave the plan under 5% of the budget)."""
+        return budget_bytes / (budget_bytes - extra) if extra < 0.95 * budget_bytes else 20.0
+
     def prime(self, *, reserved: int | None, allocated: int | None, budget_bytes: float | None) -> bool:
         """The profiled step's peaks, before the first plan: room for the byte overhead the allocator
         showed there (reserved - allocated, +2%: its fixed part, small-block segments and workspaces),
@@ -100,7 +106,7 @@ class MemoryWatch:
         extra = (reserved - allocated) * 1.02
         if extra <= 0 or extra >= 0.95 * budget_bytes:
             return False
-        ratio = budget_bytes / (budget_bytes - extra)
+        ratio = self._room_ratio(extra, budget_bytes)
         if ratio <= self.ratio:
             return False
         self.ratio = ratio
@@ -117,8 +123,7 @@ class MemoryWatch:
             # the overhead as a ratio (fragmentation grows with the tensors) and as bytes (the allocator's
             # fixed part: small-block segments, workspaces; on a 0.4 GB model 0.2 GB, so each smaller plan
             # measured a larger ratio); the plan takes the larger cut
-            extra = (reserved - allocated) * 1.02
-            additive = budget_bytes / (budget_bytes - extra) if extra < 0.95 * budget_bytes else 20.0
+            additive = self._room_ratio((reserved - allocated) * 1.02, budget_bytes)
             self.ratio = max(self.ratio, measured * 1.02, additive)
             reason = (f"memory: the allocator reserved {reserved / 1e9:.3g} GB, {measured:.3f}x what it allocated "
                       f"({(reserved - allocated) / 1e9:.3g} GB over), against a budget of {budget_bytes / 1e9:.3g} GB: "

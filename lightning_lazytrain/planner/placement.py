@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields, replace
 
 from .hardware import Hardware
 from .schedule import Schedule
-from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, PARAM_SLOTS, Workload
+from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, PARAM_SLOTS, Workload, host_lane_seconds_per_param
 
 __all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "calibrate_host_rates", "candidates", "opposite", "price",
            "priced_from_rates"]
@@ -113,12 +113,11 @@ def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, 
     Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write). Device: a
     step's first copy lands in the host gradient, the others add fp32 to fp32 (read 4, read + write 8).
     Either way the step's last copy then reads it for the norms (``HOST_GRAD_BYTES``, at the norm rate)."""
-    _, widen, same, norm = _host_rates(hw)
+    if not device:  # the analytic workload's own host-side figure (planner/workload.py)
+        return 1.0, params * host_lane_seconds_per_param(e, e, hw, copies_per_step)[1]
+    _, _, same, norm = _host_rates(hw)
     n = max(1.0, copies_per_step)
-    norms = HOST_GRAD_BYTES / norm / n
-    if not device:
-        return 1.0, params * ((e + 2 * HOST_GRAD_BYTES) / widen + norms)
-    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same + norms)
+    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same + HOST_GRAD_BYTES / norm / n)
 
 
 def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
