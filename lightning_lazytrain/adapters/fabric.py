@@ -47,7 +47,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_lazytrain.adapters import lightning_internals, processes
-from lightning_lazytrain.adapters.options import option
+from lightning_lazytrain.adapters.options import CoreViews, option
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
 from lightning_lazytrain.core.autoplan import NamedOptions, count_tokens
 from lightning_lazytrain.core.processes import distributed_ready
@@ -74,7 +74,7 @@ class _StreamedModule(nn.Module):
         return self.strategy.streamed_forward(self.module, args, kwargs)
 
 
-class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
+class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOptions):
     """Fabric strategy: block weights streamed from the host, a planned activation schedule, one device
     per process (one process, or data parallel on several).
 
@@ -141,26 +141,6 @@ class LazyTrainFabricStrategy(SingleDeviceStrategy, metaclass=NamedOptions):
     emulate_link_gb_per_s = option("emulate_link_gb_per_s")
     replan = option("replan")
     overlap_grad_sync = option("overlap_grad_sync")
-
-    @property
-    def executor(self) -> Any:
-        return self.core.executor
-
-    @property
-    def plan(self) -> Any:
-        return self.core.plan
-
-    @property
-    def replans(self) -> list[dict[str, Any]]:
-        return self.core.replans
-
-    @property
-    def last_stats(self) -> Any:
-        return self.core.last_stats
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        return self.core.metrics
 
     # ---- precision -----------------------------------------------------------------------------
     @property

@@ -1,11 +1,13 @@
-"""The strategies' options as read-only attributes: ``strategy.policy`` is ``strategy.core.options.policy``
-(the core checked them once, at construction; ``core/options.py``)."""
+"""The strategies' read-only views of their training core: an option, ``strategy.policy`` is
+``strategy.core.options.policy`` (the core checked them once, at construction; ``core/options.py``),
+and what the core holds (``CoreViews``: the executor, the plan, the re-plans, the last step's stats and
+figures), alike for the Trainer's and Fabric's strategy."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["option"]
+__all__ = ["CoreViews", "option"]
 
 
 def option(name: str) -> property:
@@ -15,3 +17,31 @@ def option(name: str) -> property:
         return getattr(self.core.options, name)
 
     return property(get, doc=f"The ``{name}`` option (read-only).")
+
+
+class CoreViews:
+    """What the training core (``self.core``) holds, as read-only attributes of a strategy."""
+
+    core: Any
+
+    @property
+    def executor(self) -> Any:
+        return self.core.executor
+
+    @property
+    def plan(self) -> Any:
+        return self.core.plan
+
+    @property
+    def replans(self) -> list[dict[str, Any]]:
+        return self.core.replans
+
+    @property
+    def last_stats(self) -> Any:
+        return self.core.last_stats
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last step's ``lazytrain/*`` figures (the Trainer's strategy logs them through
+        ``LightningModule.log``; with Fabric, ``fabric.log_dict(fabric.strategy.metrics)``)."""
+        return self.core.metrics

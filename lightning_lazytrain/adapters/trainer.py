@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_inf
 from typing_extensions import override
 
 from lightning_lazytrain.adapters import lightning_internals, processes
-from lightning_lazytrain.adapters.options import option
+from lightning_lazytrain.adapters.options import CoreViews, option
 from lightning_lazytrain.adapters.precision import is_lazytrain_precision, lazytrain_precision
 from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_dir
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
@@ -46,7 +46,7 @@ COMPUTE_DTYPES = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": t
                   "bf16-true": torch.bfloat16, "16-mixed": torch.float32, "16-true": torch.float16}
 
 
-class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
+class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
     """Train with weights streamed from host memory and a planned activation schedule, on one device
     or data parallel on several (one process per device; see ``core/grad_sync.py``).
 
@@ -183,31 +183,10 @@ class LazyTrainStrategy(ParallelStrategy, metaclass=NamedOptions):
     conversions = option("conversions")
     chunked_loss = option("chunked_loss")
 
-    # what the core holds
-    @property
-    def executor(self) -> Any:
-        return self.core.executor
-
-    @property
-    def plan(self) -> Any:
-        return self.core.plan
-
-    @property
-    def replans(self) -> list[dict[str, Any]]:
-        return self.core.replans
-
-    @property
-    def last_stats(self) -> Any:
-        return self.core.last_stats
-
+    # what the core holds (CoreViews: executor, plan, replans, last_stats, metrics)
     @property
     def grad_sync(self) -> Any:
         return self.core.grad_sync
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The last step's ``lazytrain/*`` figures (logged through ``LightningModule.log``)."""
-        return self.core.metrics
 
     # ---- devices and processes -----------------------------------------------------------------
     @property
