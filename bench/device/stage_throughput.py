@@ -277,6 +277,9 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         schedule = plan.schedule if plan is not None else megatrain(spec.num_layers, 4)
         placement = plan.placement if plan is not None else HOST_ONLY
         pred = simulate(schedule, price(wl, placement, hw), hw.replace(gpu_memory_cap_bytes=hw.gpu_memory_bytes))
+        # device bytes alive before this variant's executor exists (the tokens, anything an earlier variant
+        # left): part of max_memory_allocated, none of the executor's
+        allocated_before = torch.cuda.memory_allocated() / GB if cuda else None
         m = copy.deepcopy(model)
         ex = Executor(m, schedule, device=dev, compute_dtype=dtype, nvme_dir=args.workdir)
         ex.set_placement(**placement.groups(spec.num_layers))
@@ -290,13 +293,21 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             last["segments"] = list(stats.segments)
             last["lane_bytes"] = dict(stats.lane_bytes)
 
+        def drop_grads(ex=ex, m=m):
+            # as a training loop's ``optimizer.zero_grad()`` (set_to_none): a step's first gradient copy
+            # of a group then lands in the host gradient itself (Note: [direct landing]), as priced
+            ex.params.wait_host()
+            for p in m.parameters():
+                p.grad = None
+
         try:
-            r = time_steps(dev, step, warmup, repeats, between=ex.params.zero_grad)
+            r = time_steps(dev, step, warmup, repeats, between=drop_grads)
+            r["allocated_before_gb"] = allocated_before
             timed = dict(last)  # the last timed step (the profiled one below is not timed)
-            r["gpu_busy"] = profile_step(dev, step, between=ex.params.zero_grad)
+            r["gpu_busy"] = profile_step(dev, step, between=drop_grads)
             if name != "megatrain":  # what the allocator holds at the peak, by site (engine/alloc_trace.py)
                 r["memory_at_peak"] = record_peak(dev, step)
-                ex.params.zero_grad()
+                drop_grads()
         finally:
             ex.close()
         m = ex = step = None  # drop this variant's host copy before the next one
@@ -327,7 +338,7 @@ def body(st: Stage, args: argparse.Namespace) -> None:
         if not r["lane_gb_per_s"]:
             st.note(f"{name}: no lane moved bytes in the last timed step (no GB/s to report)")
         if cuda:  # what the allocator saw that the executor does not track (logits, a block's transients, ...)
-            r["untracked_gb"] = r["max_memory_allocated_gb"] - max(peaks) / GB
+            r["untracked_gb"] = r["max_memory_allocated_gb"] - r["allocated_before_gb"] - max(peaks) / GB
             r["over_cap_gb"] = r["max_memory_allocated_gb"] - cap / GB
         variants[name] = r
         st.check(max(peaks) <= pred.peak_gpu_bytes,
