@@ -101,6 +101,9 @@ class CausalLMModule(LightningModule):
             the smallest 8-bit slice that fits host memory, none when 32-bit states fit; otherwise
             32-bit states), "none", "all" or the fraction of parameters with 8-bit states.
         max_grad_norm: ``hybrid_adamw`` only: clip the global gradient norm inside the optimizer.
+        updates_in_backward: ``hybrid_adamw`` only: update each block as soon as its gradient is complete,
+            during the backward, under ``strategy="lazytrain"`` (Note: [updates in backward] in
+            optim/hybrid_adamw.py): no clip, no non-finite skip (as torch's AdamW).
         loss_chunk_tokens: the ``LlamaLM`` training loss goes through the LM head this many tokens at a time
             (``models/loss.py``; the planner's ``train.loss_chunk_tokens``); other models compute full logits.
     """
@@ -122,6 +125,7 @@ class CausalLMModule(LightningModule):
         eight_bit: Any = "plan",
         max_grad_norm: Optional[float] = None,
         loss_chunk_tokens: int = 4096,
+        updates_in_backward: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -136,7 +140,8 @@ class CausalLMModule(LightningModule):
                                    "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps,
                                    "lr_schedule": lr_schedule, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "eight_bit": eight_bit,
-                                   "max_grad_norm": max_grad_norm, "loss_chunk_tokens": loss_chunk_tokens})
+                                   "max_grad_norm": max_grad_norm, "loss_chunk_tokens": loss_chunk_tokens,
+                                   "updates_in_backward": updates_in_backward})
         #: the planner's view of the model (None for Hugging Face / custom modules)
         self.model_spec: Optional[ModelSpec] = None
         if model is not None:
@@ -158,6 +163,7 @@ class CausalLMModule(LightningModule):
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, (float(betas[0]), float(betas[1])), eps
         self.lr_schedule, self.warmup_steps, self.min_lr_ratio = lr_schedule, warmup_steps, min_lr_ratio
         self.eight_bit, self.max_grad_norm = eight_bit, max_grad_norm
+        self.updates_in_backward = updates_in_backward
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {loss_chunk_tokens}")
         self.loss_chunk_tokens = int(loss_chunk_tokens)
@@ -285,7 +291,9 @@ class CausalLMModule(LightningModule):
                 raise ImportError(f"optimizer='hybrid_adamw' needs lightning_lazytrain.optim: {err}") from err
             opt: torch.optim.Optimizer = HybridAdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps,
                                                      weight_decay=self.weight_decay, eight_bit=self.eight_bit,
-                                                     max_grad_norm=self.max_grad_norm)
+                                                     max_grad_norm=self.max_grad_norm,
+                                                     **({"updates_in_backward": True, "skip_nonfinite": False}
+                                                        if self.updates_in_backward else {}))
         else:
             opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps,
                                     weight_decay=self.weight_decay)

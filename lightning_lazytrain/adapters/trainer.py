@@ -321,9 +321,18 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         # 16-mixed: the grads (and so the host lane's norms) are loss-scaled, and the plugin unscales
         # them in place before the step: no norm is handed over
         scaler = getattr(self.precision_plugin, "scaler", None)
+        scaled = scaler is not None and scaler.is_enabled()
+        # Note: [updates in the backward pass] (core/optimizer_steps.py): why blocks may not be updated
+        # during the backward (None: they may)
+        in_backward = ("manual optimization" if not module.automatic_optimization else
+                       f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient first"
+                       if trainer.gradient_clip_val else "16-mixed unscales the gradients after the backward"
+                       if scaled else "a hook may edit gradients between the backward and the step "
+                       "(on_after_backward, on_before_optimizer_step or configure_gradient_clipping)"
+                       if not trusted else None)
         return FitSettings(grad_accum=trainer.accumulate_grad_batches, full_microbatches=full, hand_over_norms=True,
-                           clip=bool(trainer.gradient_clip_val), loss_scaled=scaler is not None and scaler.is_enabled(),
-                           norms_trusted=trusted)
+                           clip=bool(trainer.gradient_clip_val), loss_scaled=scaled, norms_trusted=trusted,
+                           updates_in_backward=in_backward)
 
     @property
     @override

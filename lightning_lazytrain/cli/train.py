@@ -153,6 +153,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     eight_bit: Any = "plan"  # hybrid_adamw: plan | none | all | fraction
     max_grad_norm: Optional[float] = None  # hybrid_adamw: clip inside the optimizer
+    updates_in_backward: bool = False  # hybrid_adamw: update each block during the backward (no clip, no skip)
 
 
 @dataclass
@@ -378,7 +379,8 @@ def build_module(cfg: Any) -> Any:
     return CausalLMModule(model_name=None, model_overrides=dataclasses.asdict(spec), optimizer=o.optimizer,
                           lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                           lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
-                          eight_bit=o.eight_bit, max_grad_norm=o.max_grad_norm)
+                          eight_bit=o.eight_bit, max_grad_norm=o.max_grad_norm,
+                          updates_in_backward=o.updates_in_backward)
 
 
 def _one_line(err: BaseException) -> str:

@@ -9,10 +9,22 @@ Note: [pipelined step]
     (``PipelinedSteps.start``); the next forward stages block j as soon as block j is updated (the
     executor calls ``wait_updated(j)`` before it casts or fetches a master). Evaluation, checkpoints
     and teardown wait for every update still running (``finish``).
+
+Note: [updates in the backward pass]
+    A ``HybridAdamW(updates_in_backward=True)`` (Note: [updates in backward] in optim/hybrid_adamw.py)
+    whose fit allows it (``FitSettings.updates_in_backward``: the Trainer's automatic optimization, no
+    clip, no loss scaling, no hook that may edit gradients between the backward and the step) and one
+    process (the final-grads hook is free): in an armed micro-batch (the optimizer step's last, not a
+    profiled one) the store's final-grads hook hands each block j >= 1 to the optimizer as its last
+    accumulation is queued on the host lane (the update waits for it); block 0 and the non-block
+    layers, complete at the backward's end, are queued by the step in the forward's order (the next
+    forward needs them first). Before a plan switches the schedule, the updates queued so far finish
+    (``drain``): a re-plan does not move masters an update is writing.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +32,8 @@ import torch
 
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
+
+log = logging.getLogger("lightning_lazytrain")
 
 __all__ = ["PipelinedSteps", "hand_over_norms", "hybrid_adamws", "split_rest_parts"]
 
@@ -39,12 +53,20 @@ class PipelinedSteps:
         # id(optimizer) -> (layer order, block -> layer, non-block part -> layers)
         self._plans: dict[int, tuple[list, dict, list]] = {}
         self._pending: list[tuple[Any, dict, list]] = []
+        # Note: [updates in the backward pass]: (optimizer, block -> layer) of those that update there
+        self._eager: list[tuple[Any, dict]] = []
+        self.armed = False  # this micro-batch's final gradients are the step's: hand them over
 
-    def configure(self, ex: Executor, optimizers: list) -> bool:
+    def configure(self, ex: Executor, optimizers: list, *, in_backward: str | None = None) -> bool:
         """For the executor's (new) schedule: which optimizers step pipelined, in which order; True
-        when any does (the executor must then wait for the updates)."""
+        when any does (the executor must then wait for the updates). ``in_backward``: None when the fit
+        lets a ``HybridAdamW(updates_in_backward=True)`` update blocks during the backward, else why
+        not (logged once per configuration when such an optimizer waits for its step instead)."""
         self._pending = []
         self._plans = {}
+        self._eager = []
+        if ex.params is not None and ex.params.final_grads_hook == self._on_final_grads:
+            ex.params.set_final_grads_hook(None)
         if ex.params is None or ex.schedule.optimizer != "pipelined":
             return False
         blocks_n = len(ex.stack)
@@ -70,7 +92,44 @@ class PipelinedSteps:
             serial = [j for j in ex.schedule.serial_layers if j < blocks_n]
             blocks_order = [0, *serial] + [j for j in range(1, blocks_n) if j not in serial]
             self._plans[id(inner)] = (first + [block_layer[j] for j in blocks_order] + rest, block_layer, part_layers)
+            if getattr(inner, "updates_in_backward", False):
+                self._eager.append((inner, block_layer))
+        if self._eager:
+            why = in_backward
+            if why is None and ex.params.final_grads_hook is not None:
+                why = "several processes average each block's gradients first"
+            if why is None:
+                ex.params.set_final_grads_hook(self._on_final_grads)
+            else:
+                log.warning("HybridAdamW(updates_in_backward=True): the updates wait for the optimizer step "
+                            "(pipelined under the next forward) because %s", why)
+                self._eager = []
         return bool(self._plans)
+
+    def _on_final_grads(self, store: Any, layer: int, accumulated: Any, param_norms: Any, sq_norm: Any) -> None:
+        """The store's final-grads hook (Note: [updates in the backward pass])."""
+        if not self.armed or layer < 1:
+            return
+        for inner, block_layer in self._eager:
+            inner.update_in_backward(block_layer[layer], after=accumulated.wait)
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """Does an optimizer update blocks during the backward under this configuration?"""
+        return bool(self._eager)
+
+    def seal(self, ex: Executor) -> None:
+        """The step's backward has ended: its gradients are all on the host (the host lane's last
+        accumulations waited for); what changes them from here is checked at the step."""
+        if self._eager and self.armed and ex.params is not None:
+            ex.params.wait_host()
+            for inner, _ in self._eager:
+                inner.seal_backward()
+
+    def drain(self) -> None:
+        """Wait for the updates begun in the backward so far (before a plan switches the schedule)."""
+        for inner, _ in self._eager:
+            inner.wait_backward_updates()
 
     def order(self, optimizer: Any) -> list | None:
         """The layer order of ``optimizer``'s pipelined step, or None (a serial step)."""
@@ -102,6 +161,8 @@ class PipelinedSteps:
     def clear(self) -> None:
         self.finish()
         self._plans = {}
+        self._eager = []
+        self.armed = False
 
 
 def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: bool,

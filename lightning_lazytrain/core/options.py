@@ -108,7 +108,10 @@ class FitSettings:
     for its fused clip (Note: [exact clip] in optim/clip.py); ``clip``: a clip value is set;
     ``loss_scaled``: the gradients are loss-scaled until the plugin unscales them (16-mixed: no norm is
     handed over); ``norms_trusted``: no user code can edit the gradients between the hand-over and the
-    step (Note: [stale norms] in optim/hybrid_adamw.py)."""
+    step (Note: [stale norms] in optim/hybrid_adamw.py). ``updates_in_backward``: None when a
+    ``HybridAdamW(updates_in_backward=True)`` may update blocks during the backward (the adapter knows
+    the step's last micro-batch and that nothing runs between the backward and the step), else why not
+    (Note: [updates in the backward pass] in core/optimizer_steps.py)."""
 
     grad_accum: int = 1
     full_microbatches: bool = False
@@ -116,3 +119,4 @@ class FitSettings:
     clip: bool = False
     loss_scaled: bool = False
     norms_trusted: bool = True
+    updates_in_backward: str | None = "the loop does not say which micro-batch ends the optimizer step"

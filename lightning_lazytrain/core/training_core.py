@@ -90,6 +90,9 @@ class TrainingCore:
         self._t_step = 0.0
         self._tokens: int | None = None  # of the first batch, which is profiled
         self._full = False  # this step's micro-batches each write all gradients back
+        # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
+        # hooks): no update in the backward for the rest of the run (Note: [updates in the backward pass])
+        self._late_grads_seen = False
         self._incomplete_profiles = 0  # steps meant as the profile whose backward skipped blocks
         self._shard_bytes_per_s: float | None = None  # a sharded store's in-line collectives
         self._loss_hooks: list = []
@@ -294,6 +297,9 @@ class TrainingCore:
                 self.module is not None and has_post_accumulate_hooks(self.module.parameters()))
         first = self._micro_index == 0 or self._full
         last = self._full or self._last_of_step
+        # Note: [updates in the backward pass]: this micro-batch's final gradients are the step's (not a
+        # profiled step's: its plan switches the schedule after the backward)
+        self.steps.armed = self.automatic and self._last_of_step and not ex.profiling and not self._late_grads_seen
         if first:
             self._micro_index = 0
             self._t_step = time.perf_counter()
@@ -324,12 +330,20 @@ class TrainingCore:
         micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
         self._sync_gradients(ex, stats)
+        self.steps.seal(ex)  # Note: [updates in the backward pass]
+        if ex.late_grads and not self._late_grads_seen:
+            self._late_grads_seen = True
+            if self.steps.updates_in_backward:
+                log.warning("HybridAdamW(updates_in_backward=True): a block's gradients changed after their last "
+                            "accumulation in this step (a block called twice, or a post-accumulate-grad hook): from "
+                            "the next step the updates wait for the optimizer step")
         # (a backward whose forward ran no block with grad, e.g. a critic step, profiles nothing; nor
         # does one that left blocks of its planned pass without a gradient: Note: [unreached blocks])
         profiled = ex.profiling and len(stats.boundary_bytes) == len(ex.stack) + 1 and not stats.unreached
         if ex.profiling and stats.unreached:
             self._incomplete_profile(ex, stats)
         if profiled:
+            self.steps.drain()  # no update begun in the backward writes masters the plan may move
             ex.profiling = False
             self._incomplete_profiles = 0
             self._plan(ex, stats, micro_batches, self._steps_ended if step is None else step)
@@ -410,7 +424,8 @@ class TrainingCore:
         plan.timings["executor"] = time.perf_counter() - t0
         self.planner.adopt(plan)
         # the plan decides: serial or pipelined optimizer (Note: [pipelined step])
-        ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(ex, self.optimizers) else None)
+        ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(
+            ex, self.optimizers, in_backward=self.fit.updates_in_backward) else None)
         from lightning_lazytrain.planner.report import format_table
 
         self._info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "

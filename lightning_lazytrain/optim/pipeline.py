@@ -17,12 +17,19 @@ next forward are enqueued after the layer's update kernels on the same stream.
 Deferred ``zero_grad``: a training loop usually calls ``zero_grad()`` right after ``step()``. While a
 pipelined step is in flight that would pull gradients from under the worker, so the request is
 recorded and each layer's gradients are cleared as soon as that layer has been updated.
+
+Open-ended steps (Note: [updates in backward] in hybrid_adamw.py): ``LayerPipeline(order,
+open_ended=True)`` starts with nothing to do; ``submit(layer, after)`` queues one layer (the worker
+first calls ``after()``, e.g. waiting for the layer's gradients to be accumulated on the host),
+``close(order)`` queues every layer not yet submitted in that order and ends the step; ``abort()``
+ends it without updating the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -62,9 +69,12 @@ class LayerPipeline:
         clear_grads: Callable[[Hashable, bool], None],
         on_finish: Callable[[], None] | None = None,
         cuda_devices: Sequence[torch.device] = (),
+        *,
+        open_ended: bool = False,
     ) -> None:
         if len(set(order)) != len(order):
             raise ValueError("pipeline order lists a layer twice")
+        # open-ended: ``order`` names every layer of the step, submitted one by one (module doc)
         self.order: tuple[Hashable, ...] = tuple(order)
         self._update_layer = update_layer
         self._clear_grads = clear_grads
@@ -75,6 +85,12 @@ class LayerPipeline:
         self._done: set[Hashable] = set()
         self._zero_request: bool | None = None  # set_to_none flag once zero_grad was asked for
         self._error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (layer, after) items; None ends the step
+        self._submitted: list[Hashable] = []
+        self._closed = False
+        self._aborted: list[Hashable] = []
+        if not open_ended:
+            self.close(self.order)
         # Streams current on the caller's thread now; the worker issues on them (see module doc).
         self._streams = [torch.cuda.current_stream(d) for d in cuda_devices]
         self._thread = threading.Thread(target=self._run, name="HybridAdamW-layer-pipeline", daemon=True)
@@ -90,7 +106,10 @@ class LayerPipeline:
                 stack.enter_context(torch.no_grad())
                 for s in self._streams:
                     stack.enter_context(torch.cuda.stream(s))
-                for layer in self.order:
+                while (item := self._queue.get()) is not None:
+                    layer, after = item
+                    if after is not None:
+                        after()
                     self._update_layer(layer)
                     with self._lock:
                         self._done.add(layer)
@@ -106,6 +125,63 @@ class LayerPipeline:
                 ev.set()
         finally:
             self._finished.set()
+
+    def submit(self, layer: Hashable, after: Callable[[], None] | None = None) -> None:
+        """Queue ``layer``'s update (an open-ended step); the worker calls ``after()`` first."""
+        if layer not in self._events:
+            raise KeyError(f"layer {layer!r} is not part of this pipelined step")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pipelined step is closed: no layer can be submitted")
+            if layer in self._submitted:
+                raise ValueError(f"layer {layer!r} was submitted twice in one step")
+            self._submitted.append(layer)
+        self._queue.put((layer, after))
+
+    def close(self, order: Sequence[Hashable]) -> None:
+        """Queue every layer not yet submitted, in ``order`` (which must name them all), and end the step."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pipelined step is already closed")
+            rest = [layer for layer in order if layer not in self._submitted]
+            missing = set(self._events) - set(self._submitted) - set(rest)
+            if missing:
+                raise ValueError(f"close() must list every layer not submitted yet: missing {sorted(map(str, missing))}")
+            self._submitted.extend(rest)
+            self._closed = True
+        for layer in rest:
+            self._queue.put((layer, None))
+        self._queue.put(None)
+
+    def abort(self) -> list[Hashable]:
+        """End an open-ended step without updating the layers not submitted (their events are set: a
+        reader does not hang); returns them."""
+        with self._lock:
+            if self._closed:
+                return []
+            self._closed = True
+            self._aborted = [layer for layer in self.order if layer not in self._submitted]
+        self._queue.put(None)
+        for layer in self._aborted:
+            self._events[layer].set()
+        return list(self._aborted)
+
+    @property
+    def submitted(self) -> tuple[Hashable, ...]:
+        """The layers queued so far (all of them once closed)."""
+        with self._lock:
+            return tuple(self._submitted)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wait_submitted(self, timeout: float | None = None) -> None:
+        """Block until every layer submitted so far is updated (the step may stay open)."""
+        for layer in self.submitted:
+            if not self._events[layer].wait(timeout):
+                raise TimeoutError(f"layer {layer!r} was not updated within {timeout} s")
+        self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -1,0 +1,219 @@
+"""HybridAdamW(updates_in_backward=True): blocks updated during the backward, bit for bit the serial step.
+
+Note: [updates in backward] (optim/hybrid_adamw.py) and Note: [updates in the backward pass]
+(core/optimizer_steps.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_lazytrain.optim import HybridAdamW, group_by_layer
+from lightning_lazytrain.strategy import LazyTrainStrategy
+from models import layer_of, mlp_stack
+
+N_LAYERS = 4
+make_model = functools.partial(mlp_stack, N_LAYERS, 64, 96, act=torch.nn.Tanh, norm=True)
+
+
+def make_opt(model: torch.nn.Module, eight_bit: object = "none", **kw: object) -> HybridAdamW:
+    groups = []
+    for g in group_by_layer(model.named_parameters(), layer_of):
+        decay = [(n, p) for n, p in g["params"] if p.ndim >= 2]  # type: ignore[union-attr]
+        no_decay = [(n, p) for n, p in g["params"] if p.ndim < 2]  # type: ignore[union-attr]
+        groups.append({"params": decay, "layer": g["layer"], "weight_decay": 0.1})
+        groups.append({"params": no_decay, "layer": g["layer"], "weight_decay": 0.0})
+    return HybridAdamW(groups, lr=1e-2, eight_bit=eight_bit, skip_nonfinite=False, **kw)  # type: ignore[arg-type]
+
+
+def everything(model: torch.nn.Module, opt: HybridAdamW) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out.extend(v.clone() for v in opt.state[p].values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def hand_over_in_backward(model: torch.nn.Module, opt: HybridAdamW, submitted: list) -> None:
+    """Each layer but the first goes to ``update_in_backward`` from autograd's own thread, once the
+    backward has accumulated all of its parameters' gradients (as the executor's final-grads hook)."""
+    for layer in range(1, N_LAYERS):
+        params = list(model[layer].parameters())
+        left = {"n": len(params)}
+
+        def hook(_p, layer=layer, left=left, n=len(params)):
+            left["n"] -= 1
+            if left["n"] == 0:
+                left["n"] = n
+                submitted.append(layer)
+                opt.update_in_backward(layer)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+
+
+@pytest.mark.parametrize("eight_bit", ["none", 0.5])
+def test_updates_in_the_backward_equal_the_serial_step_bitwise(eight_bit):
+    """Layers 3, 2, 1 updated while the backward runs, the rest by step_pipelined: parameters and every
+    state equal the serial step's bit for bit over several steps; the next forward waits per layer."""
+    if eight_bit != "none":
+        pytest.importorskip("bitsandbytes")
+    serial_model, eager_model = make_model(), make_model()
+    serial, eager = make_opt(serial_model, eight_bit), make_opt(eager_model, eight_bit, updates_in_backward=True)
+    submitted: list[int] = []
+    hand_over_in_backward(eager_model, eager, submitted)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(16, 64, generator=g) for _ in range(5)]
+    for x in xs:
+        serial.zero_grad()
+        serial_model(x).pow(2).mean().backward()
+        serial.step()
+    handle = None
+    for x in xs:
+        h = x
+        for layer in range(N_LAYERS):
+            if handle is not None:
+                handle.wait_updated(layer)
+            h = eager_model[layer](h)
+        eager.zero_grad()
+        h.pow(2).mean().backward()
+        assert eager.updating_in_backward
+        handle = eager.step_pipelined(order=list(range(N_LAYERS)))
+        assert not eager.updating_in_backward
+    handle.wait_all()
+    assert submitted == [3, 2, 1] * len(xs)
+    assert all(torch.equal(a, b) for a, b in zip(everything(serial_model, serial), everything(eager_model, eager)))
+
+
+def test_a_serial_step_finishes_a_step_begun_in_the_backward():
+    serial_model, eager_model = make_model(), make_model()
+    serial, eager = make_opt(serial_model), make_opt(eager_model, updates_in_backward=True)
+    hand_over_in_backward(eager_model, eager, [])
+    x = torch.randn(8, 64)
+    for model, opt in ((serial_model, serial), (eager_model, eager)):
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert not eager.updating_in_backward
+    assert all(torch.equal(a, b) for a, b in zip(everything(serial_model, serial), everything(eager_model, eager)))
+
+
+def test_clip_or_skip_is_refused_with_updates_in_the_backward():
+    model = make_model()
+    with pytest.raises(ValueError, match="max_grad_norm=None and skip_nonfinite=False"):
+        HybridAdamW(model.parameters(), updates_in_backward=True)  # skip_nonfinite defaults to True
+    with pytest.raises(ValueError, match="max_grad_norm=1.0"):
+        HybridAdamW(model.parameters(), updates_in_backward=True, skip_nonfinite=False, max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("change", ["edit", "replace", "lr"])
+def test_a_change_after_the_backward_is_refused_loudly(change):
+    """What an early update used must not change before the step: a gradient edited in place or
+    replaced, or the learning rate set, raises at the step naming it (the update cannot be undone)."""
+    model = make_model()
+    opt = make_opt(model, updates_in_backward=True)
+    hand_over_in_backward(model, opt, [])
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    p = model[3][0].weight
+    if change == "edit":
+        p.grad.mul_(0.5)
+    elif change == "replace":
+        p.grad = p.grad * 0.5
+    else:
+        for group in opt.param_groups:
+            group["lr"] = 0.5
+    what = "a hyperparameter" if change == "lr" else "were edited or replaced"
+    with pytest.raises(RuntimeError, match=what):
+        opt.step_pipelined(order=list(range(N_LAYERS)))
+    assert not opt.updating_in_backward
+
+
+# ---- under the Trainer ------------------------------------------------------------------------------
+class Losses(L.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.values.append(outputs["loss"].item())
+
+
+class CountingHybridAdamW(HybridAdamW):
+    """Counts the layers handed over during the backward (a subclass: nothing is patched)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.in_backward: list = []
+
+    def update_in_backward(self, layer, after=None):
+        self.in_backward.append(layer)
+        super().update_in_backward(layer, after)
+
+
+def fit_tiny(updates_in_backward: bool, *, accumulate: int = 1, clip: float | None = None, steps: int = 5,
+             policy: str = "recompute_all", precision: str = "32-true", callbacks=(), **strategy_kw):
+    from lightning_lazytrain.lit_module import CausalLMModule
+
+    class Module(CausalLMModule):
+        def configure_optimizers(self):
+            return CountingHybridAdamW(self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps,
+                                       weight_decay=self.weight_decay, eight_bit="none", skip_nonfinite=False,
+                                       updates_in_backward=updates_in_backward)
+
+    torch.manual_seed(0)
+    module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
+    losses = Losses()
+    strategy = LazyTrainStrategy(policy=policy, **strategy_kw)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate,
+                        logger=False, enable_checkpointing=False, callbacks=[losses, *callbacks],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        gradient_clip_val=clip, precision=precision)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(steps * accumulate)]
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    params = [p.detach().clone() for p in module.parameters()]
+    return losses.values, params, trainer.optimizers[0]
+
+
+@pytest.mark.parametrize("accumulate,precision", [(1, "32-true"), (2, "32-true"), (2, "bf16-true")])
+def test_the_trainer_updates_blocks_in_the_backward_exactly(accumulate, precision):
+    """strategy="lazytrain", HybridAdamW(updates_in_backward=True): after the profiled first step, every
+    step hands blocks 3, 2, 1 to the optimizer during its backward (block 0 and the non-block layers go
+    with the step), and the losses and final weights equal the run without it bit for bit (bf16-true:
+    with fp32 masters, each micro-batch's gradients on the host, as the kit's fit runs)."""
+    kw = {"fp32_masters": True} if precision == "bf16-true" else {}
+    want, want_params, _ = fit_tiny(False, accumulate=accumulate, precision=precision, **kw)
+    got, got_params, opt = fit_tiny(True, accumulate=accumulate, precision=precision, **kw)
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+    # steps 2..5 at least; the first is the profile (with fp32 masters and accumulation the profile is its
+    # first micro-batch: the plan is in place for its last one)
+    steps = 5 if precision == "bf16-true" and accumulate > 1 else 4
+    assert opt.in_backward == [3, 2, 1] * steps
+
+
+def test_with_gradient_clipping_the_updates_wait_for_the_step(caplog):
+    """A clip needs every gradient: the fit says why the updates wait, and trains as without the option."""
+    want, want_params, _ = fit_tiny(False, clip=0.5)
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain"):
+        got, got_params, opt = fit_tiny(True, clip=0.5)
+    assert "gradient_clip_val=0.5" in caplog.text and opt.in_backward == []
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+
+
+def test_a_hook_between_backward_and_step_keeps_the_updates_for_the_step(caplog):
+    """on_before_optimizer_step may edit gradients: the updates wait for the step (said once)."""
+
+    class Halve(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    want, want_params, _ = fit_tiny(False, callbacks=[Halve()])
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain"):
+        got, got_params, opt = fit_tiny(True, callbacks=[Halve()])
+    assert "on_before_optimizer_step" in caplog.text and opt.in_backward == []
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_params, want_params))
