@@ -117,6 +117,7 @@ def test_a_change_after_the_backward_is_refused_loudly(change):
     opt = make_opt(model, updates_in_backward=True)
     hand_over_in_backward(model, opt, [])
     model(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.seal_backward()  # as the training core does when the backward ends: what changes from here is an edit
     p = model[3][0].weight
     if change == "edit":
         p.grad.mul_(0.5)
@@ -135,9 +136,11 @@ def test_a_change_after_the_backward_is_refused_loudly(change):
 class Losses(L.Callback):
     def __init__(self):
         self.values = []
+        self.plan = None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.values.append(outputs["loss"].item())
+        self.plan = trainer.strategy.core.plan
 
 
 class CountingHybridAdamW(HybridAdamW):
@@ -174,6 +177,7 @@ def fit_tiny(updates_in_backward: bool, *, accumulate: int = 1, clip: float | No
     data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(steps * accumulate)]
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     params = [p.detach().clone() for p in module.parameters()]
+    fit_tiny.last_plan = losses.plan  # the plan's workload says where the updates were priced
     return losses.values, params, trainer.optimizers[0]
 
 
@@ -192,6 +196,7 @@ def test_the_trainer_updates_blocks_in_the_backward_exactly(accumulate, precisio
     # first micro-batch: the plan is in place for its last one)
     steps = 5 if precision == "bf16-true" and accumulate > 1 else 4
     assert opt.in_backward == [3, 2, 1] * steps
+    assert fit_tiny.last_plan.result.workload.updates_in_backward  # and the plan priced them there
 
 
 def test_with_gradient_clipping_the_updates_wait_for_the_step(caplog):
@@ -200,6 +205,7 @@ def test_with_gradient_clipping_the_updates_wait_for_the_step(caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_lazytrain"):
         got, got_params, opt = fit_tiny(True, clip=0.5)
     assert "gradient_clip_val=0.5" in caplog.text and opt.in_backward == []
+    assert not fit_tiny.last_plan.result.workload.updates_in_backward
     assert got == want and all(torch.equal(a, b) for a, b in zip(got_params, want_params))
 
 

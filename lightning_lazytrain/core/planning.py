@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from collections.abc import Callable
@@ -32,12 +34,12 @@ log = logging.getLogger(__name__)
 class Profile:
     """A profiled step, as the planner needs it: the executor that ran it, its stats, and what the
     core knows of the run (tokens of a micro-batch, accumulation, the step's micro-batches, when
-    the step began, the HybridAdamW optimizers, the gradient sync and a sharded store's measured
-    collective bandwidth)."""
+    the step began, the HybridAdamW optimizers, the gradient sync, a sharded store's measured
+    collective bandwidth, and whether blocks are updated during the backward)."""
 
     def __init__(self, executor: Executor, stats: StepStats, *, tokens: int, grad_accum: int, micro_batches: int,
                  t_step: float, hybrids: list, grad_sync: Any, shard_store: Any,
-                 shard_bytes_per_s: float | None) -> None:
+                 shard_bytes_per_s: float | None, updates_in_backward: bool = False) -> None:
         self.executor = executor
         self.stats = stats
         self.tokens = tokens
@@ -48,6 +50,8 @@ class Profile:
         self.grad_sync = grad_sync
         self.shard_store = shard_store
         self.shard_bytes_per_s = shard_bytes_per_s
+        # Note: [updates in the backward pass] (core/optimizer_steps.py): the run's updates may start there
+        self.updates_in_backward = updates_in_backward
 
 
 class Planner:
@@ -135,6 +139,8 @@ class Planner:
                                          micro_batches=p.micro_batches, opt_params_per_s=hardware.cpu_adam_params_per_s)
                 wl, fraction = self._price_optimizer_states(wl, hardware, p)
                 wl = rank_workload(wl, layout, p)
+                if p.updates_in_backward:  # priced where the updates run (planner/schedule.py)
+                    wl = dataclasses.replace(wl, updates_in_backward=True)
                 plan = plan_from_workload(wl, hardware, policy=self.options.policy,
                                           options=MilpOptions(conversions=self.options.conversions),
                                           start=ex.schedule if reason is not None else None, profiled=ex.schedule)

@@ -409,7 +409,8 @@ class TrainingCore:
         profile = Profile(ex, stats, tokens=self._tokens or 1, grad_accum=1 if self._full else self.fit.grad_accum,
                           micro_batches=micro_batches, t_step=self._t_step, hybrids=hybrid_adamws(self.optimizers),
                           grad_sync=self.grad_sync, shard_store=self.shard_store(),
-                          shard_bytes_per_s=self._shard_bytes_per_s)
+                          shard_bytes_per_s=self._shard_bytes_per_s,
+                          updates_in_backward=self._updates_in_backward())
         plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
         if plan is None:  # a re-plan that keeps the current schedule
             return
@@ -433,6 +434,12 @@ class TrainingCore:
                    f"{format_table(plan.result.rows())}")
         if self.artifact_dir and self.layout.is_global_zero:
             plan.write(self.artifact_dir)
+
+    def _updates_in_backward(self) -> bool:
+        """May the run's optimizer update blocks during the backward (Note: [updates in the backward pass]
+        in optimizer_steps.py)? What ``PipelinedSteps.configure`` will find, for the plan's pricing."""
+        return (self.fit.updates_in_backward is None and self.grad_sync is None and not self._late_grads_seen
+                and any(getattr(o, "updates_in_backward", False) for o in hybrid_adamws(self.optimizers)))
 
     # ---- the optimizer step ----------------------------------------------------------------------
     def pipelined_order(self, optimizer: Any) -> list | None:

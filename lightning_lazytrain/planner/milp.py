@@ -15,6 +15,8 @@ Symbols -> variables (``L`` layers, boundaries ``0..L``, window names as in ``sc
     f[j], oi[j,w], qi[j,t]   layer j's kept internals go to the host by F{w}'s D2H and come back by
               B{t}'s H2D (``milp_internals``: its variables and the terms it adds to the rows below)
     tF1[j], tF[j], tH, tB[t], tT   window durations (tF1: first micro-batch, carries the optimizer)
+    tBL[t]    the last micro-batch's B windows when they carry the updates (``Workload.updates_in_backward``
+              with accumulation; Note: [updates in the backward pass])
 
 Constraint groups (each a named method so an ablation is one switch):
     _create_path         flow over boundaries: one path 0 -> L through the materialised ones
@@ -146,7 +148,10 @@ class ScheduleModel:
         else:
             self.pipe = 1 if self.modes == ("pipelined",) else 0
         self.y: dict[int, Any] = {}  # per-layer mode (Schedule.serial_layers): layer -> y_j
-        if "pipelined" in self.modes and opt.serial_layers and wl.data_parallel == "none" and L > 1:
+        # Note: [updates in the backward pass]: a pipelined optimizer updates layer t+1 in B{t} (one rank)
+        self.in_backward = wl.updates_in_backward and wl.data_parallel == "none"
+        if ("pipelined" in self.modes and opt.serial_layers and wl.data_parallel == "none" and L > 1
+                and not self.in_backward):
             # Only where it can pay: moving layer j's update into T shortens nothing unless F{j-1}'s
             # chain update -> cast -> fetch is longer than that window's forward (else its window is
             # the forward either way, and T can only grow); the other binaries would only weaken the
@@ -163,6 +168,8 @@ class ScheduleModel:
         m.tF = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tH = pyo.Var(domain=pyo.NonNegativeReals)
         m.tB = pyo.Var(range(L), domain=pyo.NonNegativeReals)
+        if self.in_backward and wl.grad_accum > 1:  # the last micro-batch's B windows carry the updates
+            m.tBL = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tT = pyo.Var(domain=pyo.NonNegativeReals)
         m.cons = pyo.ConstraintList()
         self.lane_loads: dict[str, list] = {}  # window var name -> list of expressions (for seeding)
@@ -345,7 +352,8 @@ class ScheduleModel:
             fetch = self.p_s[j + 1] if j + 1 < L else 0.0
             d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h + self.internals.d2h_seconds(j, d2h)
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
-            optimizer = lay[j + 1].opt_seconds * (pipe - self.y.get(j + 1, 0)) if j + 1 < L else 0.0
+            optimizer = (lay[j + 1].opt_seconds * (pipe - self.y.get(j + 1, 0))
+                         if j + 1 < L and not self.in_backward else 0.0)
             # chain: optimizer (pipelined only) -> cast -> fetch of layer j + 1
             chain = optimizer + cast[j + 1] + fetch
             if gth[j + 1]:  # shard: the all-gather follows the fetch
@@ -388,22 +396,29 @@ class ScheduleModel:
             if rs[u + 1]:  # shard: the gradient D2H waits for the reduce-scatter, first on the collective lane
                 grads = rs[u + 1] + grads
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
+            # updates in the backward: layer u+1's update follows its accumulate in the last micro-batch's
+            # B{u} (its own window variable tBL with accumulation; tB is then the other micro-batches')
+            upd = lay[u + 1].opt_seconds * pipe if self.in_backward and u + 1 < L else 0.0
+            windows = ([(m.tB[u], f"tB[{u}]", 0.0), (m.tBL[u], f"tBL[{u}]", upd)] if hasattr(m, "tBL")
+                       else [(m.tB[u], f"tB[{u}]", upd)])
             if u == 0:  # no prefetch, no block
-                rows = [compute, reloads, grads + acc[u + 1], nvr_b]
-                if ar[u + 1]:  # replicate_overlap: the host all-reduce after the accumulate
-                    rows.append(grads + acc[u + 1] + ar[u + 1])
-                bound(m.tB[u], f"tB[{u}]", rows)
+                for var, name, up in windows:
+                    rows = [compute, reloads, grads + acc[u + 1] + up, nvr_b]
+                    if ar[u + 1]:  # replicate_overlap: the host all-reduce after the accumulate
+                        rows.append(grads + acc[u + 1] + ar[u + 1])
+                    bound(var, name, rows)
                 continue
             fetched, cast_end, gathered = self._b_chains(u, h2d)
-            exprs = [compute, fetched + reloads, grads + acc[u + 1], nvr_b] + gathered
-            for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
-                # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
-                exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
-            if acc[u + 1]:
-                exprs.append(cast_end + acc[u + 1])  # the accumulate queues behind the window's casts
-            if ar[u + 1]:
-                exprs += [grads + acc[u + 1] + ar[u + 1], cast_end + acc[u + 1] + ar[u + 1]]
-            bound(m.tB[u], f"tB[{u}]", exprs + self.internals.hull_rows(lay[u].bwd_seconds, "B", u, h2d))
+            for var, name, up in windows:
+                exprs = [compute, fetched + reloads, grads + acc[u + 1] + up, nvr_b] + gathered
+                for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
+                    # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
+                    exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
+                if acc[u + 1]:
+                    exprs.append(cast_end + acc[u + 1] + up)  # the accumulate queues behind the window's casts
+                if ar[u + 1]:
+                    exprs += [grads + acc[u + 1] + ar[u + 1], cast_end + acc[u + 1] + ar[u + 1]]
+                bound(var, name, exprs + self.internals.hull_rows(lay[u].bwd_seconds, "B", u, h2d))
         bound(m.tT, "tT", self._t_window())
 
     def block_chain(self, s: int, u: int, h2d: float) -> tuple[float, float, float, float, float, float]:
@@ -477,7 +492,7 @@ class ScheduleModel:
         ends, cpu_end = {}, {}
         for mode in self.modes:
             s = dataclasses.replace(recompute_all(self.L), optimizer=mode, data_parallel=self.dp)
-            t = s.windows(nonblock_parts=self.wl.nonblock_part_count)[-1]
+            t = s.windows(nonblock_parts=self.wl.nonblock_part_count, updates_in_backward=self.in_backward)[-1]
             segments: list = []
             ends[mode], _ = _run_window(t, 0.0, self.wl, self.hw, segments, {})
             cpu_end[mode] = max((g.end for g in segments if g.lane == "cpu"), default=0.0)
@@ -490,7 +505,11 @@ class ScheduleModel:
 
     def iteration_time(self):
         m, L, g = self.m, self.L, self.wl.grad_accum
-        total = m.tT + sum(m.tF1[j] for j in range(L)) + g * (m.tH + sum(m.tB[u] for u in range(L)))
+        total = m.tT + sum(m.tF1[j] for j in range(L)) + g * m.tH
+        if hasattr(m, "tBL"):  # Note: [updates in the backward pass]: the last micro-batch's B windows
+            total += (g - 1) * sum(m.tB[u] for u in range(L)) + sum(m.tBL[u] for u in range(L))
+        else:
+            total += g * sum(m.tB[u] for u in range(L))
         if g > 1:
             total += (g - 1) * sum(m.tF[j] for j in range(L))
         return total

@@ -49,6 +49,10 @@ Decisions:
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
   first micro-batch's ``F{j}`` updates layer ``j+1`` just before fetching it).
+  With ``Workload.updates_in_backward`` (one rank; Note: [updates in the backward pass] in
+  core/optimizer_steps.py) a pipelined optimizer updates layer ``t+1`` in ``B{t}`` instead, right
+  after its last gradient accumulation (the last micro-batch's), and T updates the non-block parts
+  and layer 0; the F windows carry no update (the CPU lane is FIFO: T ends after every update).
 - ``serial_layers`` (``pipelined`` only; the per-layer mode): layers ``j >= 1``
   updated in T after layer 0 (the CPU lane, in ascending order; T ends when they are done) instead
   of in ``F{j-1}``: where a window's update -> cast -> fetch chain is longer than its forward, the
@@ -317,11 +321,13 @@ class Schedule:
         return [f"F{j}" for j in range(L)] + ["H"] + [f"B{t}" for t in range(L - 1, -1, -1)] + ["T"]
 
     def windows(self, *, first_microbatch: bool = True, last_microbatch: bool = True,
-                nonblock_parts: int = 1) -> list[Window]:
+                nonblock_parts: int = 1, updates_in_backward: bool = False) -> list[Window]:
         """Every window's ops in issue order; the executor follows this list, the simulator times it.
 
         ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
         ``last_microbatch``: the T window follows; otherwise layer 0's grads go in the next F0.
+        ``updates_in_backward`` (one rank, pipelined; ``Workload.updates_in_backward``): the last
+        micro-batch's ``B{t}`` updates layer ``t+1`` after its accumulate, no F window updates.
 
         Host lane: every weight fetch is preceded by its cast (the fetch waits for it); every
         gradient D2H is followed by its accumulate (which waits for it). The accumulates of F and B
@@ -342,6 +348,7 @@ class Schedule:
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
+        in_backward = pipelined and updates_in_backward and self.data_parallel == "none"
         sh = self.data_parallel == "shard"
         overlap = self.data_parallel == "replicate_overlap" and last_microbatch
         out: list[Window] = []
@@ -359,7 +366,7 @@ class Schedule:
                 if self.internals_offload_window[k] == j:
                     ops.append(Op("d2h", "offload_internals", k))
             if j + 1 < L:
-                if pipelined and first_microbatch and j + 1 not in self.serial_layers:
+                if pipelined and first_microbatch and not in_backward and j + 1 not in self.serial_layers:
                     ops.append(Op("cpu", "optimizer", j + 1))
                     _fetch(ops, "weights", j + 1, after=len(ops) - 1, gather=sh)
                 else:
@@ -404,6 +411,8 @@ class Schedule:
                 _fetch(ops, "weights", t - 1, after=rerun.get(t - 1, -1), gather=sh)
             ops += self._reload_ops(t)
             _accumulate(ops, grads, allreduce=overlap)
+            if in_backward and last_microbatch and t + 1 < L:  # after layer t+1's (last) accumulate
+                ops.append(Op("cpu", "optimizer", t + 1, after=len(ops) - 1))
             out.append(Window(f"B{t}", tuple(ops)))
         if last_microbatch and self.data_parallel != "none":
             out.append(Window("T", tuple(self._t_ops_data_parallel())))
@@ -421,7 +430,7 @@ class Schedule:
                 _accumulate(ops, [_grads(ops, idx)])
             ready = len(ops) - 1
             pos = {}
-            for j in parts + ([0, *self.serial_layers] if pipelined else list(range(L))):
+            for j in parts + ([0] if in_backward else [0, *self.serial_layers] if pipelined else list(range(L))):
                 ops.append(Op("cpu", "optimizer", j, after=ready))
                 pos[j] = len(ops) - 1
             for j in parts + [0]:

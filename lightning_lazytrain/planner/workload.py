@@ -194,6 +194,10 @@ class Workload:
     # executor tracks: library workspaces, module buffers and caches; engine/step_stats.py, Note:
     # [untracked device bytes]); 0 in an analytic workload
     device_overhead_bytes: float = 0.0
+    # the run's optimizer updates each block during the backward, as soon as its gradient is complete (a
+    # ``HybridAdamW(updates_in_backward=True)`` the fit lets do so; Note: [updates in the backward pass]
+    # in core/optimizer_steps.py): a pipelined schedule's updates run in the B windows (schedule.py)
+    updates_in_backward: bool = False
 
     # ---- derived ------------------------------------------------------------------------------
     @property
