@@ -223,3 +223,33 @@ def test_a_hook_between_backward_and_step_keeps_the_updates_for_the_step(caplog)
         got, got_params, opt = fit_tiny(True, callbacks=[Halve()])
     assert "on_before_optimizer_step" in caplog.text and opt.in_backward == []
     assert got == want and all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+
+
+def test_a_callback_that_only_reads_gradients_keeps_the_updates_in_the_backward():
+    """``reads_gradients_only = True`` on a callback (it logs or times): the updates still run in the
+    backward, the run equals the one without them; a callback that says so and edits anyway is caught
+    at the step, naming what changed."""
+
+    class Norms(L.Callback):
+        reads_gradients_only = True
+
+        def __init__(self):
+            self.norms = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.norms.append(sum(float(p.grad.norm()) for p in pl_module.parameters() if p.grad is not None))
+
+    class Liar(Norms):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    want_cb, got_cb = Norms(), Norms()
+    want, want_params, _ = fit_tiny(False, callbacks=[want_cb])
+    got, got_params, opt = fit_tiny(True, callbacks=[got_cb])
+    assert opt.in_backward == [3, 2, 1] * 4
+    assert got == want and got_cb.norms == want_cb.norms
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+    with pytest.raises(RuntimeError, match="were edited or replaced"):
+        fit_tiny(True, callbacks=[Liar()])

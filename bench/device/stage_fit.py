@@ -147,6 +147,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     "timeout KIT_STAGE_TIMEOUT_S less 12 s, else 380)")
     ap.add_argument("--no-peer-checkpointing", action="store_true",
                     help="the peers without activation checkpointing")
+    ap.add_argument("--updates-at-step", action="store_true",
+                    help="lazytrain's HybridAdamW updates every layer after the backward (pipelined under the next "
+                         "forward) instead of each block during the backward (updates_in_backward=True, the default: "
+                         "no clip and no non-finite skip, as the peers' AdamW)")
     ap.add_argument("--no-prebuild", action="store_true",
                     help="build DeepSpeed's CPU Adam in its own variant instead of in the background during auto")
 
@@ -369,6 +373,8 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             extra += ["--cap-gb", str(args.cap_gb)]
         if args.no_peer_checkpointing:
             extra.append("--no-peer-checkpointing")
+        if args.updates_at_step:
+            extra.append("--updates-at-step")
         say(f"fit: {variant} {label} started (timeout {timeout:.0f} s)")
         job = Job(child_cmd("variant", out, *extra), out, timeout, env)
         if build is not None:
@@ -561,6 +567,8 @@ def lightning_probe(clock: Clock):
     import lightning as L
 
     class Probe(L.Callback):
+        reads_gradients_only = True  # times the step, edits no gradient: lazytrain's updates may run in the backward
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             clock.start(batch_idx)
 
@@ -602,6 +610,10 @@ def timed_hybrid_adamw():
             self._timing_lock = threading.Lock()
             super().__init__(*a, **kw)
 
+        def update_in_backward(self, layer, after=None):  # noqa: ANN001 - HybridAdamW's signature
+            self.in_backward_calls = getattr(self, "in_backward_calls", 0) + 1
+            return super().update_in_backward(layer, after)
+
         if hasattr(HybridAdamW, "_update_layer"):
             def _update_layer(self, layer, plan):  # noqa: ANN001 - HybridAdamW's signature
                 t0 = time.perf_counter()
@@ -626,8 +638,9 @@ def fit_module(optimizer: str, **kw: Any):
         def configure_optimizers(self):
             groups = self.param_groups()
             hp = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-            if optimizer == "hybrid":
-                return timed_hybrid_adamw()(groups, eight_bit="plan", **hp)
+            if optimizer in ("hybrid", "hybrid_in_backward"):  # Note: [updates in backward] for the latter
+                extra = {"updates_in_backward": True, "skip_nonfinite": False} if optimizer != "hybrid" else {}
+                return timed_hybrid_adamw()(groups, eight_bit="plan", **extra, **hp)
             if optimizer == "adamw_fused":
                 return torch.optim.AdamW(groups, fused=True, **hp)
             if optimizer == "ds_cpu_adam":
@@ -636,7 +649,8 @@ def fit_module(optimizer: str, **kw: Any):
                 return DeepSpeedCPUAdam(groups, adamw_mode=True, **hp)
             raise ValueError(optimizer)
 
-    return FitModule(optimizer="hybrid_adamw" if optimizer == "hybrid" else "adamw", lr=3e-4, lr_schedule="constant",
+    return FitModule(optimizer="hybrid_adamw" if optimizer.startswith("hybrid") else "adamw", lr=3e-4,
+                     lr_schedule="constant",
                      warmup_steps=0, **kw)
 
 
@@ -755,7 +769,9 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     # lead: the profiled step (on CUDA after one warm-up step: core/replan.py, Note: [profile warm-up])
     clock = Clock(a.device, 2 if cuda else 1, a.warmup, a.timed)
     data = token_batches(clock.total, a.batch, a.seq, spec["vocab"])
-    module = llama_module(spec, a.device, "hybrid").cpu()  # the strategy streams from the host
+    in_backward = not a.updates_at_step
+    # the strategy streams from the host
+    module = llama_module(spec, a.device, "hybrid_in_backward" if in_backward else "hybrid").cpu()
     if cuda:
         torch.cuda.empty_cache()
     res["parameters"] = sum(p.numel() for p in module.parameters())
@@ -773,7 +789,9 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     res["settings"] = {
         "strategy": f"LazyTrainStrategy(hardware='measure', gpu_memory_budget_gb={res['cap_gb']:.4g}, "
                     f"fp32_masters={fp32_masters})", "precision": precision,
-        "optimizer": "HybridAdamW(eight_bit='plan', impl='fused'), lr 3e-4 constant, weight decay 0.1 (matrices)",
+        "optimizer": "HybridAdamW(eight_bit='plan', impl='fused'"
+                     + (", updates_in_backward=True, skip_nonfinite=False" if in_backward else "")
+                     + "), lr 3e-4 constant, weight decay 0.1 (matrices), no clip (as the peers)",
         "model": "CausalLMModule(LlamaLM), chunked loss (4096 tokens)", "torch_threads": torch.get_num_threads(),
         "other": "policy='milp', replan=True, keep_compute_copy='auto' (defaults)"}
     strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=res["cap_gb"], fp32_masters=fp32_masters)
@@ -831,11 +849,15 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
         res["optimizer_update_seconds_per_step"] = (s1 - s0) / (c1 - c0) * captured["layers"]
         res["optimizer_update_layers"] = captured["layers"]
         res["optimizer_update_note"] = ("HybridAdamW's per-layer updates on the host, summed over its layers "
-                                        "(pipelined: under the next step's forward); optimizer_seconds is what the "
-                                        "step itself waited for")
+                                        "(pipelined: blocks during the backward with updates_in_backward, the rest "
+                                        "under the next step's forward); optimizer_seconds is what the step itself "
+                                        "waited for")
     else:
         res["optimizer_update_note"] = "not separable: HybridAdamW's per-layer update could not be timed"
     opt = trainer.optimizers[0] if trainer.optimizers else None
+    # Note: [updates in backward]: the layers handed to the optimizer during a backward, over the run
+    res["updates_in_backward"] = bool(getattr(opt, "updates_in_backward", False))
+    res["layers_updated_in_backward"] = getattr(opt, "in_backward_calls", None)
     res["eight_bit_chosen"] = repr(getattr(opt, "eight_bit", None))  # the plan's choice (e.g. 'none', a fraction)
     res["replans"] = list(getattr(trainer.strategy, "replans", []) or [])
     if res["replans"]:
@@ -1103,6 +1125,7 @@ def child_main(kind: str, argv: list[str]) -> int:
     ap.add_argument("--cap-frac", type=float, default=0.4)
     ap.add_argument("--cap-gb", type=float, default=None)
     ap.add_argument("--no-peer-checkpointing", action="store_true")
+    ap.add_argument("--updates-at-step", action="store_true")
     a = ap.parse_args(argv)
     a.workdir.mkdir(parents=True, exist_ok=True)
     res: dict = {"status": "running", "phase": "start", "variant": a.variant, "batch": [a.batch, a.seq]}

@@ -315,9 +315,12 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         # Note: [stale norms] (optim/hybrid_adamw.py): the fused clip's norms are taken as the gradients
         # land; user code that runs before the step may edit them (even through .data)
         between = ("on_after_backward", "on_before_optimizer_step")
+        # a callback that declares ``reads_gradients_only = True`` (it logs or times, it edits nothing) is
+        # trusted; an edit is still caught where it matters (the stale-norm and updates-in-backward checks)
         trusted = module.automatic_optimization and not any(
             is_overridden(name, module) for name in (*between, "configure_gradient_clipping")) and not any(
-            is_overridden(name, cb, parent=Callback) for cb in trainer.callbacks for name in between)
+            is_overridden(name, cb, parent=Callback) for cb in trainer.callbacks for name in between
+            if not getattr(cb, "reads_gradients_only", False))
         # 16-mixed: the grads (and so the host lane's norms) are loss-scaled, and the plugin unscales
         # them in place before the step: no norm is handed over
         scaler = getattr(self.precision_plugin, "scaler", None)
