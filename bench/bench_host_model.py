@@ -14,8 +14,10 @@ schedules (keep_all: one fetch per layer; megatrain K=4: fetches again for the r
 * predicted: the simulator's host-lane seconds per iteration for the same schedule, on the
   workload of a step profiled on the host (as the strategy's first step), every host-lane figure
   priced from rates (``placement.priced_from_rates``: nothing measured per layer reused), once
-  with the rates measured alone and once with them calibrated by the profiled step
-  (``placement.calibrate_host_rates``, Note: [host rates in place]: what the plan uses).
+  with the rates measured alone, once with them calibrated by the profiled step per byte only (the
+  fixed cost per job left out: ``host_job_seconds`` = 0, the model before it) and once calibrated
+  with the fixed cost per host-lane job measured in place (``autoplan.host_job_seconds``;
+  ``placement.calibrate_host_rates``, Note: [host rates in place]: what the plan uses).
 
 Prints measured / predicted per placement and schedule; the goal is within 10% (1.0 +- 0.1).
 """
@@ -86,27 +88,33 @@ def main() -> None:
     print(f"# bench_host_model: {SPEC.num_layers} layers, hidden {SPEC.hidden}, {SPEC.total_params / 1e6:.1f}M params, "
           f"fp32 masters, bf16 compute, link {link} GB/s, torch {torch.__version__}")
     print(f"# measured host rates: like-to-like {hw.host_bytes_per_s / 1e9:.1f} GB/s, widening add "
-          f"{hw.host_widen_bytes_per_s / 1e9:.1f} GB/s")
+          f"{hw.host_widen_bytes_per_s / 1e9:.1f} GB/s, norms {hw.host_norm_bytes_per_s / 1e9:.1f} GB/s; fixed cost "
+          f"per job (in place) {hw.host_job_seconds * 1e3:.3f} ms")
     print(f"{'schedule':<14} {'placement':<16} {'measured s':>11} {'rates alone':>12} {'ratio':>7} "
-          f"{'calibrated':>11} {'ratio':>7}")
-    ratios, raw = [], []
+          f"{'per byte':>9} {'ratio':>7} {'calibrated':>11} {'ratio':>7}")
+    ratios, raw, per_byte = [], [], []
+    bytes_only = hw.replace(host_job_seconds=0.0)
     for sname, schedule in (("keep_all", keep_all(SPEC.num_layers)), ("megatrain K=4", megatrain(SPEC.num_layers, 4))):
         # the profile runs on the host (as the strategy's first step does): it calibrates the rates
         # (placement.calibrate_host_rates), then every placement is predicted from them
         _, profile = run(base, tokens, schedule, PLACEMENTS["host"], links, 1, profile_step)
         cal = calibrate_host_rates(profile, schedule, hw)
+        cal_bytes = calibrate_host_rates(profile, schedule, bytes_only)
         for pname, p in PLACEMENTS.items():
             measured, _ = run(base, tokens, schedule, p, links, steps, -1)
             row = [measured]
-            for rates in (hw, cal):
+            for rates in (hw, cal_bytes, cal):
                 sim = simulate(schedule, priced_from_rates(profile, p, rates), rates, check=False)
                 row.append(sum(s.end - s.start for s in sim.timeline if s.lane == "host"))
             raw.append(measured / row[1])
-            ratios.append(measured / row[2])
-            print(f"{sname:<14} {pname:<16} {measured:>11.4f} {row[1]:>12.4f} {raw[-1]:>7.3f} {row[2]:>11.4f} "
-                  f"{ratios[-1]:>7.3f}", flush=True)
-    print(f"measured / predicted host lane, rates alone: median {statistics.median(raw):.3f}; calibrated by the "
-          f"profile: median {statistics.median(ratios):.3f}, range {min(ratios):.3f} .. {max(ratios):.3f}")
+            per_byte.append(measured / row[2])
+            ratios.append(measured / row[3])
+            print(f"{sname:<14} {pname:<16} {measured:>11.4f} {row[1]:>12.4f} {raw[-1]:>7.3f} {row[2]:>9.4f} "
+                  f"{per_byte[-1]:>7.3f} {row[3]:>11.4f} {ratios[-1]:>7.3f}", flush=True)
+    print(f"measured / predicted host lane, rates alone: median {statistics.median(raw):.3f}; calibrated, per byte "
+          f"only (host_job_seconds = 0): median {statistics.median(per_byte):.3f}, range {min(per_byte):.3f} .. "
+          f"{max(per_byte):.3f}; calibrated with the fixed cost per job: median {statistics.median(ratios):.3f}, "
+          f"range {min(ratios):.3f} .. {max(ratios):.3f}")
 
 
 if __name__ == "__main__":

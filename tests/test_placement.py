@@ -232,3 +232,106 @@ def test_the_profiled_host_lane_calibrates_the_rates():
     for kind in ("cast", "accumulate"):
         assert host(priced_from_rates(measured, Placement(), cal), cal, kind) == pytest.approx(
             host(measured, hw, kind), rel=1e-6)
+
+
+def test_every_host_lane_job_carries_the_fixed_cost_once():
+    """Hardware.host_job_seconds: a fetch's cast and a gradient copy's accumulation are one job each
+    (the non-block group: one per part), each its bytes at its rate plus the fixed cost; the analytic
+    workload and the placement's pricing agree, and a job moved to the device takes its cost along."""
+    from dataclasses import replace
+
+    from lightning_lazytrain.planner.placement import Placement, price
+
+    f = 7e-4
+    wl, hw = _analytic()
+    wlf, hwf = _analytic(host_job_seconds=f)
+    a, b = wl.layers[1], wlf.layers[1]
+    assert b.cast_seconds == pytest.approx(a.cast_seconds + f) and b.accum_seconds == pytest.approx(a.accum_seconds + f)
+    assert wlf.nonblock_cast_seconds == pytest.approx(wl.nonblock_cast_seconds + f)
+    assert wlf.nonblock_accum_seconds == pytest.approx(wl.nonblock_accum_seconds + f)
+    both = Placement(cast_blocks=True, widen_blocks=True, cast_rest=True, widen_rest=True)
+    dev, devf = price(wl, both, hw), price(wlf, both, hwf)
+    assert devf.layers[1].cast_seconds == 0 == devf.nonblock_cast_seconds  # no job left on the host
+    assert devf.layers[1].accum_seconds == pytest.approx(dev.layers[1].accum_seconds + f)  # the norms: still a job
+    assert price(devf, Placement(), hwf).layers[1] == wlf.layers[1]  # and back, exactly
+    # the non-block group in three parts: three jobs per copy
+    parts = replace(wlf, nonblock_parts=(wlf.nonblock_params - 2000, 1000, 1000)).validate()
+    p3 = price(parts, both, hwf)
+    assert p3.nonblock_accum_seconds == pytest.approx(dev.nonblock_accum_seconds + 3 * f)
+    assert price(p3, Placement(), hwf).nonblock_cast_seconds == pytest.approx(wl.nonblock_cast_seconds + 3 * f)
+
+
+def test_the_calibration_keeps_the_fixed_cost_and_scales_the_bytes():
+    """Note: [host rates in place] with a fixed cost per job: a profile whose jobs took f + k x their
+    bytes' time is reproduced by the calibrated rates (scaled by 1/k, f kept), and the placement whose
+    host jobs are smallest (the norms alone) is then priced as such a lane runs it -- which a per-byte
+    calibration (f = 0) under-prices: it spreads the profile's fixed costs over the bytes of big jobs."""
+
+    from lightning_lazytrain.planner import keep_all, megatrain, simulate
+    from lightning_lazytrain.planner.placement import Placement, calibrate_host_rates, priced_from_rates
+
+    wl, hw = _analytic()
+    k, f = 3.0, 0.02  # the lane ran its bytes 3x slower than the rates say, plus 20 ms a job
+    truth = hw.replace(host_bytes_per_s=hw.host_bytes_per_s / k, host_job_seconds=f)  # the lane as it ran
+    measured = priced_from_rates(wl, Placement(), truth)  # the profile: every conversion on the host
+    both = Placement(cast_blocks=True, widen_blocks=True, cast_rest=True, widen_rest=True)
+
+    def host(w, h, s):
+        return sum(x.end - x.start for x in simulate(s, w, h, check=False).timeline if x.lane == "host")
+
+    for s in (keep_all(wl.num_layers), megatrain(wl.num_layers, 4)):
+        cal = calibrate_host_rates(measured, s, hw.replace(host_job_seconds=f))
+        assert cal.host_job_seconds == f
+        assert cal.host_bytes_per_s == pytest.approx(hw.host_bytes_per_s / k)
+        assert cal.host_norm_bytes_per_s == pytest.approx(hw.host_bytes_per_s / k)
+        for p in (Placement(), both, Placement(widen_blocks=True, widen_rest=True)):
+            assert host(priced_from_rates(measured, p, cal), cal, s) == pytest.approx(
+                host(priced_from_rates(measured, p, truth), truth, s), rel=1e-6)
+        per_byte = calibrate_host_rates(measured, s, hw)  # no fixed cost: the profile's is spread over bytes
+        assert per_byte.host_job_seconds == 0
+        assert host(priced_from_rates(measured, Placement(), per_byte), per_byte, s) == pytest.approx(
+            host(measured, hw, s), rel=1e-6)  # it still reproduces the profile itself ...
+        small_truth = host(priced_from_rates(measured, both, truth), truth, s)
+        assert host(priced_from_rates(measured, both, per_byte), per_byte, s) < 0.9 * small_truth  # ... not the rest
+
+
+def test_the_fixed_cost_cannot_exceed_what_the_profiled_jobs_took():
+    """A fixed cost above what a kind's jobs took in the profile is cut to ``JOB_SHARE_MAX`` of the
+    shortest kind's seconds per job; the profile is still reproduced, every rate stays positive."""
+    from lightning_lazytrain.planner import keep_all, simulate
+    from lightning_lazytrain.planner.placement import JOB_SHARE_MAX, Placement, calibrate_host_rates, priced_from_rates
+
+    wl, hw = _analytic()
+    s = keep_all(wl.num_layers)
+
+    def per_kind(w, h):
+        out: dict[str, list[float]] = {}
+        for x in simulate(s, w, h, check=False).timeline:
+            if x.lane == "host":
+                out.setdefault(x.kind, []).append(x.end - x.start)
+        return out
+
+    profile = per_kind(wl, hw)
+    cal = calibrate_host_rates(wl, s, hw.replace(host_job_seconds=10.0))  # far above any job's seconds
+    assert cal.host_job_seconds == pytest.approx(JOB_SHARE_MAX * min(sum(v) / len(v) for v in profile.values()))
+    assert cal.host_bytes_per_s > 0 and cal.host_norm_bytes_per_s > 0
+    again = per_kind(priced_from_rates(wl, Placement(), cal), cal)
+    for kind, seconds in profile.items():
+        assert sum(again[kind]) == pytest.approx(sum(seconds), rel=1e-6)
+
+
+def test_host_job_seconds_validates_and_converts():
+    from lightning_lazytrain.planner import Hardware
+    from lightning_lazytrain.planner.errors import InvalidInput
+
+    _, hw = _analytic()
+    assert hw.host_job_seconds == 0.0  # unset: per-byte pricing, every existing plan unchanged
+    assert hw.replace(host_job_seconds=1e-3).host_job_seconds == 1e-3
+    for bad in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(InvalidInput, match="host_job_seconds"):
+            hw.replace(host_job_seconds=bad)
+    kw = dict(name="x", gpu_memory_gb=80, gpu_memory_cap_gb=70, peak_tflops=900, efficiency=0.5, h2d_gb_per_s=20,
+              d2h_gb_per_s=20, nvme_read_gb_per_s=0, nvme_write_gb_per_s=0, nvme_capacity_gb=0, cpu_memory_gb=500,
+              cpu_adam_gparams_per_s=1, cpu_adam8_gparams_per_s=1)
+    assert Hardware.from_gb(**kw, host_job_seconds=5e-4).host_job_seconds == 5e-4  # seconds stay seconds
+    assert Hardware.from_gb(**kw).host_job_seconds == 0.0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_lazytrain.planner import Hardware, Schedule, Workload, baseline
+from lightning_lazytrain.planner import Hardware, ModelSpec, Schedule, Workload, baseline
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import calibrate_host_rates
 from lightning_lazytrain.planner.plan import PlanResult, diagnose, plan_workload
@@ -68,6 +68,10 @@ def _copy_rate(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, flo
     return rate, rate
 
 
+# the model host_job_seconds streams: its host jobs' bytes are a sliver of their time
+JOB_PROBE = ModelSpec(name="host-job-probe", num_layers=8, hidden=64, intermediate=176, heads=1, kv_heads=1,
+                      head_dim=64, vocab=256)
+
 _HOST_RATES: dict[tuple[str, int], tuple[float, float, float, float, float]] = {}
 
 
@@ -93,6 +97,72 @@ def host_rates(device: torch.device) -> tuple[float, float, float, float, float]
     return _HOST_RATES[key]
 
 
+_HOST_JOB: dict[tuple[str, int, float | None], float] = {}
+
+
+def host_job_seconds(device: torch.device, *, link_gb_per_s: float | None = None, steps: int = 6) -> float:
+    """Seconds a host-lane job takes besides its bytes (``Hardware.host_job_seconds``), measured in
+    place: the engine streams a small ``LlamaLM`` (``JOB_PROBE``: 8 layers, hidden 64, 50k parameters
+    a block) with fp32 masters, bf16 compute copies and both conversions on the device, so the host
+    lane's only jobs are the gradient copies' (direct landing, each parameter's norm: ~0.2 MB), run
+    beside the thread that launches compute as in training. The median of those jobs over ``steps``
+    steps after a warm-up one, less their bytes at the norm rate measured alone (``host_rates``).
+    Alone the same job takes ~0.03 ms on the 2-core machine; beside compute ~0.5-1 ms, the waits
+    for the interpreter lock and the cores the lane shares: what a small job costs in a step. Once
+    per process (device, torch threads, link); 0.0 when the probe cannot run (logged)."""
+    key = (device.type, torch.get_num_threads(), link_gb_per_s)
+    if key in _HOST_JOB:
+        return _HOST_JOB[key]
+    import copy as _copy
+    import statistics
+
+    from lightning_lazytrain.engine.copy_engine import LinkSpec
+    from lightning_lazytrain.engine.executor import Executor
+    from lightning_lazytrain.models import LlamaLM
+    from lightning_lazytrain.planner import keep_all
+    from lightning_lazytrain.planner.placement import Placement
+
+    spec = JOB_PROBE
+    links = None
+    if link_gb_per_s is not None and device.type != "cuda":
+        links = {"h2d": LinkSpec(link_gb_per_s * GB), "d2h": LinkSpec(link_gb_per_s * GB)}
+    ex = None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = LlamaLM(spec)
+            tokens = torch.randint(0, spec.vocab, (1, 33))
+        model = _copy.deepcopy(model)
+        ex = Executor(model, keep_all(spec.num_layers), device=device, compute_dtype=torch.bfloat16, links=links)
+        both = Placement(cast_blocks=True, widen_blocks=True, cast_rest=True, widen_rest=True)
+        ex.set_placement(**both.groups(spec.num_layers))
+        tokens = tokens.to(device)
+        jobs: list[float] = []
+        nbytes: list[int] = []
+        for k in range(steps + 1):
+            ex.engine.reset_stats()
+            ex.begin_microbatch()
+            model.loss(tokens).backward()
+            ex.end_microbatch()
+            if k:
+                for r in ex.engine.records():
+                    if r.lane == "host" and (r.tag or "").startswith("accum"):
+                        jobs.append(r.duration)
+                        nbytes.append(r.nbytes)
+            for param in model.parameters():
+                param.grad = None
+        norm_rate = host_rates(device)[3]
+        seconds = max(0.0, statistics.median(jobs) - statistics.median(nbytes) / norm_rate) if jobs else 0.0
+    except Exception as err:  # a measurement must never stop training: per-byte pricing only
+        log.warning("could not measure the host lane's fixed cost per job (priced as 0): %s", err)
+        seconds = 0.0
+    finally:
+        if ex is not None:
+            ex.close()
+    _HOST_JOB[key] = seconds
+    return seconds
+
+
 def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None = None,
                      nvme_dir: str | os.PathLike[str] | None = None, link_gb_per_s: float | None = None,
                      nvme_gb_per_s: float = 2.0, opt_params_per_s: float | None = None) -> Hardware:
@@ -102,7 +172,8 @@ def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None
     stated assumption (``nvme_gb_per_s``), its capacity the free space of ``nvme_dir``. The host
     lane's rates and the 32-bit AdamW rate are measured (``host_rates``; ``opt_params_per_s``
     overrides the latter); the 8-bit one is taken as equal until an 8-bit optimizer is priced
-    (the strategy measures it then)."""
+    (the strategy measures it then). The host lane's fixed cost per job is measured in place
+    (``host_job_seconds``)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cap = min(free, total) * 0.9
@@ -117,12 +188,14 @@ def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None
     nvme_bw = nvme_gb_per_s * GB if nvme_cap else 0.0
     cast, widen, add, norm, adam = host_rates(device)
     adam = opt_params_per_s or adam
+    job = host_job_seconds(device, link_gb_per_s=link_gb_per_s)
     return Hardware(name=f"measured-{device.type}", gpu_memory_bytes=float(total), gpu_memory_cap_bytes=float(cap),
                     peak_tflops=1.0, efficiency=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                     nvme_read_bytes_per_s=nvme_bw, nvme_write_bytes_per_s=nvme_bw, nvme_capacity_bytes=float(nvme_cap),
                     cpu_memory_bytes=_host_memory_bytes(), cpu_adam_params_per_s=adam,
                     cpu_adam8_params_per_s=adam, host_bytes_per_s=cast,
-                    host_widen_bytes_per_s=widen, host_add_bytes_per_s=add, host_norm_bytes_per_s=norm).validate()
+                    host_widen_bytes_per_s=widen, host_add_bytes_per_s=add, host_norm_bytes_per_s=norm,
+                    host_job_seconds=job).validate()
 
 
 @dataclass

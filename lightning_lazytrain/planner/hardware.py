@@ -54,6 +54,13 @@ class Hardware:
     # torch's CPU 2-norm is one serial loop per tensor, so a group's norms run at a few tensors' width
     # (measured on the 2-core machine: ~3.6 GB/s against ~15 for the fp32 add). 0: host_add_bytes_per_s
     host_norm_bytes_per_s: float = 0.0
+    # seconds every host-lane job takes besides its bytes (a cast before a weight fetch, an accumulation
+    # after a gradient copy: each one job): the hand-off to the lane's thread, the Python around its
+    # kernels and their launches, the per-parameter bookkeeping, and the waits for the interpreter lock
+    # the thread launching compute holds. Beside compute it dwarfs the bytes of small jobs (measured on
+    # the 2-core machine: ~0.5-1 ms per job, against ~0.03 ms for the same job alone; the norms alone of
+    # an 8-layer, 27.8M-parameter model's blocks take ~1 ms each). 0: per-byte pricing only
+    host_job_seconds: float = 0.0
     # ---- several devices (``planner/multi.py``); the defaults are one GPU ----------------------
     gpus_per_node: int = 1  # ranks per node, sharing this node's host memory, optimizer and host-lane rates
     nodes: int = 1
@@ -92,7 +99,7 @@ class Hardware:
                 raise InvalidInput(f"hardware.{key}", value, "must be an integer >= 1")
         for key in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "host_collective_bytes_per_s",
                     "gpu_memory_bytes_per_s", "host_widen_bytes_per_s", "host_add_bytes_per_s",
-                    "host_norm_bytes_per_s"):
+                    "host_norm_bytes_per_s", "host_job_seconds"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidInput(f"hardware.{key}", value, "must be a finite number >= 0 (0 = none)")
@@ -128,8 +135,9 @@ class Hardware:
                 intra_node_gb_per_s: float = 0.0, inter_node_gb_per_s: float = 0.0, host_link_share: float = 1.0,
                 host_collective_gb_per_s: float = 0.0, gpu_memory_gb_per_s: float = 0.0,
                 host_widen_gb_per_s: float = 0.0, host_add_gb_per_s: float = 0.0,
-                host_norm_gb_per_s: float = 0.0) -> Hardware:
-        """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes)."""
+                host_norm_gb_per_s: float = 0.0, host_job_seconds: float = 0.0) -> Hardware:
+        """Build from the GB / GB/s / G-params/s units used in configs (1 GB = 1e9 bytes; seconds stay
+        seconds)."""
         return cls(
             name=name,
             gpu_memory_bytes=gpu_memory_gb * GB,
@@ -155,4 +163,5 @@ class Hardware:
             host_widen_bytes_per_s=host_widen_gb_per_s * GB,
             host_add_bytes_per_s=host_add_gb_per_s * GB,
             host_norm_bytes_per_s=host_norm_gb_per_s * GB,
+            host_job_seconds=host_job_seconds,
         ).validate()

@@ -42,6 +42,8 @@ __all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "calibrate_ho
 # Elements of the device buffer each copy lane converts through (the engine's ``VIA_NUMEL``): 64 MiB
 # in fp32; larger groups are copied through it in chunks.
 CONVERSION_BUFFER_ELEMENTS = 1 << 24
+# calibrate_host_rates: the most of a kind's measured seconds per job its fixed cost may take
+JOB_SHARE_MAX = 0.9
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,24 +102,30 @@ def _host_rates(hw: Hardware) -> tuple[float, float, float, float]:
             hw.host_norm_bytes_per_s or add)
 
 
-def _cast_seconds(params: float, e: int, device: bool, hw: Hardware) -> tuple[float, float]:
-    """(param_widen: link bytes per byte of the device's copy, host seconds) of one weight fetch."""
+def _cast_seconds(params: float, e: int, device: bool, hw: Hardware, jobs: int = 1) -> tuple[float, float]:
+    """(param_widen: link bytes per byte of the device's copy, host seconds) of one weight fetch:
+    its bytes at the cast rate plus ``jobs`` host-lane jobs' fixed cost (``host_job_seconds``; the
+    non-block group casts in one job per part)."""
     if device:
         return HOST_MASTER_BYTES / e, 0.0
-    return 1.0, params * (HOST_MASTER_BYTES + e) / _host_rates(hw)[0]
+    return 1.0, params * (HOST_MASTER_BYTES + e) / _host_rates(hw)[0] + jobs * hw.host_job_seconds
 
 
-def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, hw: Hardware) -> tuple[float, float]:
+def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, hw: Hardware,
+                   jobs: int = 1) -> tuple[float, float]:
     """(grad_widen, host seconds per gradient copy, on average over a step's ``copies_per_step``).
 
     Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write). Device: a
     step's first copy lands in the host gradient, the others add fp32 to fp32 (read 4, read + write 8).
-    Either way the step's last copy then reads it for the norms (``HOST_GRAD_BYTES``, at the norm rate)."""
+    Either way the step's last copy then reads it for the norms (``HOST_GRAD_BYTES``, at the norm rate).
+    Every copy is ``jobs`` host-lane jobs (one per part of the non-block group), each with its fixed
+    cost (``host_job_seconds``), whatever it does."""
+    fixed = jobs * hw.host_job_seconds
     if not device:  # the analytic workload's own host-side figure (planner/workload.py)
-        return 1.0, params * host_lane_seconds_per_param(e, e, hw, copies_per_step)[1]
+        return 1.0, params * host_lane_seconds_per_param(e, e, hw, copies_per_step)[1] + fixed
     _, _, same, norm = _host_rates(hw)
     n = max(1.0, copies_per_step)
-    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same + HOST_GRAD_BYTES / norm / n)
+    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same + HOST_GRAD_BYTES / norm / n) + fixed
 
 
 def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
@@ -138,11 +146,11 @@ def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
             new["grad_widen"], new["accum_seconds"] = _accum_seconds(layer.params, e, p.widen_blocks, g, hw)
         layers.append(replace(layer, **new) if new else layer)
     out: dict = {"layers": tuple(layers), "device_conversions": p.names}
-    n = wl.nonblock_params
+    n, parts = wl.nonblock_params, wl.nonblock_part_count  # a job per part (the figures: the parts' sum)
     if p.cast_rest != cur.cast_rest:
-        out["nonblock_param_widen"], out["nonblock_cast_seconds"] = _cast_seconds(n, e, p.cast_rest, hw)
+        out["nonblock_param_widen"], out["nonblock_cast_seconds"] = _cast_seconds(n, e, p.cast_rest, hw, parts)
     if p.widen_rest != cur.widen_rest:  # one copy per step (accumulated on the device over micro-batches)
-        out["nonblock_grad_widen"], out["nonblock_accum_seconds"] = _accum_seconds(n, e, p.widen_rest, 1, hw)
+        out["nonblock_grad_widen"], out["nonblock_accum_seconds"] = _accum_seconds(n, e, p.widen_rest, 1, hw, parts)
     out["conversion_gpu_bytes"] = float(_conversion_gpu_bytes(wl, p))
     out["host_static_bytes"] = wl.host_static_bytes + _host_delta(wl, cur, p)
     return replace(wl, **out).validate()
@@ -168,33 +176,49 @@ def calibrate_host_rates(wl: Workload, schedule: Schedule, hw: Hardware) -> Hard
     """Note: [host rates in place] The host lane's rates measured alone (``autoplan.host_rates``)
     are faster than the lane runs beside compute and the copy threads (cores and memory bandwidth
     shared: 2.2-3.5x on a 2-core machine), and not alike for every kind of work. A profiled step
-    measured the lane as it runs: the cast rate is scaled so that the profiled schedule's casts,
-    priced from it, take what they measured, the adds' rates (widening and like-to-like) so that its
-    gradient accumulations do; the other placements are priced with the scaled rates. ``hw``
-    unchanged when the workload has no conversions or no host work."""
+    measured the lane as it runs: a host-lane job takes ``host_job_seconds`` (measured in place,
+    ``autoplan.host_job_seconds``) plus its bytes at its rate; the cast rate is scaled so that the
+    profiled schedule's casts, priced from it, take what they measured, the adds' rates (widening,
+    like-to-like, norms) so that its gradient accumulations do -- each after the fixed cost of its
+    jobs. The other placements are priced with the scaled rates and the same fixed cost: a placement
+    whose host jobs are small (the norms alone) is then not priced as their bytes alone. The fixed
+    cost is kept below ``JOB_SHARE_MAX`` of a kind's measured seconds per job (the profile bounds
+    it: a job took no less than its fixed cost). ``hw`` unchanged when the workload has no
+    conversions or no host work."""
     from .simulator import simulate
 
     cur = Placement.from_names(wl.device_conversions)
     if len(candidates(wl)) == 1:
         return hw
 
-    def host_seconds(w: Workload) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for s in simulate(schedule, w, hw, check=False).timeline:
-            if s.lane == "host":
-                out[s.kind] = out.get(s.kind, 0.0) + s.end - s.start
-        return out
+    def host_seconds(w: Workload, h: Hardware) -> tuple[dict[str, float], dict[str, int]]:
+        seconds: dict[str, float] = {}
+        jobs: dict[str, int] = {}
+        for s in simulate(schedule, w, h, check=False).timeline:
+            if s.lane == "host" and s.end > s.start:
+                seconds[s.kind] = seconds.get(s.kind, 0.0) + s.end - s.start
+                jobs[s.kind] = jobs.get(s.kind, 0) + 1
+        return seconds, jobs
 
-    measured, predicted = host_seconds(wl), host_seconds(priced_from_rates(wl, cur, hw))
-    factors = {kind: measured[kind] / predicted[kind] for kind in ("cast", "accumulate")
-               if measured.get(kind, 0) > 0 and predicted.get(kind, 0) > 0}
+    measured, _ = host_seconds(wl, hw)
+    _, jobs = host_seconds(priced_from_rates(wl, cur, hw.replace(host_job_seconds=0.0)), hw)
+    job = hw.host_job_seconds
+    for kind in ("cast", "accumulate"):
+        if measured.get(kind, 0) > 0 and jobs.get(kind, 0) > 0:
+            job = min(job, JOB_SHARE_MAX * measured[kind] / jobs[kind])
+    base = hw.replace(host_job_seconds=job)
+    predicted, _ = host_seconds(priced_from_rates(wl, cur, base), base)
+    # the bytes' share of each kind, measured over predicted (the fixed part is the same in both)
+    factors = {kind: (measured[kind] - jobs[kind] * job) / (predicted[kind] - jobs[kind] * job)
+               for kind in ("cast", "accumulate")
+               if measured.get(kind, 0) > 0 and predicted.get(kind, 0) - jobs.get(kind, 0) * job > 0}
     if not factors:
         return hw
     cast, widen, add, norm = _host_rates(hw)
     k_cast = factors.get("cast", factors.get("accumulate"))
     k_acc = factors.get("accumulate", k_cast)
-    return hw.replace(host_bytes_per_s=cast / k_cast, host_widen_bytes_per_s=widen / k_acc,
-                      host_add_bytes_per_s=add / k_acc, host_norm_bytes_per_s=norm / k_acc)
+    return base.replace(host_bytes_per_s=cast / k_cast, host_widen_bytes_per_s=widen / k_acc,
+                        host_add_bytes_per_s=add / k_acc, host_norm_bytes_per_s=norm / k_acc)
 
 
 def _conversion_gpu_bytes(wl: Workload, p: Placement) -> int:

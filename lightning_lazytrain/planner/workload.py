@@ -4,8 +4,9 @@ A ``Workload`` is hardware-specific (times are seconds on that hardware). It is 
 from (ModelSpec, TrainSpec, Hardware) or from measured numbers (``Workload.from_measured``; the
 engine's profiler fills it). Boundary ``i`` is the hidden state entering layer ``i``; boundary
 ``L`` enters the head. Everything is bytes and seconds. Host-lane seconds (``cast_seconds`` per
-weight fetch, ``accum_seconds`` per gradient D2H) come from ``Hardware.host_bytes_per_s`` in the
-analytic workload and default to 0 in a measured one.
+weight fetch, ``accum_seconds`` per gradient D2H) come from ``Hardware.host_bytes_per_s`` (and the
+other host rates, plus ``host_job_seconds`` per job) in the analytic workload and default to 0 in a
+measured one.
 """
 
 from __future__ import annotations
@@ -358,6 +359,10 @@ class Workload:
         cast_per_param, accum_per_param = host_lane_seconds_per_param(e, ge, hardware, train.grad_accum)
         # the non-block gradients are accumulated on the device: one copy per step
         _, nonblock_accum_per_param = host_lane_seconds_per_param(e, ge, hardware)
+        # and every host-lane job its fixed cost (``Hardware.host_job_seconds``): one per fetch that casts,
+        # one per gradient copy
+        job = hardware.host_job_seconds
+        cast_job = job if cast_per_param > 0 else 0.0
         fwd_seconds = cost.fwd_flops / rate
         partial_seconds = (cost.elementwise_bytes / (hardware.gpu_memory_bytes_per_s * ELEMENTWISE_EFFICIENCY)
                            if hardware.gpu_memory_bytes_per_s > 0 else fwd_seconds)
@@ -365,7 +370,8 @@ class Workload:
                           fwd_seconds=cost.fwd_flops / rate, bwd_seconds=cost.bwd_flops / rate,
                           internal_bytes=cost.internal_bytes, fwd_work_bytes=cost.fwd_work_bytes,
                           bwd_work_bytes=cost.bwd_work_bytes, opt_seconds=cost.params * opt_per_param,
-                          cast_seconds=cost.params * cast_per_param, accum_seconds=cost.params * accum_per_param,
+                          cast_seconds=cost.params * cast_per_param + cast_job,
+                          accum_seconds=cost.params * accum_per_param + job,
                           partial_bytes=float(cost.partial_bytes), partial_seconds=min(partial_seconds, fwd_seconds),
                           partial_recompute_bytes=float(cost.partial_recompute_bytes))
         n_tok = train.tokens
@@ -395,8 +401,8 @@ class Workload:
             nonblock_param_bytes=float(nonblock * e),
             nonblock_grad_bytes=float(nonblock * ge),
             nonblock_opt_seconds=nonblock / hardware.cpu_adam_params_per_s,
-            nonblock_cast_seconds=nonblock * cast_per_param,
-            nonblock_accum_seconds=nonblock * nonblock_accum_per_param,
+            nonblock_cast_seconds=nonblock * cast_per_param + cast_job,
+            nonblock_accum_seconds=nonblock * nonblock_accum_per_param + job,
             host_static_bytes=float(host),
             tokens=n_tok,
             grad_accum=train.grad_accum,
