@@ -1,8 +1,9 @@
-"""The plan prices updates in the backward (``Workload.updates_in_backward``; Note: [updates in the
-backward pass] in core/optimizer_steps.py): a pipelined optimizer updates layer t+1 in the last
-micro-batch's B{t}, after its accumulate; T updates the non-block parts and layer 0; no F window
-updates. The MILP's window times equal the simulator's there too, and its plan is the best of the
-enumerated space."""
+"""The plan chooses and prices updates in the backward where the run allows them
+(``Workload.updates_in_backward``; ``Schedule.updates_in_backward``; Note: [updates in the backward
+pass] in core/optimizer_steps.py): a pipelined optimizer updates layer t+1 in the last micro-batch's
+B{t}, after its accumulate; T updates the non-block parts and layer 0; no F window updates. The
+MILP's window times equal the simulator's there too, and its plan is the best of the enumerated
+space, which holds every pipelined schedule both ways."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ from test_planner_optimizer_mode import TIGHT, small_instance
 
 def in_backward(wl):
     return dataclasses.replace(wl, updates_in_backward=True)
+
+
+def both_ways(schedules):
+    """Every schedule, and each pipelined one also with its updates in the backward."""
+    for s in schedules:
+        yield s
+        if s.optimizer == "pipelined" and not s.serial_layers:
+            yield dataclasses.replace(s, updates_in_backward=True)
 
 
 def cpu_ops(window):
@@ -53,9 +62,16 @@ def test_a_long_update_hides_under_the_backward():
     wl = dataclasses.replace(wl, grad_accum=1, layers=tuple(dataclasses.replace(x, opt_seconds=x.fwd_seconds * 1.5)
                                                               for x in wl.layers))
     s = recompute_all(3)
-    before = simulate(s, wl, hardware(1e15), check=False).iteration_seconds
-    after = simulate(s, in_backward(wl), hardware(1e15), check=False).iteration_seconds
+    before = simulate(s, in_backward(wl), hardware(1e15), check=False).iteration_seconds
+    after = simulate(dataclasses.replace(s, updates_in_backward=True), in_backward(wl), hardware(1e15),
+                     check=False).iteration_seconds
     assert after < before
+    # a run that does not allow it is priced as it runs: at the step
+    assert simulate(dataclasses.replace(s, updates_in_backward=True), wl, hardware(1e15),
+                    check=False).iteration_seconds == pytest.approx(before)
+    res = solve(in_backward(wl), hardware(1e15), mip_gap=TIGHT, time_limit=30)
+    assert res.schedule.updates_in_backward and res.simulated.iteration_seconds <= after * (1 + 1e-9)
+    assert not solve(wl, hardware(1e15), mip_gap=TIGHT, time_limit=30).schedule.updates_in_backward
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -69,12 +85,12 @@ def test_milp_window_times_equal_the_simulator_with_updates_in_backward(seed):
         wl = in_backward(dataclasses.replace(base, grad_accum=accum))
         model = ScheduleModel(wl, hw, MilpOptions())
         n = 0
-        for s in milp_space(3, nvme=False, pipelined=None):
+        for s in both_ways(milp_space(3, nvme=False, pipelined=None)):
             model.seed_from(s)
             assert pyo.value(model.iteration_time()) == pytest.approx(
                 simulate(s, wl, hw, check=False).iteration_seconds, rel=1e-9), s
             n += 1
-        assert n > 40
+        assert n > 60
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -82,7 +98,7 @@ def test_the_plan_is_the_best_enumerated_schedule_with_updates_in_backward(seed)
     wl, hw = small_instance(random.Random(1600 + seed), 3)
     wl = in_backward(wl)
     best = float("inf")
-    for s in milp_space(3, pipelined=None):
+    for s in both_ways(milp_space(3, pipelined=None)):
         try:
             best = min(best, simulate(s, wl, hw).iteration_seconds)
         except InfeasibleSchedule:
@@ -92,3 +108,15 @@ def test_the_plan_is_the_best_enumerated_schedule_with_updates_in_backward(seed)
     assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-6)
     assert res.simulated.iteration_seconds == pytest.approx(best, rel=1e-6)
     assert res.schedule.serial_layers == ()
+
+
+def test_the_choice_is_part_of_the_schedule():
+    s = dataclasses.replace(recompute_all(4), updates_in_backward=True)
+    assert type(s).from_json(s.to_json()) == s
+    assert "updates_in_backward" not in recompute_all(4).to_json()
+    from lightning_lazytrain.planner import InvalidInput
+
+    with pytest.raises(InvalidInput, match="updates_in_backward"):
+        dataclasses.replace(recompute_all(4), optimizer="serial", updates_in_backward=True)
+    with pytest.raises(InvalidInput, match="updates_in_backward"):
+        dataclasses.replace(recompute_all(4), serial_layers=(2,), updates_in_backward=True)

@@ -155,8 +155,25 @@ class CountingHybridAdamW(HybridAdamW):
         super().update_in_backward(layer, after)
 
 
+def plan_in_backward(layers: int = 4) -> str:
+    """A plan file: recompute_all with the updates in the backward (a plan file's choice is kept; the
+    planner would pick the faster way for this tiny CPU model)."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from lightning_lazytrain.planner import recompute_all
+
+    s = dataclasses.replace(recompute_all(layers), updates_in_backward=True, policy="test-in-backward")
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump({"schedule": s.to_json()}, f)
+    f.close()
+    return f.name
+
+
 def fit_tiny(updates_in_backward: bool, *, accumulate: int = 1, clip: float | None = None, steps: int = 5,
-             policy: str = "recompute_all", precision: str = "32-true", callbacks=(), **strategy_kw):
+             policy: str | None = None, precision: str = "32-true", callbacks=(), **strategy_kw):
+    policy = policy or plan_in_backward()
     from lightning_lazytrain.lit_module import CausalLMModule
 
     class Module(CausalLMModule):
@@ -253,3 +270,18 @@ def test_a_callback_that_only_reads_gradients_keeps_the_updates_in_the_backward(
     assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
     with pytest.raises(RuntimeError, match="were edited or replaced"):
         fit_tiny(True, callbacks=[Liar()])
+
+
+def test_the_plan_decides_whether_the_updates_run_in_the_backward(caplog):
+    """A named policy (and the MILP) takes the faster way by the simulator's prediction; the run follows
+    the plan's choice and says so; without the option no schedule updates in the backward."""
+    with caplog.at_level(logging.INFO, logger="lightning_lazytrain"):
+        _, _, opt = fit_tiny(True, policy="recompute_all")
+    plan = fit_tiny.last_plan
+    assert plan.result.workload.updates_in_backward  # allowed, and priced both ways
+    chosen = plan.result.schedule.updates_in_backward
+    assert (opt.in_backward != []) == chosen
+    if not chosen:
+        assert "the plan updates at the step" in caplog.text
+    _, _, opt = fit_tiny(False, policy="recompute_all")
+    assert not fit_tiny.last_plan.result.schedule.updates_in_backward and opt.in_backward == []

@@ -25,7 +25,7 @@ import torch
 from lightning_lazytrain.planner import Hardware, ModelSpec, Schedule, Workload, baseline
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import calibrate_host_rates
-from lightning_lazytrain.planner.plan import PlanResult, diagnose, plan_workload
+from lightning_lazytrain.planner.plan import PlanResult, diagnose, plan_workload, with_update_timing
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -246,6 +246,8 @@ def plan_from_workload(wl: Workload, hardware: Hardware, *, policy: str = "milp"
     if policy != "milp":
         fixed = baseline(policy, wl.num_layers, K) if policy in POLICIES else load_schedule(policy)
         fixed = fixed.in_mode(wl.data_parallel)  # several ranks: the job's collectives
+        if policy in POLICIES:  # Note: [updates in the backward pass]: the faster way where the run allows it
+            fixed = with_update_timing(fixed, wl, hardware)
     result = plan_workload(wl, hardware, fixed=fixed, options=options, K=K, start=start)
     return AutoPlan(result=result, timings={"solve": time.perf_counter() - t0})
 

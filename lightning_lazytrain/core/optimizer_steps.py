@@ -14,7 +14,8 @@ Note: [updates in the backward pass]
     A ``HybridAdamW(updates_in_backward=True)`` (Note: [updates in backward] in optim/hybrid_adamw.py)
     whose fit allows it (``FitSettings.updates_in_backward``: the Trainer's automatic optimization, no
     clip, no loss scaling, no hook that may edit gradients between the backward and the step) and one
-    process (the final-grads hook is free): in an armed micro-batch (the optimizer step's last, not a
+    process (the final-grads hook is free), where the plan chose it (``Schedule.updates_in_backward``:
+    the MILP prices both ways): in an armed micro-batch (the optimizer step's last, not a
     profiled one) the store's final-grads hook hands each block j >= 1 to the optimizer as its last
     accumulation is queued on the host lane (the update waits for it); block 0 and the non-block
     layers, complete at the backward's end, are queued by the step in the forward's order (the next
@@ -98,7 +99,11 @@ class PipelinedSteps:
             why = in_backward
             if why is None and ex.params.final_grads_hook is not None:
                 why = "several processes average each block's gradients first"
-            if why is None:
+            if why is None and not ex.schedule.updates_in_backward:
+                log.info("HybridAdamW(updates_in_backward=True): the plan updates at the step, pipelined under "
+                         "the next forward (predicted faster for this run than in the backward)")
+                self._eager = []
+            elif why is None:
                 ex.params.set_final_grads_hook(self._on_final_grads)
             else:
                 log.warning("HybridAdamW(updates_in_backward=True): the updates wait for the optimizer step "

@@ -15,8 +15,9 @@ Symbols -> variables (``L`` layers, boundaries ``0..L``, window names as in ``sc
     f[j], oi[j,w], qi[j,t]   layer j's kept internals go to the host by F{w}'s D2H and come back by
               B{t}'s H2D (``milp_internals``: its variables and the terms it adds to the rows below)
     tF1[j], tF[j], tH, tB[t], tT   window durations (tF1: first micro-batch, carries the optimizer)
-    tBL[t]    the last micro-batch's B windows when they carry the updates (``Workload.updates_in_backward``
-              with accumulation; Note: [updates in the backward pass])
+    bwd       the pipelined optimizer updates in the backward (``Schedule.updates_in_backward``), only
+              where ``Workload.updates_in_backward`` allows it; bwd <= pipe, y_j + bwd <= 1
+    tBL[t]    the last micro-batch's B windows (they carry those updates) with accumulation
 
 Constraint groups (each a named method so an ablation is one switch):
     _create_path         flow over boundaries: one path 0 -> L through the materialised ones
@@ -148,10 +149,16 @@ class ScheduleModel:
         else:
             self.pipe = 1 if self.modes == ("pipelined",) else 0
         self.y: dict[int, Any] = {}  # per-layer mode (Schedule.serial_layers): layer -> y_j
-        # Note: [updates in the backward pass]: a pipelined optimizer updates layer t+1 in B{t} (one rank)
-        self.in_backward = wl.updates_in_backward and wl.data_parallel == "none"
-        if ("pipelined" in self.modes and opt.serial_layers and wl.data_parallel == "none" and L > 1
-                and not self.in_backward):
+        # Note: [updates in the backward pass]: where the run allows it, one binary chooses whether a pipelined
+        # optimizer updates layer t+1 in B{t} (bwd = 1) or in F{t} / T as above (bwd <= pipe)
+        self.in_backward = wl.updates_in_backward and wl.data_parallel == "none" and "pipelined" in self.modes
+        self.bwd: Any = 0
+        if self.in_backward:
+            m.bwd = pyo.Var(domain=pyo.Binary)
+            self.bwd = m.bwd
+            if len(self.modes) > 1:
+                m.bwd_pipe = pyo.Constraint(expr=m.bwd <= m.pipe)
+        if "pipelined" in self.modes and opt.serial_layers and wl.data_parallel == "none" and L > 1:
             # Only where it can pay: moving layer j's update into T shortens nothing unless F{j-1}'s
             # chain update -> cast -> fetch is longer than that window's forward (else its window is
             # the forward either way, and T can only grow); the other binaries would only weaken the
@@ -164,6 +171,8 @@ class ScheduleModel:
                 self.y = {j: m.y[j] for j in cand}
                 if len(self.modes) > 1:
                     m.y_pipe = pyo.Constraint(cand, rule=lambda _, j: m.y[j] <= m.pipe)
+                if self.in_backward:  # serial layers and updates in the backward exclude each other
+                    m.y_bwd = pyo.Constraint(cand, rule=lambda _, j: m.y[j] + m.bwd <= 1)
         m.tF1 = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tF = pyo.Var(range(L), domain=pyo.NonNegativeReals)
         m.tH = pyo.Var(domain=pyo.NonNegativeReals)
@@ -352,8 +361,7 @@ class ScheduleModel:
             fetch = self.p_s[j + 1] if j + 1 < L else 0.0
             d2h_load = sum(A[i] * self.off(i, j) for i in self.inner) / d2h + self.internals.d2h_seconds(j, d2h)
             nvw_load = sum(A[i] * self.off(i, j - 1, ("n",)) for i in self.inner) / nvw if j >= 1 else 0.0
-            optimizer = (lay[j + 1].opt_seconds * (pipe - self.y.get(j + 1, 0))
-                         if j + 1 < L and not self.in_backward else 0.0)
+            optimizer = lay[j + 1].opt_seconds * (pipe - self.y.get(j + 1, 0) - self.bwd) if j + 1 < L else 0.0
             # chain: optimizer (pipelined only) -> cast -> fetch of layer j + 1
             chain = optimizer + cast[j + 1] + fetch
             if gth[j + 1]:  # shard: the all-gather follows the fetch
@@ -398,7 +406,7 @@ class ScheduleModel:
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
             # updates in the backward: layer u+1's update follows its accumulate in the last micro-batch's
             # B{u} (its own window variable tBL with accumulation; tB is then the other micro-batches')
-            upd = lay[u + 1].opt_seconds * pipe if self.in_backward and u + 1 < L else 0.0
+            upd = lay[u + 1].opt_seconds * self.bwd if self.in_backward and u + 1 < L else 0.0
             windows = ([(m.tB[u], f"tB[{u}]", 0.0), (m.tBL[u], f"tBL[{u}]", upd)] if hasattr(m, "tBL")
                        else [(m.tB[u], f"tB[{u}]", upd)])
             if u == 0:  # no prefetch, no block
@@ -492,7 +500,7 @@ class ScheduleModel:
         ends, cpu_end = {}, {}
         for mode in self.modes:
             s = dataclasses.replace(recompute_all(self.L), optimizer=mode, data_parallel=self.dp)
-            t = s.windows(nonblock_parts=self.wl.nonblock_part_count, updates_in_backward=self.in_backward)[-1]
+            t = s.windows(nonblock_parts=self.wl.nonblock_part_count)[-1]  # (in the backward: the same T)
             segments: list = []
             ends[mode], _ = _run_window(t, 0.0, self.wl, self.hw, segments, {})
             cpu_end[mode] = max((g.end for g in segments if g.lane == "cpu"), default=0.0)
@@ -563,6 +571,8 @@ class ScheduleModel:
             m.pipe.set_value(int(s.optimizer == "pipelined"))
         for j, y in self.y.items():  # a serial layer where the model offers none (it cannot pay
             y.set_value(int(j in s.serial_layers))  # there) is seeded as pipelined: as good or better
+        if self.in_backward:
+            m.bwd.set_value(int(s.updates_in_backward))
         if s.optimizer not in self.modes:
             raise InvalidInput("schedule.optimizer", s.optimizer, f"the model's optimizer mode is {self.modes[0]!r}")
         for var, exprs in self.lane_loads.values():
@@ -594,6 +604,7 @@ class ScheduleModel:
                         backward_prefetch=True, optimizer=self.optimizer(),
                         serial_layers=tuple(j for j, y in self.y.items() if on(y))
                         if self.optimizer() == "pipelined" else (),
+                        updates_in_backward=self.in_backward and self.optimizer() == "pipelined" and on(m.bwd),
                         data_parallel=self.dp, policy=policy)
 
     def optimizer(self) -> str:

@@ -4,7 +4,7 @@ baselines, diagnose infeasible inputs, search the micro-batch size."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
 from .hardware import Hardware
@@ -244,6 +244,23 @@ def plan_workload(wl: Workload, hw: Hardware, *, fixed: Schedule | None = None, 
     return PlanResult(status=sol.status, schedule=sol.schedule, sim=sol.simulated, workload=wl, hardware=hw,
                       solver=sol.solver_json(), baselines=results, baseline_schedules=schedules,
                       violations=cap_violations(sol.simulated, hw), placement=placement)
+
+
+def with_update_timing(s: Schedule, wl: Workload, hw: Hardware) -> Schedule:
+    """A named policy's schedule where the run lets its optimizer update in the backward
+    (``Workload.updates_in_backward``; Note: [updates in the backward pass] in core/optimizer_steps.py):
+    with the updates in the backward or at the step, whichever the simulator finds faster (a tie keeps
+    the schedule as given). The MILP makes that choice itself for its own schedules; a plan file's is
+    kept as written."""
+    if not wl.updates_in_backward or s.optimizer != "pipelined" or s.data_parallel != "none" or s.serial_layers:
+        return s
+    other = replace(s, updates_in_backward=not s.updates_in_backward)
+    try:
+        if simulate(other, wl, hw).iteration_seconds < simulate(s, wl, hw).iteration_seconds * (1 - 1e-9):
+            return other
+    except InfeasibleSchedule:  # the same memory either way: the given one says why
+        pass
+    return s
 
 
 def place_conversions(wl: Workload, hw: Hardware, mode: str, schedules: list[Schedule]) -> tuple[Placement, Workload]:

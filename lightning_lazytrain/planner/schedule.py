@@ -49,10 +49,11 @@ Decisions:
   they are fetched inside ``B{t}`` before its compute).
 - ``optimizer``: ``serial`` (all updates in T) or ``pipelined`` (T updates layer 0, then the
   first micro-batch's ``F{j}`` updates layer ``j+1`` just before fetching it).
-  With ``Workload.updates_in_backward`` (one rank; Note: [updates in the backward pass] in
-  core/optimizer_steps.py) a pipelined optimizer updates layer ``t+1`` in ``B{t}`` instead, right
-  after its last gradient accumulation (the last micro-batch's), and T updates the non-block parts
-  and layer 0; the F windows carry no update (the CPU lane is FIFO: T ends after every update).
+- ``updates_in_backward`` (pipelined, one rank, no ``serial_layers``; the plan's choice where the run
+  allows it, ``Workload.updates_in_backward``; Note: [updates in the backward pass] in
+  core/optimizer_steps.py): layer ``t+1`` is updated in ``B{t}``, right after its last gradient
+  accumulation (the last micro-batch's), and T updates the non-block parts and layer 0; the F windows
+  carry no update (the CPU lane is FIFO: T ends after every update).
 - ``serial_layers`` (``pipelined`` only; the per-layer mode): layers ``j >= 1``
   updated in T after layer 0 (the CPU lane, in ascending order; T ends when they are done) instead
   of in ``F{j-1}``: where a window's update -> cast -> fetch chain is longer than its forward, the
@@ -167,6 +168,8 @@ class Schedule:
     backward_prefetch: bool = True
     optimizer: str = "pipelined"
     serial_layers: tuple[int, ...] = ()  # pipelined: layers updated in T instead of their F window
+    # pipelined, one rank: layer t+1 updated in B{t} where the run allows it (``Workload.updates_in_backward``)
+    updates_in_backward: bool = False
     data_parallel: str = "none"
     policy: str = ""
     version: int = SCHEDULE_VERSION
@@ -207,6 +210,10 @@ class Schedule:
                     1 <= j < L for j in self.serial_layers):
                 raise InvalidInput("schedule.serial_layers", self.serial_layers,
                                    f"must be ascending distinct layers in 1..{L - 1} (T always updates layer 0)")
+        if self.updates_in_backward and (self.optimizer != "pipelined" or self.data_parallel != "none"
+                                         or self.serial_layers):
+            raise InvalidInput("schedule.updates_in_backward", True,
+                               "only a pipelined optimizer on one rank without serial_layers updates in the backward")
         if self.version != SCHEDULE_VERSION:
             raise InvalidInput("schedule.version", self.version, f"this code reads version {SCHEDULE_VERSION}")
         nxt = self.next_materialised()
@@ -326,8 +333,9 @@ class Schedule:
 
         ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
         ``last_microbatch``: the T window follows; otherwise layer 0's grads go in the next F0.
-        ``updates_in_backward`` (one rank, pipelined; ``Workload.updates_in_backward``): the last
-        micro-batch's ``B{t}`` updates layer ``t+1`` after its accumulate, no F window updates.
+        ``updates_in_backward`` (one rank, pipelined): the last micro-batch's ``B{t}`` updates layer
+        ``t+1`` after its accumulate, no F window updates; the simulator passes the schedule's choice
+        where the workload allows it (``Schedule.updates_in_backward and Workload.updates_in_backward``).
 
         Host lane: every weight fetch is preceded by its cast (the fetch waits for it); every
         gradient D2H is followed by its accumulate (which waits for it). The accumulates of F and B
@@ -494,6 +502,7 @@ class Schedule:
             "backward_prefetch": self.backward_prefetch,
             "optimizer": self.optimizer,
             **({"serial_layers": list(self.serial_layers)} if self.serial_layers else {}),
+            **({"updates_in_backward": True} if self.updates_in_backward else {}),
             **({"data_parallel": self.data_parallel} if self.data_parallel != "none" else {}),
             "recompute_blocks": [list(b) for b in self.recompute_blocks],
             "home_counts": self.count_homes(),
@@ -519,6 +528,7 @@ class Schedule:
                    partial_keep=tuple(bool(p) for p in data.get("partial_keep", ())),
                    backward_prefetch=bool(data["backward_prefetch"]), optimizer=data["optimizer"],
                    serial_layers=tuple(data.get("serial_layers", ())),
+                   updates_in_backward=bool(data.get("updates_in_backward", False)),
                    data_parallel=data.get("data_parallel", "none"), policy=data.get("policy", ""), meta=data.get("meta", {}))
 
     @classmethod

@@ -1,0 +1,105 @@
+"""HybridAdamW's updates in the backward (``updates_in_backward=True``: allowed, the plan chooses
+where they run; a plan file with ``updates_in_backward`` forces them there) against updates at the
+step (pipelined under the next forward), same process, same data: step seconds and their ratio, and
+the simulator's prediction for both.
+
+    python bench/bench_updates_in_backward.py [--layers 8] [--hidden 512] [--batch 4] [--seq 128]
+                                              [--steps 8] [--rounds 3] [--compute-threads 1]
+
+A ``LlamaLM`` (``--layers`` x ``--hidden``, intermediate 2.75x, vocab 4096) in a ``CausalLMModule``,
+``Trainer(strategy=LazyTrainStrategy(), precision="32-true")`` on the CPU, HybridAdamW lr 3e-4
+constant, no clip, no non-finite skip (both runs). Each round runs both settings one after the other
+(the order alternates); per run the median step seconds of the steps after the profiled first one
+and one warm-up step; the ratio (in the backward / at the step) is taken per round, the median over
+``--rounds`` is printed. The training thread runs torch with ``--compute-threads`` threads and the
+optimizer's worker whatever torch has left (on a 2-core machine: one core each), so the overlap has a
+core to run on, as the GPU case has a GPU beside the host. The two runs' final weights are compared
+(bitwise equal: the updates are the same arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[torch.Tensor], dict]:
+    import lightning as L
+
+    from lightning_lazytrain.lit_module import CausalLMModule
+    from lightning_lazytrain.optim import HybridAdamW
+    from lightning_lazytrain.strategy import LazyTrainStrategy
+
+    class Module(CausalLMModule):
+        def configure_optimizers(self):
+            return HybridAdamW(self.param_groups(), lr=self.lr, betas=self.betas, eps=self.eps,
+                               weight_decay=self.weight_decay, eight_bit="none", skip_nonfinite=False,
+                               updates_in_backward=updates_in_backward)
+
+    times: list[float] = []
+    info: dict = {}
+
+    class Clock(L.Callback):
+        reads_gradients_only = True
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            times.append(time.perf_counter() - self.t0)
+            plan = trainer.strategy.core.plan
+            if plan is not None:
+                info["predicted_s"] = plan.result.sim.iteration_seconds
+                info["priced_in_backward"] = plan.result.workload.updates_in_backward
+                info["chosen"] = plan.result.schedule.updates_in_backward
+
+    torch.manual_seed(0)
+    spec = dict(name="bench", num_layers=a.layers, hidden=a.hidden, intermediate=int(a.hidden * 2.75),
+                heads=max(1, a.hidden // 64), kv_heads=max(1, a.hidden // 64), head_dim=64, vocab=4096)
+    module = Module(model_name=None, model_overrides=spec, optimizer="hybrid_adamw", lr=3e-4, lr_schedule="constant",
+                    warmup_steps=0)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 4096, (a.batch, a.seq + 1), generator=g) for _ in range(a.steps)]
+    trainer = L.Trainer(strategy=LazyTrainStrategy(policy=a.policy), accelerator="cpu", max_steps=a.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()], precision="32-true")
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    opt = trainer.optimizers[0]
+    opt.wait_step()
+    return statistics.median(times[2:]), [p.detach().clone() for p in module.parameters()], info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compute-threads", type=int, default=1)
+    ap.add_argument("--policy", default="milp", help="the strategy's policy (a plan file forces the choice)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.compute_threads)
+    ratios, rows = [], []
+    for r in range(a.rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        got = {flag: run(flag, a) for flag in order}
+        (tb, pb, ib), (ts, ps, is_) = got[True], got[False]
+        assert all(torch.equal(x, y) for x, y in zip(pb, ps)), "the two runs' weights differ"
+        ratios.append(tb / ts)
+        rows.append((tb, ts, ib.get("predicted_s"), is_.get("predicted_s"), ib.get("priced_in_backward")))
+        print(f"round {r}: allowed (the plan chose {'the backward' if ib.get('chosen') else 'the step'}) {tb:.4f} s/step (predicted {ib.get('predicted_s', float('nan')):.4f}), "
+              f"at the step {ts:.4f} s/step (predicted {is_.get('predicted_s', float('nan')):.4f}); "
+              f"ratio {tb / ts:.3f}; weights bitwise equal", flush=True)
+    pred = [b / s for _, _, b, s, _ in rows if b and s]
+    print(f"median ratio (allowed / at the step) {statistics.median(ratios):.3f} over {a.rounds} rounds "
+          f"(range {min(ratios):.3f}..{max(ratios):.3f}); predicted ratio "
+          f"{statistics.median(pred) if pred else float('nan'):.3f}")
+
+
+if __name__ == "__main__":
+    main()
