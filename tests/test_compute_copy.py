@@ -133,3 +133,21 @@ def test_no_copies_without_a_cast(reference):
         assert not ex.params.keeps_copies
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_profile_with_kept_copies_says_so(reference, tmp_path, keep):
+    """The measured workload records kept copies (``Workload.kept_copies``: the plan then prices no cast
+    for the H and B windows' fetches, as the engine runs them); before, the flag was set after a return
+    and never reached the workload, so a plan priced re-casts the engine did not do."""
+    from lightning_lazytrain.engine.profiler import measure_workload
+
+    model, tokens = reference
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES["recompute_all"], nvme_dir=tmp_path, compute_dtype=torch.bfloat16,
+                  keep_compute_copy=keep)
+    try:
+        wl = measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel())
+    finally:
+        ex.close()
+    assert wl.kept_copies is keep and wl.compute_bytes == 2

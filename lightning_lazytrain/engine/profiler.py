@@ -109,8 +109,9 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         partial_seconds=[float(stats.partial_seconds.get(j, 0.0)) for j in range(L)],
         tokens=tokens, grad_accum=grad_accum, name="measured")
     # what the device held after the step beyond the executor's buffers (Note: [untracked device bytes])
-    wl = dataclasses.replace(wl, device_overhead_bytes=float(stats.untracked_bytes))
-    return _placed(wl, executor)
+    wl = _placed(dataclasses.replace(wl, device_overhead_bytes=float(stats.untracked_bytes)), executor)
+    # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast
+    return dataclasses.replace(wl, kept_copies=True) if executor.params.keeps_copies else wl
 
 
 def _placed(wl: Workload, executor: Executor) -> Workload:
@@ -138,5 +139,3 @@ def _placed(wl: Workload, executor: Executor) -> Workload:
     return replace(wl, layers=layers, compute_bytes=e, device_conversions=p.names,
                    nonblock_param_widen=four if p.cast_rest else 1.0, nonblock_grad_widen=four if p.widen_rest else 1.0,
                    conversion_gpu_bytes=float(store.conversion_device_bytes)).validate()
-    # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast
-    return dataclasses.replace(wl, kept_copies=True) if executor.params.keeps_copies else wl
