@@ -36,7 +36,7 @@ from lightning_lazytrain.engine.param_store import REST
 
 log = logging.getLogger("lightning_lazytrain")
 
-__all__ = ["PipelinedSteps", "hand_over_norms", "hybrid_adamws", "split_rest_parts"]
+__all__ = ["PipelinedSteps", "hand_over_norms", "hybrid_adamws", "norms_wanted", "split_rest_parts"]
 
 
 def hybrid_adamws(optimizers: list) -> list:
@@ -168,6 +168,24 @@ class PipelinedSteps:
         self._plans = {}
         self._eager = []
         self.armed = False
+
+
+def norms_wanted(optimizers: list, *, hand_over: bool, clip: bool, several: bool) -> bool:
+    """Note: [norms only when wanted] (engine/executor.py): does anything use the host lane's gradient
+    norms? Several processes average with them; a ``HybridAdamW`` that is handed them (``hand_over``)
+    uses them for a clip (``clip``: the Trainer's ``gradient_clip_val``, or its own ``max_grad_norm``)
+    or, with fp32 gradients, for its non-finite skip (``hand_over_norms``' own rule). Anything else
+    (torch's optimizers clip with their own pass) takes none."""
+    if several:
+        return True
+    if not hand_over:
+        return False
+    for inner in hybrid_adamws(optimizers):
+        skip_only = inner.skip_nonfinite and all(p.dtype == torch.float32 for g in inner.param_groups
+                                                 for p in g["params"])
+        if clip or inner.max_grad_norm is not None or skip_only:
+            return True
+    return False
 
 
 def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: bool,

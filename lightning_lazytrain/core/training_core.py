@@ -41,7 +41,8 @@ from lightning_lazytrain.core.allocator import MemoryWatch, configure_allocator,
 from lightning_lazytrain.core.autoplan import AutoPlan
 from lightning_lazytrain.engine.blocks import find_blocks
 from lightning_lazytrain.core.checkpoint_state import CheckpointState
-from lightning_lazytrain.core.optimizer_steps import PipelinedSteps, hand_over_norms, hybrid_adamws, split_rest_parts
+from lightning_lazytrain.core.optimizer_steps import (PipelinedSteps, hand_over_norms, hybrid_adamws, norms_wanted,
+                                                      split_rest_parts)
 from lightning_lazytrain.core.options import CoreOptions, FitSettings, ProcessLayout
 from lightning_lazytrain.core.planning import Planner, Profile
 from lightning_lazytrain.core.shard_norms import clip_sharded, whole_grad_norms
@@ -304,6 +305,9 @@ class TrainingCore:
             self._micro_index = 0
             self._t_step = time.perf_counter()
             self.steps.prune()
+            # Note: [norms only when wanted] (engine/executor.py)
+            ex.take_norms = norms_wanted(self.optimizers, hand_over=self.fit.hand_over_norms, clip=self.fit.clip,
+                                         several=self.grad_sync is not None or self.shard_store() is not None)
             store = self.shard_store()
             if store is not None:  # a profiled step's collectives run in line: their times price the plan
                 store.overlap = self.options.overlap_grad_sync and not ex.profiling  # Note: [overlapped all-gather]

@@ -81,6 +81,12 @@ class Executor:
         self.compute_dtype = compute_dtype
         self.engine = make_copy_engine(self.device, links)
         self.wait_updated = wait_updated
+        # Note: [norms only when wanted] The host lane takes every parameter's gradient norm at a step's
+        # last accumulation (the fused clip's, the non-finite skip's, several processes' averaging) -- one
+        # more read of every fp32 host gradient per step. A run that uses none of them (no clip, no skip,
+        # one process) sets this False (core/optimizer_steps.py ``norms_wanted``): the step's stats then
+        # hold no norms, and the plan prices none (``Workload.host_norms``).
+        self.take_norms = True
         self.tracker = DeviceTracker()
         self.stats = StepStats()
         self._orig: dict[int, Callable] = {}
@@ -434,8 +440,11 @@ class Executor:
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
         self._retire_residents(0)  # layer 0's slot lives on between the micro-batches of a step
         self._flush_adhoc_grads()
-        self.stats.grad_norms[REST] = {}
-        self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST, param_norms=self.stats.grad_norms[REST])
+        if self.take_norms:
+            self.stats.grad_norms[REST] = {}
+            self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST, param_norms=self.stats.grad_norms[REST])
+        else:  # Note: [norms only when wanted]
+            self.params.write_back_grads(REST, norm=False, final=True)
         self._exit.close()
         self.acts.end_step()
         self.engine.synchronize()
@@ -934,8 +943,11 @@ class Executor:
             pending = [p for p in self._pending_grads if target is None or p.slot is target]
         last = self._micro is not None and self._micro[1]
         for p in pending:
-            param_norms: dict[nn.Parameter, torch.Tensor] | None = {} if last else None
-            norm = self.params.finish_grads(p, norm=last, final=last and final,
+            # Note: [norms only when wanted]; and only of a group's step's last accumulation (layer 0's grads
+            # of the previous micro-batch, sent in the last one's F0, are not: its last leave in T)
+            norms = last and final and self.take_norms
+            param_norms: dict[nn.Parameter, torch.Tensor] | None = {} if norms else None
+            norm = self.params.finish_grads(p, norm=norms, final=last and final,
                                             extra=self._adhoc_grads.pop(p.layer, None), wait=False,
                                             param_norms=param_norms)
             if norm is not None:

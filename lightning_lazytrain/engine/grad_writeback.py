@@ -69,21 +69,23 @@ class GradWriteBack:
                 info.param.grad = view
 
     def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
-                         param_norms: dict[nn.Parameter, torch.Tensor] | None = None) -> torch.Tensor | None:
+                         param_norms: dict[nn.Parameter, torch.Tensor] | None = None,
+                         final: bool | None = None) -> torch.Tensor | None:
         """D2H the slot's grads, add them into the host fp32 ``.grad`` of the masters.
 
         Returns the group's squared grad norm (0-dim fp32, of the accumulated
         host grad) for global-norm clipping, or None with ``norm=False``;
-        ``param_norms`` as in ``finish_grads``.
+        ``param_norms`` and ``final`` (default: ``norm``) as in ``finish_grads``.
         """
+        final = norm if final is None else final
         if layer == REST and len(self._rest_parts) > 1:  # Note: [non-block parts]: part p's
             # accumulation overlaps part p+1's D2H; the norms come with the last part (every part in)
             last = len(self._rest_parts) - 1
             pending = [self.send_grads(layer, slot, part=p) for p in range(last + 1)]
             for p in range(last):
-                self.finish_grads(pending[p], norm=False, wait=False)
-            return self.finish_grads(pending[last], norm=norm, final=norm, param_norms=param_norms)
-        return self.finish_grads(self.send_grads(layer, slot), norm=norm, param_norms=param_norms)
+                self.finish_grads(pending[p], norm=False, final=False, wait=False)
+            return self.finish_grads(pending[last], norm=norm, final=final, param_norms=param_norms)
+        return self.finish_grads(self.send_grads(layer, slot), norm=norm, final=final, param_norms=param_norms)
 
     def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None,
                    direct: bool = True) -> PendingGrads:
@@ -202,7 +204,9 @@ class GradWriteBack:
         nbytes = g.grad[lo:hi].nbytes if pending.direct else 2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes
         s.accumulated = g.accumulating = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
                                                           nbytes=nbytes)
-        if out is not None and (norm if final is None else final) and self._on_final_grads is not None:
+        # the hook sees the step's last accumulation with or without norms (None: not taken this step,
+        # Executor.take_norms; several processes always take them)
+        if (norm if final is None else final) and self._on_final_grads is not None:
             self._on_final_grads(self, layer, s.accumulated, param_norms, out)
         if wait:
             s.accumulated.wait()

@@ -99,7 +99,7 @@ from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
 # ``fn(store, layer, accumulated_handle, param_norms, sq_norm)``: see ParamStore.set_final_grads_hook
-FinalGradsHook = Callable[["ParamStore", int, CopyHandle, "dict | None", torch.Tensor], None]
+FinalGradsHook = Callable[["ParamStore", int, CopyHandle, "dict | None", "torch.Tensor | None"], None]
 
 __all__ = ["REST", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 

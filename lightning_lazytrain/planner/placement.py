@@ -112,20 +112,22 @@ def _cast_seconds(params: float, e: int, device: bool, hw: Hardware, jobs: int =
 
 
 def _accum_seconds(params: float, e: int, device: bool, copies_per_step: float, hw: Hardware,
-                   jobs: int = 1) -> tuple[float, float]:
+                   jobs: int = 1, norms: bool = True) -> tuple[float, float]:
     """(grad_widen, host seconds per gradient copy, on average over a step's ``copies_per_step``).
 
     Host: read the e-byte gradient, widen-add it into the fp32 gradient (read + write). Device: a
     step's first copy lands in the host gradient, the others add fp32 to fp32 (read 4, read + write 8).
-    Either way the step's last copy then reads it for the norms (``HOST_GRAD_BYTES``, at the norm rate).
+    Either way the step's last copy then reads it for the norms (``HOST_GRAD_BYTES``, at the norm rate;
+    not with ``norms=False``, ``Workload.host_norms``).
     Every copy is ``jobs`` host-lane jobs (one per part of the non-block group), each with its fixed
     cost (``host_job_seconds``), whatever it does."""
     fixed = jobs * hw.host_job_seconds
     if not device:  # the analytic workload's own host-side figure (planner/workload.py)
-        return 1.0, params * host_lane_seconds_per_param(e, e, hw, copies_per_step)[1] + fixed
+        return 1.0, params * host_lane_seconds_per_param(e, e, hw, copies_per_step, norms)[1] + fixed
     _, _, same, norm = _host_rates(hw)
     n = max(1.0, copies_per_step)
-    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same + HOST_GRAD_BYTES / norm / n) + fixed
+    return HOST_MASTER_BYTES / e, params * ((n - 1) * 3 * HOST_GRAD_BYTES / n / same
+                                            + (HOST_GRAD_BYTES / norm / n if norms else 0.0)) + fixed
 
 
 def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
@@ -143,14 +145,16 @@ def price(wl: Workload, p: Placement, hw: Hardware) -> Workload:
         if p.cast_blocks != cur.cast_blocks:
             new["param_widen"], new["cast_seconds"] = _cast_seconds(layer.params, e, p.cast_blocks, hw)
         if p.widen_blocks != cur.widen_blocks:
-            new["grad_widen"], new["accum_seconds"] = _accum_seconds(layer.params, e, p.widen_blocks, g, hw)
+            new["grad_widen"], new["accum_seconds"] = _accum_seconds(layer.params, e, p.widen_blocks, g, hw,
+                                                                     norms=wl.host_norms)
         layers.append(replace(layer, **new) if new else layer)
     out: dict = {"layers": tuple(layers), "device_conversions": p.names}
     n, parts = wl.nonblock_params, wl.nonblock_part_count  # a job per part (the figures: the parts' sum)
     if p.cast_rest != cur.cast_rest:
         out["nonblock_param_widen"], out["nonblock_cast_seconds"] = _cast_seconds(n, e, p.cast_rest, hw, parts)
     if p.widen_rest != cur.widen_rest:  # one copy per step (accumulated on the device over micro-batches)
-        out["nonblock_grad_widen"], out["nonblock_accum_seconds"] = _accum_seconds(n, e, p.widen_rest, 1, hw, parts)
+        out["nonblock_grad_widen"], out["nonblock_accum_seconds"] = _accum_seconds(n, e, p.widen_rest, 1, hw, parts,
+                                                                                   norms=wl.host_norms)
     out["conversion_gpu_bytes"] = float(_conversion_gpu_bytes(wl, p))
     out["host_static_bytes"] = wl.host_static_bytes + _host_delta(wl, cur, p)
     return replace(wl, **out).validate()

@@ -76,7 +76,7 @@ def param_store_host_bytes(block_numel: Sequence[int], rest_numel: int, *, maste
 
 
 def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: Hardware,
-                                copies_per_step: float = 1.0) -> tuple[float, float]:
+                                copies_per_step: float = 1.0, norms: bool = True) -> tuple[float, float]:
     """Host-lane seconds per parameter, conversions on the host (the plan may move them to the
     device: planner/placement.py):
 
@@ -86,15 +86,17 @@ def host_lane_seconds_per_param(compute_bytes: int, grad_bytes: int, hardware: H
     - accumulate, after each gradient D2H: read the landed gradient (``grad_bytes``), read and write
       the fp32 host gradient (``2 * HOST_GRAD_BYTES``; a 16-bit gradient's widening add at
       ``host_widen_bytes_per_s``), and at a step's last copy read it again for the norms
-      (``HOST_GRAD_BYTES``, at ``host_norm_bytes_per_s``, else as an fp32 add): per copy, averaged over
-      a step's ``copies_per_step``.
+      (``HOST_GRAD_BYTES``, at ``host_norm_bytes_per_s``, else as an fp32 add; not with
+      ``norms=False``: a run that takes none, ``Workload.host_norms``): per copy, averaged over a
+      step's ``copies_per_step``.
     """
     cast_rate = hardware.host_bytes_per_s
     add = hardware.host_add_bytes_per_s or cast_rate
     widen = (hardware.host_widen_bytes_per_s or cast_rate) if grad_bytes != HOST_GRAD_BYTES else add
     cast = HOST_MASTER_BYTES + compute_bytes if compute_bytes != HOST_MASTER_BYTES else 0
     norm = hardware.host_norm_bytes_per_s or add
-    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + HOST_GRAD_BYTES / norm / max(1.0, copies_per_step)
+    accum = (grad_bytes + 2 * HOST_GRAD_BYTES) / widen + (HOST_GRAD_BYTES / norm / max(1.0, copies_per_step)
+                                                         if norms else 0.0)
     return cast / cast_rate, accum
 
 
@@ -199,6 +201,9 @@ class Workload:
     # ``HybridAdamW(updates_in_backward=True)`` the fit lets do so; Note: [updates in the backward pass]
     # in core/optimizer_steps.py): a pipelined schedule's updates run in the B windows (schedule.py)
     updates_in_backward: bool = False
+    # the host lane takes every gradient's norm at a step's last copy (engine/executor.py, Note: [norms
+    # only when wanted]): False for a run that uses none (no clip, no non-finite skip, one process)
+    host_norms: bool = True
 
     # ---- derived ------------------------------------------------------------------------------
     @property
