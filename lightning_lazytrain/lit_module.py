@@ -103,7 +103,7 @@ class CausalLMModule(LightningModule):
         max_grad_norm: ``hybrid_adamw`` only: clip the global gradient norm inside the optimizer.
         updates_in_backward: ``hybrid_adamw`` only: update each block as soon as its gradient is complete,
             during the backward, under ``strategy="lazytrain"`` (Note: [updates in backward] in
-            optim/hybrid_adamw.py): no clip, no non-finite skip (as torch's AdamW).
+            optim/backward_updates.py): no clip, no non-finite skip (as torch's AdamW).
         loss_chunk_tokens: the ``LlamaLM`` training loss goes through the LM head this many tokens at a time
             (``models/loss.py``; the planner's ``train.loss_chunk_tokens``); other models compute full logits.
     """

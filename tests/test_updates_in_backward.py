@@ -1,6 +1,6 @@
 """HybridAdamW(updates_in_backward=True): blocks updated during the backward, bit for bit the serial step.
 
-Note: [updates in backward] (optim/hybrid_adamw.py) and Note: [updates in the backward pass]
+Note: [updates in backward] (optim/backward_updates.py) and Note: [updates in the backward pass]
 (core/optimizer_steps.py).
 """
 
@@ -285,3 +285,120 @@ def test_the_plan_decides_whether_the_updates_run_in_the_backward(caplog):
         assert "the plan updates at the step" in caplog.text
     _, _, opt = fit_tiny(False, policy="recompute_all")
     assert not fit_tiny.last_plan.result.schedule.updates_in_backward and opt.in_backward == []
+
+
+def test_gradients_dropped_after_the_step_returns_do_not_change_it():
+    """The layers queued at the step (layer 0 here) are updated with the gradients they had when the step
+    started, as the serial step's: a ``zero_grad(set_to_none=True)`` while they wait (Lightning's before
+    validation) changes nothing. Before, the worker read them when it reached them and skipped layer 0."""
+    import time as _time
+
+    class Slow(HybridAdamW):
+        def _update_layer(self, layer, plan):
+            _time.sleep(0.05)
+            super()._update_layer(layer, plan)
+
+    serial_model, eager_model = make_model(), make_model()
+    serial = make_opt(serial_model)
+    eager = Slow(make_opt(eager_model).param_groups, lr=1e-2, eight_bit="none", skip_nonfinite=False,
+                 updates_in_backward=True)
+    hand_over_in_backward(eager_model, eager, [])
+    x = torch.randn(8, 64)
+    serial_model(x).pow(2).mean().backward()
+    serial.step()
+    eager_model(x).pow(2).mean().backward()
+    pipe = eager.step_pipelined(order=list(range(N_LAYERS)))
+    eager_model.zero_grad(set_to_none=True)
+    pipe.wait_all()
+    assert all(torch.equal(a, b) for a, b in zip(serial_model.parameters(), eager_model.parameters()))
+
+
+def test_validation_during_the_fit_keeps_it_exact():
+    def run(flag):
+        from lightning_lazytrain.lit_module import CausalLMModule
+
+        class Module(CausalLMModule):
+            def configure_optimizers(self):
+                return CountingHybridAdamW(self.param_groups(), lr=self.lr, eight_bit="none", skip_nonfinite=False,
+                                           updates_in_backward=flag)
+
+        torch.manual_seed(0)
+        module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
+        trainer = L.Trainer(strategy=LazyTrainStrategy(policy=plan_in_backward()), accelerator="cpu", max_steps=6,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=2,
+                            limit_val_batches=1)
+        g = torch.Generator().manual_seed(3)
+        data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(6)]
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
+                    val_dataloaders=torch.utils.data.DataLoader(data[:1], batch_size=None))
+        return [p.detach().clone() for p in module.parameters()], trainer.optimizers[0]
+
+    want, _ = run(False)
+    got, opt = run(True)
+    assert opt.in_backward  # the updates did run in the backward
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_own_optimizer_step_keeps_the_updates_for_the_step(caplog):
+    """A LightningModule that overrides optimizer_step may run the closure without stepping (Lightning's
+    documented pattern): no update may start in that backward. Said once; trains as without the option."""
+    from lightning_lazytrain.lit_module import CausalLMModule
+
+    def run(flag):
+        class Module(CausalLMModule):
+            def configure_optimizers(self):
+                return CountingHybridAdamW(self.param_groups(), lr=self.lr, eight_bit="none", skip_nonfinite=False,
+                                           updates_in_backward=flag)
+
+            def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+                if batch_idx % 2:  # every other batch: the closure only (no step)
+                    optimizer_closure()
+                else:
+                    optimizer.step(closure=optimizer_closure)
+
+        torch.manual_seed(0)
+        module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
+        trainer = L.Trainer(strategy=LazyTrainStrategy(policy=plan_in_backward()), accelerator="cpu", max_steps=3,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=6)
+        g = torch.Generator().manual_seed(3)
+        data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(6)]
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        return [p.detach().clone() for p in module.parameters()], trainer.optimizers[0]
+
+    want, _ = run(False)
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain"):
+        got, opt = run(True)
+    assert "overrides optimizer_step" in caplog.text and opt.in_backward == []
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_post_accumulate_hook_registered_during_the_fit_keeps_it_exact():
+    """The hook edits a block's gradients when the micro-batch ends, after a hand-over would have used
+    them: from the step it exists in, the updates wait for the step."""
+
+    def halve(p):
+        p.grad.mul_(0.5)
+
+    class AddHook(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 3:
+                for p in module.model.layers[2].parameters():
+                    p.register_post_accumulate_grad_hook(halve)
+
+    want, want_params, _ = fit_tiny(False, callbacks=[AddHook()], steps=5)
+    got, got_params, opt = fit_tiny(True, callbacks=[AddHook()], steps=5)
+    assert opt.in_backward == [3, 2, 1] * 2  # steps 2 and 3 (index 1, 2); none once the hook exists
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+
+
+def test_a_one_rank_choice_does_not_follow_a_plan_to_several_ranks():
+    import dataclasses
+
+    from lightning_lazytrain.planner import recompute_all
+
+    s = dataclasses.replace(recompute_all(4), updates_in_backward=True)
+    for mode in ("replicate", "replicate_overlap", "shard"):
+        assert not s.in_mode(mode).updates_in_backward
+    assert s.in_mode("none") is s

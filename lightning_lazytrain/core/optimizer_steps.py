@@ -11,7 +11,7 @@ Note: [pipelined step]
     and teardown wait for every update still running (``finish``).
 
 Note: [updates in the backward pass]
-    A ``HybridAdamW(updates_in_backward=True)`` (Note: [updates in backward] in optim/hybrid_adamw.py)
+    A ``HybridAdamW(updates_in_backward=True)`` (Note: [updates in backward] in optim/backward_updates.py)
     whose fit allows it (``FitSettings.updates_in_backward``: the Trainer's automatic optimization, no
     clip, no loss scaling, no hook that may edit gradients between the backward and the step) and one
     process (the final-grads hook is free), where the plan chose it (``Schedule.updates_in_backward``:
@@ -56,7 +56,8 @@ class PipelinedSteps:
         self._pending: list[tuple[Any, dict, list]] = []
         # Note: [updates in the backward pass]: (optimizer, block -> layer) of those that update there
         self._eager: list[tuple[Any, dict]] = []
-        self.armed = False  # this micro-batch's final gradients are the step's: hand them over
+        self.armed = False  # this micro-batch's final gradients are the step's: hand them over (arm)
+        self._handed: set[int] = set()  # the blocks handed over in this micro-batch
 
     def configure(self, ex: Executor, optimizers: list, *, in_backward: str | None = None) -> bool:
         """For the executor's (new) schedule: which optimizers step pipelined, in which order; True
@@ -115,8 +116,27 @@ class PipelinedSteps:
         """The store's final-grads hook (Note: [updates in the backward pass])."""
         if not self.armed or layer < 1:
             return
+        self._handed.add(layer)
         for inner, block_layer in self._eager:
             inner.update_in_backward(block_layer[layer], after=accumulated.wait)
+
+    def arm(self, on: bool) -> None:
+        """This micro-batch's final gradients are (``on``) or are not the step's: hand them over."""
+        self.armed = on
+        self._handed = set()
+
+    def check_late(self, late_groups: set[int]) -> None:
+        """The micro-batch has ended: a block handed over as complete whose gradients changed after
+        (``StepStats.late_groups``) was updated with part of them -- raise (the update cannot be undone)."""
+        late = sorted(self._handed & late_groups)
+        if late:
+            for inner, _ in self._eager:
+                inner.wait_step()  # no update still running; the open step is abandoned (logged)
+            raise RuntimeError(
+                f"HybridAdamW(updates_in_backward=True): blocks {late} were updated during the backward, then their "
+                "gradients changed (a block called again after its gradients were complete, or a post-accumulate-grad "
+                "hook registered during the fit): this step cannot be exact. Use updates_in_backward=False for this "
+                "model.")
 
     @property
     def updates_in_backward(self) -> bool:
@@ -158,16 +178,20 @@ class PipelinedSteps:
         self._pending = [p for p in self._pending if not p[0].done]
 
     def finish(self) -> None:
-        """Wait for the updates still running (before evaluation, checkpoints, teardown)."""
+        """Wait for the updates still running (before evaluation, checkpoints, teardown); a step begun in
+        the backward that never reached its optimizer step (an error in the backward) is abandoned."""
         for pipe, _, _ in self._pending:
             pipe.wait_all()
         self._pending = []
+        for inner, _ in self._eager:
+            if inner.updating_in_backward:
+                inner.wait_step()
 
     def clear(self) -> None:
         self.finish()
         self._plans = {}
         self._eager = []
-        self.armed = False
+        self.arm(False)
 
 
 def norms_wanted(optimizers: list, *, hand_over: bool, clip: bool, several: bool) -> bool:

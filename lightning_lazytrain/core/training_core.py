@@ -94,6 +94,7 @@ class TrainingCore:
         # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
         # hooks): no update in the backward for the rest of the run (Note: [updates in the backward pass])
         self._late_grads_seen = False
+        self._post_hooks = False  # the module has post-accumulate-grad hooks (this step)
         self._incomplete_profiles = 0  # steps meant as the profile whose backward skipped blocks
         self._shard_bytes_per_s: float | None = None  # a sharded store's in-line collectives
         self._loss_hooks: list = []
@@ -294,13 +295,15 @@ class TrainingCore:
         ex = self._ex()
         if self._micro_index == 0:  # post-accumulate-grad hooks see every micro-batch's host grads
             # (engine/user_grad_hooks.py, Note: [gradient hooks on streamed parameters])
-            self._full = self.fit.full_microbatches or (
-                self.module is not None and has_post_accumulate_hooks(self.module.parameters()))
+            self._post_hooks = self.module is not None and has_post_accumulate_hooks(self.module.parameters())
+            self._full = self.fit.full_microbatches or self._post_hooks
         first = self._micro_index == 0 or self._full
         last = self._full or self._last_of_step
         # Note: [updates in the backward pass]: this micro-batch's final gradients are the step's (not a
         # profiled step's: its plan switches the schedule after the backward)
-        self.steps.armed = self.automatic and self._last_of_step and not ex.profiling and not self._late_grads_seen
+        # (nor one whose post-accumulate-grad hooks may change the gradients after they were handed over)
+        self.steps.arm(self.automatic and self._last_of_step and not ex.profiling and not self._late_grads_seen
+                       and not self._post_hooks)
         if first:
             self._micro_index = 0
             self._t_step = time.perf_counter()
@@ -334,7 +337,8 @@ class TrainingCore:
         micro_batches, self._micro_index = self._micro_index, 0
         self.last_stats = stats
         self._sync_gradients(ex, stats)
-        self.steps.seal(ex)  # Note: [updates in the backward pass]
+        self.steps.check_late(stats.late_groups)  # Note: [updates in the backward pass]
+        self.steps.seal(ex)
         if ex.late_grads and not self._late_grads_seen:
             self._late_grads_seen = True
             if self.steps.updates_in_backward:

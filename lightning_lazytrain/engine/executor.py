@@ -464,6 +464,8 @@ class Executor:
         hooks_ran = self.params.post_hooks.fire() > 0
         if self._adhoc_used or hooks_ran:  # (so did ad-hoc backwards' additions)
             self.stats.layer_sq_norms, self.stats.grad_norms = {}, {}
+        if hooks_ran:  # any group's gradients may have changed
+            self.stats.late_groups.update([REST, *range(len(self.stack))])
         return self.stats
 
     @property
@@ -998,6 +1000,7 @@ class Executor:
             self.params.wait_host()  # after the host lane's accumulations, in order
         for j, (grads, touched) in self._adhoc_grads.items():
             self.params.accumulate_host(j, grads, touched)
+            self.stats.late_groups.add(j)
         self._adhoc_grads = {}
 
     def _settle_offloads(self, w: int) -> None:

@@ -47,6 +47,10 @@ class StepStats:
     # gradient (its output detached or dropped): their backward windows moved data, computed nothing.
     # Such a step is not a profile (its backward times are missing).
     unreached: set[int] = field(default_factory=set)
+    # groups whose host gradients changed after their last accumulation of the step (an ad-hoc pass's
+    # gradients flushed late, the user's post-accumulate-grad hooks): what was handed over as final for
+    # them was not (core/optimizer_steps.py, Note: [updates in the backward pass])
+    late_groups: set[int] = field(default_factory=set)
     # Note: [untracked device bytes] With memory measured: the real device bytes still allocated when
     # the step ends that the executor does not track (CUDA: everything the allocator holds, e.g. the
     # cuBLAS workspaces of the first matmul on a stream, module buffers, caches a model builds, the

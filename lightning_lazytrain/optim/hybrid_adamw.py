@@ -11,7 +11,7 @@
   incremented.
 * :meth:`step_pipelined` runs the same per-layer updates on a worker thread (see pipeline.py).
 * ``updates_in_backward=True``: :meth:`update_in_backward` starts a layer's update as soon as its
-  gradient is complete, during the backward (Note: [updates in backward]).
+  gradient is complete, during the backward (backward_updates.py, Note: [updates in backward]).
 
 Layers: each param group has a ``"layer"`` key (default: the group's index). The serial step
 updates layer by layer in group order; the pipelined step in the order the caller gives. All
@@ -51,6 +51,7 @@ from .clip import (
     norm_from_sq_norms,
     scale_grads_,
 )
+from .backward_updates import BackwardUpdates
 from .pipeline import LayerPipeline
 
 logger = logging.getLogger("lightning_lazytrain.optim")
@@ -78,29 +79,7 @@ class _StepPlan:
     grads: dict[int, torch.Tensor]
 
 
-@dataclass(kw_only=True, slots=True)
-class _EagerStep:
-    """A step started in the backward (Note: [updates in backward]): its open-ended pipeline, its plan,
-    and per parameter updated so far the gradient it used and that tensor's version then."""
-
-    pipe: LayerPipeline
-    plan: _StepPlan
-    used: list[tuple[torch.Tensor, torch.Tensor, int]]
-    sealed: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None  # seal_backward()'s record
-
-
-# Note: [updates in backward]
-#     The backward completes the blocks' gradients last block first. With ``updates_in_backward``, the
-#     training core hands each block's layer to ``update_in_backward`` once its gradient is complete on
-#     the host (the step's last accumulation), and a worker updates it while the backward goes on
-#     (the same per-layer arithmetic as ``step``: bit for bit the serial step). The optimizer step then
-#     queues the layers not updated yet (``step_pipelined``'s order, or ``step``) and checks that
-#     nothing changed after the backward (``seal_backward``, or else each update's own reading) what an
-#     early update used: a gradient edited or replaced, or
-#     a hyperparameter (lr, betas, eps, weight decay) set between the backward and the step. A change
-#     raises (the early update cannot be taken back). Nothing global may decide the step, so no clip
-#     and no non-finite skip (the constructor refuses both).
-class HybridAdamW(Optimizer):
+class HybridAdamW(BackwardUpdates, Optimizer):
     """AdamW (decoupled weight decay, torch semantics) with hybrid 8/32-bit states.
 
     Args:
@@ -178,7 +157,7 @@ class HybridAdamW(Optimizer):
         self.handed_norms_used = 0
         self.stale_norms = 0
         self._inflight: LayerPipeline | None = None
-        self._eager: _EagerStep | None = None  # a step whose updates started in the backward
+        self._eager = None  # a step whose updates started in the backward (backward_updates.py)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._ready = True
         self._assign_and_init([p for g in self.param_groups for p in g["params"]])
@@ -489,91 +468,13 @@ class HybridAdamW(Optimizer):
         return pipe
 
     # ------------------------------------------------------------- updates in the backward
-    def update_in_backward(self, layer: Hashable, after: Callable[[], None] | None = None) -> None:
-        """Update ``layer`` now, during the backward: its gradients are complete once ``after()``
-        returns (the worker calls it first). The step's first call starts the step (hyperparameters
-        as they are now); the optimizer step queues the other layers (Note: [updates in backward])."""
-        if not self.updates_in_backward:
-            raise RuntimeError("update_in_backward() needs HybridAdamW(updates_in_backward=True)")
-        if self._eager is None:
-            self._begin_eager()
-        assert self._eager is not None
-        self._eager.pipe.submit(layer, after)
-
-    def seal_backward(self) -> None:
-        """The backward has ended: every gradient is in place. From now on a change to the gradients of
-        the layers handed over so far is an edit (checked at the step) -- for gradients that share a
-        version counter with buffers written later in the backward (views of one flat buffer), where
-        the versions seen by the updates themselves would not tell."""
-        if self._eager is not None:
-            self._eager.sealed = [(p, p.grad, p.grad._version) for layer in self._eager.pipe.submitted
-                                  for gi in self._layer_groups[layer] for p in self.param_groups[gi]["params"]
-                                  if p.grad is not None]
-
-    def wait_backward_updates(self) -> None:
-        """Wait for the layers handed to :meth:`update_in_backward` so far (the step stays open)."""
-        if self._eager is not None:
-            self._eager.pipe.wait_submitted()
-
-    @property
-    def updating_in_backward(self) -> bool:
-        """Has a step begun in the backward that its optimizer step has not finished yet?"""
-        return self._eager is not None
-
-    def _begin_eager(self) -> None:
-        self._wait_inflight()
-        self._resolve_pending()
-        if self.max_grad_norm is not None:
-            raise RuntimeError(
-                f"HybridAdamW(updates_in_backward=True) cannot clip (max_grad_norm={self.max_grad_norm}, e.g. "
-                "from the Trainer's gradient_clip_val): a clip needs every gradient before any update")
-        self.last_grad_norm = math.nan
-        plan = _StepPlan(clip=decide_clip(None, None), hyper=self._hyper(), grads={})
-        used: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-
-        def update(layer: Hashable) -> None:
-            for gi in self._layer_groups[layer]:
-                for p in self.param_groups[gi]["params"]:
-                    if p.grad is not None:
-                        plan.grads[id(p)] = p.grad
-                        used.append((p, p.grad, p.grad._version))
-            self._update_layer(layer, plan)
-
-        cuda_devices = sorted({p.device for p in self._bits if p.device.type == "cuda"}, key=str)
-        pipe = LayerPipeline(list(self._layer_groups), update, self._clear_layer_grads, cuda_devices=cuda_devices,
-                             open_ended=True)
-        self._eager = _EagerStep(pipe=pipe.start(), plan=plan, used=used)
-
-    def _finish_eager(self, order: Sequence[Hashable]) -> LayerPipeline:
-        """Queue the layers not updated in the backward, in ``order``, after checking that nothing the
-        early updates used changed since (Note: [updates in backward])."""
-        e, self._eager = self._eager, None
-        assert e is not None
-        e.pipe.wait_submitted()  # the early updates have read what they use
-        changed = [self._names.get(p, "?") for p, grad, version in (e.used if e.sealed is None else e.sealed)
-                   if p.grad is not grad or grad._version != version]
-        hyper = self._hyper() != e.plan.hyper
-        if changed or hyper or self.max_grad_norm is not None:
-            e.pipe.abort()
-            e.pipe.wait_all()
-            what = (f"the gradients of {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} were edited or "
-                    "replaced" if changed else "a hyperparameter (lr, betas, eps, weight_decay) was changed"
-                    if hyper else f"a clip was set (max_grad_norm={self.max_grad_norm})")
-            raise RuntimeError(
-                f"HybridAdamW(updates_in_backward=True): layers {list(e.pipe.submitted)} were updated during the "
-                f"backward, but between the backward and the optimizer step {what}; the step cannot equal a serial "
-                "one. Change gradients and hyperparameters before the backward (or in tensor hooks), or use "
-                "updates_in_backward=False.")
-        e.pipe.close(order)
-        return e.pipe
+    def _backward_plan(self) -> _StepPlan:
+        """The plan of a step begun in the backward (Note: [updates in backward] in backward_updates.py):
+        no norm, no clip, the hyperparameters as they are now; gradients filled in layer by layer."""
+        return _StepPlan(clip=decide_clip(None, None), hyper=self._hyper(), grads={})
 
     def _wait_inflight(self) -> None:
-        e, self._eager = self._eager, None
-        if e is not None:  # a step begun in the backward that never reached its optimizer step
-            left = e.pipe.abort()
-            e.pipe.wait_all()
-            logger.warning("HybridAdamW: a step begun in the backward was abandoned before its optimizer step; "
-                           "layers %s were updated, %s were not", [x for x in e.pipe.submitted if x not in left], left)
+        self._abandon_eager()  # a step begun in the backward that never reached its optimizer step
         pipe, self._inflight = self._inflight, None
         if pipe is not None:
             pipe.wait_all()

@@ -18,7 +18,7 @@ Deferred ``zero_grad``: a training loop usually calls ``zero_grad()`` right afte
 pipelined step is in flight that would pull gradients from under the worker, so the request is
 recorded and each layer's gradients are cleared as soon as that layer has been updated.
 
-Open-ended steps (Note: [updates in backward] in hybrid_adamw.py): ``LayerPipeline(order,
+Open-ended steps (Note: [updates in backward] in backward_updates.py): ``LayerPipeline(order,
 open_ended=True)`` starts with nothing to do; ``submit(layer, after)`` queues one layer (the worker
 first calls ``after()``, e.g. waiting for the layer's gradients to be accumulated on the host),
 ``close(order)`` queues every layer not yet submitted in that order and ends the step; ``abort()``

@@ -271,8 +271,9 @@ class Schedule:
         collectives to the windows): a policy's schedule for a rank's workload."""
         if data_parallel == self.data_parallel:
             return self
-        return dataclasses.replace(self, data_parallel=data_parallel,
-                                   serial_layers=self.serial_layers if data_parallel == "none" else ())
+        one = data_parallel == "none"  # serial layers and updates in the backward: one rank only
+        return dataclasses.replace(self, data_parallel=data_parallel, serial_layers=self.serial_layers if one else (),
+                                   updates_in_backward=self.updates_in_backward and one)
 
     # ---- derived structure --------------------------------------------------------------------
     def next_materialised(self) -> list[int]:
