@@ -834,6 +834,11 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
                          "keep_internals": "".join("k" if k else "-" for k in sched.keep_internals),
                          "resident_weights": sum(bool(r) for r in sched.resident_weights),
                          "optimizer": getattr(sched, "optimizer", None),
+                         # the plan's choice (Note: [updates in the backward pass]), where the run allows it
+                         "updates_in_backward": bool(getattr(sched, "updates_in_backward", False)),
+                         "updates_in_backward_allowed": bool(getattr(plan.result.workload, "updates_in_backward",
+                                                                     False)),
+                         "host_norms": bool(getattr(plan.result.workload, "host_norms", True)),
                          "timings_s": {k: round(v, 3) for k, v in getattr(plan, "timings", {}).items()}})
         if res.get("median_step_seconds"):
             res["measured_over_predicted"] = res["median_step_seconds"] / sim.iteration_seconds
