@@ -9,12 +9,15 @@
 # kit:  the kit's lightning, throughput and pytest_gpu stages (check.sh, KIT_BUDGET_S=${SESSION_KIT_S:-240});
 # fit:  the fit at b32 x 1024 (lazytrain, auto, FSDP2 CPU offload; stage_fit.py, ${SESSION_B32_S:-190} s),
 #       then at b8 x 1024 (the same three, ${SESSION_B8_S:-135} s);
-# host: the host kernels against torch's on the host's threads (bench_host_ops.py 8,16, one round).
+# host: the host kernels against torch's on the host's threads (bench_host_ops.py 8,16, one round);
+# step: (not in the default parts) lazytrain alone at b32 with its updates after the backward
+#       (--updates-at-step, ${SESSION_STEP_S:-85} s): what the updates in the backward gain, next to fit's
+#       b32 lazytrain (files fit-b32-step.json/.log; call 2 with SESSION_PARTS=fit,step,host: 8 files).
 # OUTDIR gets at most 7 flat files (a lent machine returns at most 8, two folders deep at most): kit.json,
 # kit.log, fit-b32.json, fit-b32.log, fit-b8.json, fit-b8.log, host-ops.log. The kit's wheels install
 # once into $KIT_SITE (default /tmp/lazytrain-kit-site) and stay for the later parts and calls.
 # Environment: SESSION_PARTS (default kit,fit,host: ~10 minutes, over one call's 600 s limit on some
-# machines), PYTHON (as check.sh), SESSION_KIT_S, SESSION_B32_S, SESSION_B8_S, SESSION_VARIANTS (default
+# machines), PYTHON (as check.sh), SESSION_KIT_S, SESSION_B32_S, SESSION_B8_S, SESSION_STEP_S, SESSION_VARIANTS (default
 # lazytrain,auto,fsdp2_offload; add deepspeed_offload when the time allows), KIT_FIT_CPROFILE=1 (the
 # training loop thread's profile of lazytrain's timed steps).
 set -uo pipefail
@@ -71,6 +74,13 @@ fit() {  # label batch seconds
 if [[ "$PARTS" == *,fit,* ]]; then
   fit b32 $B32 "${SESSION_B32_S:-190}"
   fit b8 $B8 "${SESSION_B8_S:-135}"
+fi
+if [[ "$PARTS" == *,step,* ]]; then
+  say "fit b32, lazytrain with its updates after the backward"
+  timeout $(( ${SESSION_STEP_S:-85} + 15 )) "$PY" "$KIT_DIR/stage_fit.py" --device $DEV --out "$WORK/fit-b32-step.json" \
+    --workdir "$WORK/fit-b32-step" --batch $B32 --seq $SEQ --warmup 1 --variants lazytrain --updates-at-step \
+    --budget "${SESSION_STEP_S:-85}" >"$OUT/fit-b32-step.log" 2>&1
+  cp "$WORK/fit-b32-step.json" "$OUT/fit-b32-step.json" 2>/dev/null || say "fit b32 step wrote no result"
 fi
 if [[ "$PARTS" == *,host,* ]]; then
   say "host kernels"
