@@ -16,7 +16,10 @@ optimizer's worker whatever torch has left (on a 2-core machine: one core each),
 core to run on, as the GPU case has a GPU beside the host. The two runs' final weights are compared
 (bitwise equal: the updates are the same arithmetic). ``--update-delay-ms D`` makes each layer's
 update first sleep D ms (no core used): the overlap the mechanism buys when the host update is slow
-and the compute runs elsewhere, which a 2-core CPU run cannot otherwise show.
+and the compute runs elsewhere, which a 2-core CPU run cannot otherwise show; the plan is then given
+the host AdamW rate that prices that delay (``measure_hardware`` with ``cpu_adam_params_per_s`` lowered
+to a block's update time plus the delay), so its predicted steps and choice can be compared with the
+measured ones.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[t
                     warmup_steps=0)
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 4096, (a.batch, a.seq + 1), generator=g) for _ in range(a.steps)]
-    trainer = L.Trainer(strategy=LazyTrainStrategy(policy=a.policy), accelerator="cpu", max_steps=a.steps, logger=False,
+    trainer = L.Trainer(strategy=LazyTrainStrategy(policy=a.policy, hardware=a.hardware), accelerator="cpu", max_steps=a.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()], precision="32-true")
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
@@ -100,6 +103,18 @@ def main() -> None:
                          "cores to the compute, as beside a GPU)")
     a = ap.parse_args()
     torch.set_num_threads(a.compute_threads)
+    a.hardware = "measure"
+    if a.update_delay_ms:  # the plan prices the slowed update: the host AdamW rate that makes a block's update
+        # take the delay more (the non-block layers' are priced at the same rate: an approximation)
+        from lightning_lazytrain.core.autoplan import measure_hardware
+
+        hw = measure_hardware(torch.device("cpu"))
+        inter = int(a.hidden * 2.75)
+        block = 4 * a.hidden * a.hidden + 3 * a.hidden * inter + 2 * a.hidden  # the bench's LlamaLM block
+        seconds = block / hw.cpu_adam_params_per_s + a.update_delay_ms / 1e3
+        a.hardware = hw.replace(cpu_adam_params_per_s=block / seconds)
+        print(f"priced host AdamW: {hw.cpu_adam_params_per_s / 1e9:.3f} -> {a.hardware.cpu_adam_params_per_s / 1e9:.4f} "
+              f"G params/s ({seconds * 1e3:.1f} ms per block)", flush=True)
     ratios, rows = [], []
     for r in range(a.rounds):
         order = (True, False) if r % 2 == 0 else (False, True)
