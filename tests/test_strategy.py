@@ -494,3 +494,34 @@ def test_named_hardware_profile_and_unknown_name():
     assert load_hardware("rtx3090").gpu_memory_bytes == 24e9
     with pytest.raises(InvalidInput, match="known: .*h800"):
         load_hardware("h900")
+
+
+@pytest.mark.parametrize("precision,masters,measured", [("32-true", False, False), ("bf16-true", True, True)])
+def test_the_host_jobs_fixed_cost_is_measured_only_for_conversions_to_place(monkeypatch, precision, masters,
+                                                                             measured):
+    """``autoplan.host_job_seconds`` streams a probe model (~0.7 s on the CPU): the strategy runs it when
+    the profiled workload has dtype conversions to place, the only pricing that uses it, not at setup
+    for every fit; that plan's hardware carries it."""
+    from lightning_lazytrain.core import autoplan, planning
+
+    calls = []
+
+    def probe(device, *, link_gb_per_s=None, steps=6):
+        calls.append(device)
+        return 1e-5
+
+    monkeypatch.setattr(autoplan, "host_job_seconds", probe)
+    monkeypatch.setattr(planning, "host_job_seconds", probe)
+    module = HFModule()
+    plans = []
+
+    class Plan(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            plans.append(trainer.strategy.core.plan)
+
+    trainer = L.Trainer(strategy=LazyTrainStrategy(policy="recompute_all", fp32_masters=masters), accelerator="cpu",
+                        max_steps=2, precision=precision, logger=False, enable_checkpointing=False, callbacks=[Plan()],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None))
+    assert bool(calls) is measured
+    assert (plans[-1].result.hardware.host_job_seconds > 0) is measured

@@ -165,7 +165,8 @@ def host_job_seconds(device: torch.device, *, link_gb_per_s: float | None = None
 
 def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None = None,
                      nvme_dir: str | os.PathLike[str] | None = None, link_gb_per_s: float | None = None,
-                     nvme_gb_per_s: float = 2.0, opt_params_per_s: float | None = None) -> Hardware:
+                     nvme_gb_per_s: float = 2.0, opt_params_per_s: float | None = None,
+                     host_job: bool = True) -> Hardware:
     """A ``Hardware`` for this machine. Compute speed is not needed here: the profile measures it.
 
     ``link_gb_per_s`` (CPU link emulation) overrides the measured copy rate; NVMe bandwidth is a
@@ -173,7 +174,8 @@ def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None
     lane's rates and the 32-bit AdamW rate are measured (``host_rates``; ``opt_params_per_s``
     overrides the latter); the 8-bit one is taken as equal until an 8-bit optimizer is priced
     (the strategy measures it then). The host lane's fixed cost per job is measured in place
-    (``host_job_seconds``)."""
+    (``host_job_seconds``, ~0.7 s once per process on the CPU), unless ``host_job=False`` (0: the
+    strategy measures it when a workload has conversions to place, the only pricing that uses it)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cap = min(free, total) * 0.9
@@ -188,7 +190,7 @@ def measure_hardware(device: torch.device, *, gpu_memory_budget_gb: float | None
     nvme_bw = nvme_gb_per_s * GB if nvme_cap else 0.0
     cast, widen, add, norm, adam = host_rates(device)
     adam = opt_params_per_s or adam
-    job = host_job_seconds(device, link_gb_per_s=link_gb_per_s)
+    job = host_job_seconds(device, link_gb_per_s=link_gb_per_s) if host_job else 0.0
     return Hardware(name=f"measured-{device.type}", gpu_memory_bytes=float(total), gpu_memory_cap_bytes=float(cap),
                     peak_tflops=1.0, efficiency=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                     nvme_read_bytes_per_s=nvme_bw, nvme_write_bytes_per_s=nvme_bw, nvme_capacity_bytes=float(nvme_cap),

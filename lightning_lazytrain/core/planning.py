@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +15,8 @@ from typing import Any
 import torch
 
 from lightning_lazytrain.core.allocator import MemoryWatch
-from lightning_lazytrain.core.autoplan import AutoPlan, given_hardware, measure_hardware, plan_from_workload
+from lightning_lazytrain.core.autoplan import (AutoPlan, given_hardware, host_job_seconds, measure_hardware,
+                                               plan_from_workload)
 from lightning_lazytrain.core.options import CoreOptions, ProcessLayout
 from lightning_lazytrain.core.processes import broadcast_object
 from lightning_lazytrain.core.replan import DriftMonitor, measured_link_rates
@@ -25,6 +25,7 @@ from lightning_lazytrain.engine.param_store import REST
 from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware, InfeasibleBudget, Workload, simulate
 from lightning_lazytrain.planner.milp import MilpOptions
+from lightning_lazytrain.planner.placement import candidates
 
 __all__ = ["Planner", "Profile"]
 
@@ -80,7 +81,8 @@ class Planner:
         o = self.options
         if o.hardware == "measure" and measure:
             self._measured = measure_hardware(device, gpu_memory_budget_gb=o.gpu_memory_budget_gb,
-                                              nvme_dir=o.nvme_dir, link_gb_per_s=o.emulate_link_gb_per_s)
+                                              nvme_dir=o.nvme_dir, link_gb_per_s=o.emulate_link_gb_per_s,
+                                              host_job=False)  # measured when a plan needs it (solve)
 
     def hardware(self, device: torch.device | None = None, per_node: int = 1) -> Hardware:
         """The machine to plan for. The budget applies on every path; without ``nvme_dir`` the plan
@@ -91,7 +93,7 @@ class Planner:
             if self._measured is None:
                 self._measured = measure_hardware(device or torch.device("cpu"),
                                                   gpu_memory_budget_gb=o.gpu_memory_budget_gb, nvme_dir=o.nvme_dir,
-                                                  link_gb_per_s=o.emulate_link_gb_per_s)
+                                                  link_gb_per_s=o.emulate_link_gb_per_s, host_job=False)
             hw = self._measured
         else:
             hw = given_hardware(o.hardware, o.gpu_memory_budget_gb, o.nvme_dir)
@@ -137,6 +139,13 @@ class Planner:
                 t_hw = time.perf_counter() - t0
                 wl = workload_from_stats(ex, p.stats, tokens=p.tokens or 1, grad_accum=p.grad_accum,
                                          micro_batches=p.micro_batches, opt_params_per_s=hardware.cpu_adam_params_per_s)
+                if self.options.hardware == "measure" and len(candidates(wl)) > 1:
+                    # the host lane's fixed cost per job prices only conversions to place (planner/placement.py):
+                    # measured for a workload that has them, once per process (autoplan.host_job_seconds)
+                    t1 = time.perf_counter()
+                    hardware = hardware.replace(host_job_seconds=host_job_seconds(
+                        device, link_gb_per_s=self.options.emulate_link_gb_per_s))
+                    t_hw += time.perf_counter() - t1
                 wl, fraction = self._price_optimizer_states(wl, hardware, p)
                 wl = rank_workload(wl, layout, p)
                 if p.updates_in_backward:  # priced where the updates run (planner/schedule.py)
