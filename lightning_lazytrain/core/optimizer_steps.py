@@ -197,19 +197,22 @@ class PipelinedSteps:
 def norms_wanted(optimizers: list, *, hand_over: bool, clip: bool, several: bool) -> bool:
     """Note: [norms only when wanted] (engine/executor.py): does anything use the host lane's gradient
     norms? Several processes average with them; a ``HybridAdamW`` that is handed them (``hand_over``)
-    uses them for a clip (``clip``: the Trainer's ``gradient_clip_val``, or its own ``max_grad_norm``)
-    or, with fp32 gradients, for its non-finite skip (``hand_over_norms``' own rule). Anything else
-    (torch's optimizers clip with their own pass) takes none."""
+    uses them (``_uses_handed_norms``, ``hand_over_norms``' rule too). Anything else (torch's optimizers
+    clip with their own pass) takes none."""
     if several:
         return True
-    if not hand_over:
-        return False
-    for inner in hybrid_adamws(optimizers):
-        skip_only = inner.skip_nonfinite and all(p.dtype == torch.float32 for g in inner.param_groups
-                                                 for p in g["params"])
-        if clip or inner.max_grad_norm is not None or skip_only:
-            return True
-    return False
+    return hand_over and any(_uses_handed_norms(inner, clip) for inner in hybrid_adamws(optimizers))
+
+
+def _uses_handed_norms(inner: Any, clip: bool) -> bool:
+    """Does this ``HybridAdamW`` use handed-over norms: for a clip (the Trainer's, or its own
+    ``max_grad_norm``), or for its non-finite skip -- without them one serial pass over every host
+    gradient on the step's critical path (~0.5 s per step for 1B parameters on the H200's host, a
+    third of the step). Only for fp32 gradients: that pass sums 16-bit ones in fp32, the handed-over
+    norms are in their own dtype (an fp16 norm overflows at 65504 and would skip a finite step)."""
+    skip_only = inner.skip_nonfinite and all(p.dtype == torch.float32 for g in inner.param_groups
+                                             for p in g["params"])
+    return clip or inner.max_grad_norm is not None or skip_only
 
 
 def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: bool,
@@ -223,14 +226,7 @@ def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: 
     (sharded gradients): the norms over every rank's shards, at the step."""
     norms: dict[torch.nn.Parameter, torch.Tensor] | None = None
     for inner in hybrid_adamws(optimizers):
-        # the non-finite skip needs the global norm too: without the handed-over norms it is one serial
-        # pass over every host gradient on the step's critical path (~0.5 s per step for 1B parameters
-        # on the H200's host, a third of the step). Only for fp32 gradients: that pass sums 16-bit ones in
-        # fp32, the handed-over norms are in their own dtype (an fp16 norm overflows at 65504 and would
-        # skip a finite step)
-        skip_only = inner.skip_nonfinite and all(p.dtype == torch.float32 for g in inner.param_groups
-                                                 for p in g["params"])
-        if not (clip or inner.max_grad_norm is not None or skip_only or recompute is not None):
+        if not (_uses_handed_norms(inner, clip) or recompute is not None):
             inner.set_grad_norms(None)  # never a stale step's norms
             continue
         if norms is None:
