@@ -18,7 +18,7 @@ N_LAYERS = 4
 make_model = functools.partial(mlp_stack, N_LAYERS, 64, 96, act=torch.nn.Tanh, norm=True)
 
 
-def make_opt(model: torch.nn.Module, eight_bit: object, **kw: object) -> HybridAdamW:
+def make_opt(model: torch.nn.Module, eight_bit: object, max_grad_norm: float | None = 0.3, **kw: object) -> HybridAdamW:
     # Two groups per layer (decay / no-decay) to exercise layers spanning groups.
     groups = []
     for g in group_by_layer(model.named_parameters(), layer_of):
@@ -26,7 +26,7 @@ def make_opt(model: torch.nn.Module, eight_bit: object, **kw: object) -> HybridA
         no_decay = [(n, p) for n, p in g["params"] if p.ndim < 2]  # type: ignore[union-attr]
         groups.append({"params": decay, "layer": g["layer"], "weight_decay": 0.1})
         groups.append({"params": no_decay, "layer": g["layer"], "weight_decay": 0.0})
-    return HybridAdamW(groups, lr=1e-2, eight_bit=eight_bit, max_grad_norm=0.3, **kw)  # type: ignore[arg-type]
+    return HybridAdamW(groups, lr=1e-2, eight_bit=eight_bit, max_grad_norm=max_grad_norm, **kw)  # type: ignore[arg-type]
 
 
 def all_tensors(model: torch.nn.Module, opt: HybridAdamW) -> list[torch.Tensor]:

@@ -6,36 +6,22 @@ Note: [updates in backward] (optim/backward_updates.py) and Note: [updates in th
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import lightning as L
 import pytest
 import torch
 
-from lightning_lazytrain.optim import HybridAdamW, group_by_layer
+from lightning_lazytrain.optim import HybridAdamW
 from lightning_lazytrain.strategy import LazyTrainStrategy
-from models import layer_of, mlp_stack
-
-N_LAYERS = 4
-make_model = functools.partial(mlp_stack, N_LAYERS, 64, 96, act=torch.nn.Tanh, norm=True)
+from test_optim_pipeline import N_LAYERS, make_model
+from test_optim_pipeline import all_tensors as everything
+from test_optim_pipeline import make_opt as pipeline_opt
 
 
 def make_opt(model: torch.nn.Module, eight_bit: object = "none", **kw: object) -> HybridAdamW:
-    groups = []
-    for g in group_by_layer(model.named_parameters(), layer_of):
-        decay = [(n, p) for n, p in g["params"] if p.ndim >= 2]  # type: ignore[union-attr]
-        no_decay = [(n, p) for n, p in g["params"] if p.ndim < 2]  # type: ignore[union-attr]
-        groups.append({"params": decay, "layer": g["layer"], "weight_decay": 0.1})
-        groups.append({"params": no_decay, "layer": g["layer"], "weight_decay": 0.0})
-    return HybridAdamW(groups, lr=1e-2, eight_bit=eight_bit, skip_nonfinite=False, **kw)  # type: ignore[arg-type]
-
-
-def everything(model: torch.nn.Module, opt: HybridAdamW) -> list[torch.Tensor]:
-    out = [p.detach().clone() for p in model.parameters()]
-    for p in model.parameters():
-        out.extend(v.clone() for v in opt.state[p].values() if isinstance(v, torch.Tensor))
-    return out
+    """The pipeline tests' optimizer (two groups per layer), without clip and skip."""
+    return pipeline_opt(model, eight_bit, max_grad_norm=None, skip_nonfinite=False, **kw)
 
 
 def hand_over_in_backward(model: torch.nn.Module, opt: HybridAdamW, submitted: list) -> None:
