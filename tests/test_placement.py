@@ -335,3 +335,64 @@ def test_host_job_seconds_validates_and_converts():
               cpu_adam_gparams_per_s=1, cpu_adam8_gparams_per_s=1)
     assert Hardware.from_gb(**kw, host_job_seconds=5e-4).host_job_seconds == 5e-4  # seconds stay seconds
     assert Hardware.from_gb(**kw).host_job_seconds == 0.0
+
+
+def test_several_profiled_steps_calibrate_as_their_median_step():
+    """``median_host_seconds``: steps whose host lanes ran 1x, 1.2x, 0.9x, 1.1x and, once, 3x (an
+    outlier: the lane's jobs waited) calibrate as the median step (1.1x), not as the outlier, nor as
+    the sum of per-layer medians; the other figures are the first step's."""
+    from dataclasses import replace
+
+    from lightning_lazytrain.planner import megatrain, simulate
+    from lightning_lazytrain.planner.placement import calibrate_host_rates, median_host_seconds
+
+    wl, hw = _analytic()
+
+    def scaled(k_cast: float, k_acc: float):
+        return replace(wl, layers=tuple(replace(x, cast_seconds=k_cast * x.cast_seconds,
+                                                accum_seconds=k_acc * x.accum_seconds) for x in wl.layers),
+                       nonblock_cast_seconds=k_cast * wl.nonblock_cast_seconds,
+                       nonblock_accum_seconds=k_acc * wl.nonblock_accum_seconds)
+
+    steps = [scaled(1.0, 2.0), scaled(1.2, 2.4), scaled(0.9, 1.8), scaled(1.1, 2.2), scaled(3.0, 6.0)]
+    merged = median_host_seconds(steps)
+    assert merged.layers[0].cast_seconds == pytest.approx(1.1 * wl.layers[0].cast_seconds)
+    assert merged.nonblock_accum_seconds == pytest.approx(2.2 * wl.nonblock_accum_seconds)
+    assert merged.layers[3].params == wl.layers[3].params and merged.layers[3].fwd_seconds == wl.layers[3].fwd_seconds
+    s = megatrain(wl.num_layers, 4)
+    cal, typical = calibrate_host_rates(merged, s, hw), calibrate_host_rates(steps[3], s, hw)
+    assert cal.host_bytes_per_s == pytest.approx(typical.host_bytes_per_s)
+    assert cal.host_widen_bytes_per_s == pytest.approx(typical.host_widen_bytes_per_s)
+
+    def host(w):
+        return sum(x.end - x.start for x in simulate(s, w, hw, check=False).timeline if x.lane == "host")
+
+    assert host(merged) == pytest.approx(host(steps[3]), rel=1e-6)
+    # one layer's jobs slow in one step, another's in another: the step totals' median (1.0x), not
+    # the layers' medians, which would miss every slow job
+    a = replace(wl, layers=(replace(wl.layers[0], cast_seconds=4 * wl.layers[0].cast_seconds), *wl.layers[1:]))
+    b = replace(wl, layers=(wl.layers[0], replace(wl.layers[1], cast_seconds=4 * wl.layers[1].cast_seconds),
+                            *wl.layers[2:]))
+    c = replace(wl, layers=(*wl.layers[:2], replace(wl.layers[2], cast_seconds=4 * wl.layers[2].cast_seconds),
+                            *wl.layers[3:]))
+    total = sum(x.cast_seconds for x in a.layers) + a.nonblock_cast_seconds
+    merged = median_host_seconds([a, b, c])
+    assert sum(x.cast_seconds for x in merged.layers) + merged.nonblock_cast_seconds == pytest.approx(total)
+    assert median_host_seconds([wl]) == wl
+    with pytest.raises(ValueError, match="at least one"):
+        median_host_seconds([])
+
+
+def test_the_fixed_cost_per_job_is_the_mean_of_the_probe_jobs(monkeypatch):
+    """``autoplan.host_job_seconds``: the probe's jobs add up in a step, so their mean (less their
+    bytes at the norm rate), not their median: bimodal durations (beside compute / after it) put a
+    median anywhere between the modes."""
+    from lightning_lazytrain.core import autoplan
+    from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyRecord
+
+    # per step: six jobs of 1 ms beside compute, three of 0.1 ms after it (median 1 ms, mean 0.7 ms), 1 MB each
+    fake = [CopyRecord("host", 10**6, 0.0, d, tag="accum:0") for d in [1e-3] * 6 + [1e-4] * 3]
+    monkeypatch.setattr(CopyEngine, "records", lambda self: list(fake))
+    monkeypatch.setattr(autoplan, "_HOST_JOB", {})
+    monkeypatch.setattr(autoplan, "host_rates", lambda device: (1e10, 1e10, 1e10, 1e10, 1e9))  # 0.1 ms per MB
+    assert autoplan.host_job_seconds(torch.device("cpu"), steps=2) == pytest.approx(0.7e-3 - 1e-4)

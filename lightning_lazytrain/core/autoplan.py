@@ -105,10 +105,11 @@ def host_job_seconds(device: torch.device, *, link_gb_per_s: float | None = None
     place: the engine streams a small ``LlamaLM`` (``JOB_PROBE``: 8 layers, hidden 64, 50k parameters
     a block) with fp32 masters, bf16 compute copies and both conversions on the device, so the host
     lane's only jobs are the gradient copies' (direct landing, each parameter's norm: ~0.2 MB), run
-    beside the thread that launches compute as in training. The median of those jobs over ``steps``
-    steps after a warm-up one, less their bytes at the norm rate measured alone (``host_rates``).
-    Alone the same job takes ~0.03 ms on the 2-core machine; beside compute ~0.5-1 ms, the waits
-    for the interpreter lock and the cores the lane shares: what a small job costs in a step. Once
+    beside the thread that launches compute as in training. The mean of those jobs over ``steps``
+    steps after a warm-up one (a step's jobs add up; their durations are bimodal, so a median is
+    unstable), less their bytes at the norm rate measured alone (``host_rates``). Alone the same job
+    takes ~0.03 ms on the 2-core machine; beside compute ~0.5-1 ms, the waits for the interpreter
+    lock and the cores the lane shares: what a small job costs in a step. Once
     per process (device, torch threads, link); 0.0 when the probe cannot run (logged)."""
     key = (device.type, torch.get_num_threads(), link_gb_per_s)
     if key in _HOST_JOB:
@@ -152,7 +153,11 @@ def host_job_seconds(device: torch.device, *, link_gb_per_s: float | None = None
             for param in model.parameters():
                 param.grad = None
         norm_rate = host_rates(device)[3]
-        seconds = max(0.0, statistics.median(jobs) - statistics.median(nbytes) / norm_rate) if jobs else 0.0
+        # the mean, not the median: a step's jobs cost their sum, and the durations are bimodal (~1 ms
+        # beside compute, ~0.1 ms for the step's last jobs, after it), so a median lands anywhere in
+        # the gap between the modes. Across processes the mean still varies (0.26-0.68 ms over 12 on
+        # the 2-core machine, in two levels): the lane's cost per job does (bench/RESULTS.md)
+        seconds = max(0.0, statistics.fmean(jobs) - statistics.fmean(nbytes) / norm_rate) if jobs else 0.0
     except Exception as err:  # a measurement must never stop training: per-byte pricing only
         log.warning("could not measure the host lane's fixed cost per job (priced as 0): %s", err)
         seconds = 0.0

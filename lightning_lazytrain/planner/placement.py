@@ -30,14 +30,16 @@ once more). The priced workload is the one the plan's figures come from.
 from __future__ import annotations
 
 import itertools
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from .hardware import Hardware
 from .schedule import Schedule
 from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, PARAM_SLOTS, Workload, host_lane_seconds_per_param
 
-__all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "calibrate_host_rates", "candidates", "opposite", "price",
-           "priced_from_rates"]
+__all__ = ["CONVERSION_BUFFER_ELEMENTS", "HOST_ONLY", "Placement", "calibrate_host_rates", "candidates", "median_host_seconds",
+           "opposite", "price", "priced_from_rates"]
 
 # Elements of the device buffer each copy lane converts through (the engine's ``VIA_NUMEL``): 64 MiB
 # in fp32; larger groups are copied through it in chunks.
@@ -223,6 +225,35 @@ def calibrate_host_rates(wl: Workload, schedule: Schedule, hw: Hardware) -> Hard
     k_acc = factors.get("accumulate", k_cast)
     return base.replace(host_bytes_per_s=cast / k_cast, host_widen_bytes_per_s=widen / k_acc,
                         host_add_bytes_per_s=add / k_acc, host_norm_bytes_per_s=norm / k_acc)
+
+
+def median_host_seconds(workloads: Sequence[Workload]) -> Workload:
+    """Several profiled steps' host lane as one: the first of ``workloads`` (steps of one model under
+    one schedule and placement) with each host-lane figure the mean over them, the casts (every
+    layer's ``cast_seconds``, the non-block group's) then scaled together so that their sum is the
+    median of the steps' sums, and the gradient accumulations (``accum_seconds``) alike. A step's
+    host-lane jobs wait for cores and the interpreter lock as they happen to (long waits now and
+    then: skewed): the median step bounds an outlier step's weight, and the sum of per-layer medians
+    would fall short of a typical step's total. For ``calibrate_host_rates`` from several steps."""
+    if not workloads:
+        raise ValueError("median_host_seconds needs at least one workload")
+    first = workloads[0]
+    if any(len(w.layers) != len(first.layers) for w in workloads):
+        raise ValueError("median_host_seconds: the workloads have different numbers of layers")
+
+    def scaled(per_layer: str, rest: str) -> tuple[list[float], float]:
+        mean = [statistics.fmean(getattr(w.layers[j], per_layer) for w in workloads) for j in range(len(first.layers))]
+        mean_rest = statistics.fmean(getattr(w, rest) for w in workloads)
+        total = sum(mean) + mean_rest
+        target = statistics.median(sum(getattr(layer, per_layer) for layer in w.layers) + getattr(w, rest)
+                                   for w in workloads)
+        k = target / total if total > 0 else 1.0
+        return [x * k for x in mean], mean_rest * k
+
+    cast, cast_rest = scaled("cast_seconds", "nonblock_cast_seconds")
+    accum, accum_rest = scaled("accum_seconds", "nonblock_accum_seconds")
+    layers = tuple(replace(layer, cast_seconds=c, accum_seconds=a) for layer, c, a in zip(first.layers, cast, accum))
+    return replace(first, layers=layers, nonblock_cast_seconds=cast_rest, nonblock_accum_seconds=accum_rest)
 
 
 def _conversion_gpu_bytes(wl: Workload, p: Placement) -> int:
