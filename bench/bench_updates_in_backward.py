@@ -20,6 +20,13 @@ and the compute runs elsewhere, which a 2-core CPU run cannot otherwise show; th
 the host AdamW rate that prices that delay (``measure_hardware`` with ``cpu_adam_params_per_s`` lowered
 to a block's update time plus the delay), so its predicted steps and choice can be compared with the
 measured ones.
+
+``--compare-order`` (Note: [most urgent first] in optim/pipeline.py): both runs update in the backward
+(a plan file forces it: keep_all with the updates in the backward), one as the optimizer does (the
+blocks still waiting when the step comes go in the next forward's order, and the step does not wait for
+them), one first in, first out (the blocks handed over first, then the non-block layers and block 0 the
+forward needs first); the ratio is urgent-first / first-in-first-out. It shows only where the host
+update is slower than the backward (``--update-delay-ms``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,23 @@ import time
 import torch
 
 
-def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[torch.Tensor], dict]:
+def forced_in_backward(layers: int) -> str:
+    """A plan file: keep_all, pipelined, with the updates in the backward (a plan file's choice is kept)."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from lightning_lazytrain.planner import keep_all
+
+    s = dataclasses.replace(keep_all(layers), optimizer="pipelined", updates_in_backward=True,
+                            policy="bench-in-backward")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"schedule": s.to_json()}, f)
+    return f.name
+
+
+def run(updates_in_backward: bool, a: argparse.Namespace, most_urgent_first: bool = True
+        ) -> tuple[float, list[torch.Tensor], dict]:
     import lightning as L
 
     from lightning_lazytrain.lit_module import CausalLMModule
@@ -43,6 +66,8 @@ def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[t
     class SlowHost(HybridAdamW):
         """``--update-delay-ms``: each layer's update waits that long first, without using a core (as a
         host update beside a GPU, which leaves the compute to the device)."""
+
+        _most_urgent_first = most_urgent_first  # Note: [most urgent first]: False only for --compare-order
 
         def _update_layer(self, layer, plan):
             if delay:
@@ -56,6 +81,7 @@ def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[t
                             updates_in_backward=updates_in_backward)
 
     times: list[float] = []
+    phases: list[tuple[float, float, float]] = []
     info: dict = {}
 
     class Clock(L.Callback):
@@ -64,8 +90,17 @@ def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[t
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.t0 = time.perf_counter()
 
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.t1 = time.perf_counter()
+
+        def on_after_backward(self, trainer, pl_module):
+            self.t2 = time.perf_counter()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            times.append(time.perf_counter() - self.t0)
+            t3 = time.perf_counter()
+            times.append(t3 - self.t0)
+            # the step's phases: forward (with its waits for updates), backward, the rest (optimizer step, hooks)
+            phases.append((self.t1 - self.t0, self.t2 - self.t1, t3 - self.t2))
             plan = trainer.strategy.core.plan
             if plan is not None:
                 info["predicted_s"] = plan.result.sim.iteration_seconds
@@ -85,6 +120,8 @@ def run(updates_in_backward: bool, a: argparse.Namespace) -> tuple[float, list[t
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     opt = trainer.optimizers[0]
     opt.wait_step()
+    info["left_at_step"] = opt.backward_updates_left_at_step
+    info["phases"] = tuple(statistics.median(ph[k] for ph in phases[2:]) for k in range(3))
     return statistics.median(times[2:]), [p.detach().clone() for p in module.parameters()], info
 
 
@@ -101,6 +138,8 @@ def main() -> None:
     ap.add_argument("--update-delay-ms", type=float, default=0.0,
                     help="each layer's host update sleeps this long first (a slow host update that leaves the "
                          "cores to the compute, as beside a GPU)")
+    ap.add_argument("--compare-order", action="store_true",
+                    help="both runs in the backward: urgent-first (as the optimizer does) vs first in, first out")
     a = ap.parse_args()
     torch.set_num_threads(a.compute_threads)
     a.hardware = "measure"
@@ -115,6 +154,9 @@ def main() -> None:
         a.hardware = hw.replace(cpu_adam_params_per_s=block / seconds)
         print(f"priced host AdamW: {hw.cpu_adam_params_per_s / 1e9:.3f} -> {a.hardware.cpu_adam_params_per_s / 1e9:.4f} "
               f"G params/s ({seconds * 1e3:.1f} ms per block)", flush=True)
+    if a.compare_order:
+        compare_order(a)
+        return
     ratios, rows = [], []
     for r in range(a.rounds):
         order = (True, False) if r % 2 == 0 else (False, True)
@@ -130,6 +172,27 @@ def main() -> None:
     print(f"median ratio (allowed / at the step) {statistics.median(ratios):.3f} over {a.rounds} rounds "
           f"(range {min(ratios):.3f}..{max(ratios):.3f}); predicted ratio "
           f"{statistics.median(pred) if pred else float('nan'):.3f}")
+
+
+def compare_order(a: argparse.Namespace) -> None:
+    """``--compare-order``: urgent-first against first-in-first-out, both in the backward."""
+    a.policy = forced_in_backward(a.layers)
+    ratios = []
+    for r in range(a.rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        got = {flag: run(True, a, most_urgent_first=flag) for flag in order}
+        (tu, pu, iu), (tf, pf, if_) = got[True], got[False]
+        assert all(torch.equal(x, y) for x, y in zip(pu, pf)), "the two runs' weights differ"
+        ratios.append(tu / tf)
+        print(f"round {r}: urgent first {tu:.4f} s/step ({iu['left_at_step']} blocks still waiting at a step over "
+              f"the run), first in first out {tf:.4f} s/step ({if_['left_at_step']}); ratio {tu / tf:.3f}; "
+              "weights bitwise equal", flush=True)
+        for name, info in (("urgent first", iu), ("first in first out", if_)):
+            f, b, rest = info["phases"]
+            print(f"  {name}: median forward {f:.4f} s (its waits for updates included), backward {b:.4f} s, "
+                  f"step and hooks {rest:.4f} s", flush=True)
+    print(f"median ratio (urgent first / first in first out) {statistics.median(ratios):.3f} over {a.rounds} "
+          f"rounds (range {min(ratios):.3f}..{max(ratios):.3f})")
 
 
 if __name__ == "__main__":

@@ -863,6 +863,9 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     # Note: [updates in backward]: the layers handed to the optimizer during a backward, over the run
     res["updates_in_backward"] = bool(getattr(opt, "updates_in_backward", False))
     res["layers_updated_in_backward"] = getattr(opt, "in_backward_calls", None)
+    # Note: [most urgent first]: of those, the ones still waiting when their step came (queued by the step in
+    # the next forward's order instead of ahead of it)
+    res["backward_updates_left_at_step"] = getattr(opt, "backward_updates_left_at_step", None)
     res["eight_bit_chosen"] = repr(getattr(opt, "eight_bit", None))  # the plan's choice (e.g. 'none', a fraction)
     res["replans"] = list(getattr(trainer.strategy, "replans", []) or [])
     if res["replans"]:

@@ -11,6 +11,10 @@ Note: [updates in backward]
     after the backward (``seal_backward``, or else each update's own reading) what an early update
     used: a gradient edited or replaced, or a hyperparameter (lr, betas, eps, weight decay) set
     between the backward and the step. A change raises (an early update cannot be taken back).
+    After ``seal_backward`` the step does not wait for the updates handed over: it reads the gradients
+    of those not started yet itself (the worker and the step read each layer's once, under one lock),
+    and the layers still waiting take their places in the step's order (Note: [most urgent first] in
+    pipeline.py): the next forward's first layers are not queued behind the whole backward's.
     Nothing global may decide the step, so no clip and no non-finite skip (the constructor refuses
     both).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +41,14 @@ __all__ = ["BackwardUpdates"]
 class _EagerStep:
     """A step started in the backward: its open-ended pipeline, its plan, per parameter updated so far
     the gradient it used and that tensor's version then, ``seal_backward``'s record, and the layers
-    whose gradients the step itself captured (queued at the optimizer step)."""
+    whose gradients were read into the plan (by the worker, or by the optimizer step), under ``lock``."""
 
     pipe: LayerPipeline
     plan: Any  # hybrid_adamw._StepPlan
     used: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
     sealed: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
-    captured: set = field(default_factory=set)
+    read: set = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class BackwardUpdates:
@@ -52,6 +58,10 @@ class BackwardUpdates:
     ``_wait_inflight`` (which calls ``_abandon_eager``)."""
 
     _eager: _EagerStep | None = None
+    # Note: [most urgent first] (pipeline.py); False: the layers handed over first (the bench's comparison)
+    _most_urgent_first: bool = True
+    # over the run: layers handed over in a backward whose update had not started when its step came
+    backward_updates_left_at_step: int = 0
 
     def update_in_backward(self, layer: Hashable, after: Callable[[], None] | None = None) -> None:
         """Update ``layer`` now, during the backward: its gradients are complete once ``after()``
@@ -102,11 +112,13 @@ class BackwardUpdates:
         cuda_devices = sorted({p.device for p in self._bits if p.device.type == "cuda"}, key=str)
 
         def update(layer: Hashable) -> None:
-            if layer not in e.captured:  # a layer handed over in the backward: its gradients as they are now
-                for p in self._layer_params([layer]):
-                    if p.grad is not None:
-                        e.plan.grads[id(p)] = p.grad
-                        e.used.append((p, p.grad, p.grad._version))
+            with e.lock:
+                if layer not in e.read:  # a layer handed over in the backward: its gradients as they are now
+                    e.read.add(layer)
+                    for p in self._layer_params([layer]):
+                        if p.grad is not None:
+                            e.plan.grads[id(p)] = p.grad
+                            e.used.append((p, p.grad, p.grad._version))
             self._update_layer(layer, e.plan)
 
         pipe = LayerPipeline(list(self._layer_groups), update, self._clear_layer_grads, cuda_devices=cuda_devices,
@@ -120,7 +132,8 @@ class BackwardUpdates:
         now, after checking that nothing the early updates used changed since."""
         e, self._eager = self._eager, None
         assert e is not None
-        e.pipe.wait_submitted()  # the early updates have read what they use
+        if e.sealed is None:  # unsealed: the check below reads what the early updates used
+            e.pipe.wait_submitted()
         changed = [self._names.get(p, "?") for p, grad, version in (e.used if e.sealed is None else e.sealed)
                    if p.grad is not grad or grad._version != version]
         hyper = self._hyper() != e.plan.hyper
@@ -135,13 +148,14 @@ class BackwardUpdates:
                 f"backward, but between the backward and the optimizer step {what}; the step cannot equal a serial "
                 "one. Change gradients and hyperparameters before the backward (or in tensor hooks), or use "
                 "updates_in_backward=False.")
-        submitted = set(e.pipe.submitted)
-        rest = [layer for layer in order if layer not in submitted]
-        for p in self._layer_params(rest):  # read here, on the caller's thread, as the serial step does
-            if p.grad is not None:
-                e.plan.grads[id(p)] = p.grad
-        e.captured.update(rest)
-        e.pipe.close(order)
+        with e.lock:  # read here, on the caller's thread, as the serial step does: what no update read yet
+            unread = [layer for layer in order if layer not in e.read]
+            for p in self._layer_params(unread):
+                if p.grad is not None:
+                    e.plan.grads[id(p)] = p.grad
+            e.read.update(unread)
+        e.pipe.close(order, reorder=self._most_urgent_first)
+        self.backward_updates_left_at_step += e.pipe.waiting_at_close
         return e.pipe
 
     def _abandon_eager(self) -> None:

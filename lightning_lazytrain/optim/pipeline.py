@@ -23,14 +23,26 @@ open_ended=True)`` starts with nothing to do; ``submit(layer, after)`` queues on
 first calls ``after()``, e.g. waiting for the layer's gradients to be accumulated on the host),
 ``close(order)`` queues every layer not yet submitted in that order and ends the step; ``abort()``
 ends it without updating the rest.
+
+Note: [most urgent first]
+    A step begun in the backward hands its blocks over last block first, as their gradients complete;
+    the next forward needs them first block first. Where the host update is slower than the backward
+    (a small batch beside a GPU), blocks handed over are still waiting when the optimizer step closes
+    the step, and a first-in-first-out worker would update all of them before the non-block weights
+    and block 0, which the next forward needs first: the forward would wait for the whole queue. So
+    ``close(order)`` puts every layer not started yet -- submitted or not -- in ``order`` (the
+    forward's), ahead of nothing already running; the forward then runs while the worker updates the
+    layers it needs next. Each layer's update is the same arithmetic in any order (bit for bit).
+    ``close(order, reorder=False)`` keeps the submitted ones first, in their order (the bench's
+    comparison). ``waiting_at_close`` counts the submitted layers not started when the step closed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
@@ -85,7 +97,10 @@ class LayerPipeline:
         self._done: set[Hashable] = set()
         self._zero_request: bool | None = None  # set_to_none flag once zero_grad was asked for
         self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (layer, after) items; None ends the step
+        # (layer, after) items not started yet, in the order the worker takes them; None ends the step
+        self._queue: deque = deque()
+        self._ready = threading.Condition(self._lock)
+        self.waiting_at_close = 0  # Note: [most urgent first]: submitted layers not started at close()
         self._submitted: list[Hashable] = []
         self._closed = False
         self._aborted: list[Hashable] = []
@@ -106,7 +121,7 @@ class LayerPipeline:
                 stack.enter_context(torch.no_grad())
                 for s in self._streams:
                     stack.enter_context(torch.cuda.stream(s))
-                while (item := self._queue.get()) is not None:
+                while (item := self._take()) is not None:
                     layer, after = item
                     if after is not None:
                         after()
@@ -126,6 +141,17 @@ class LayerPipeline:
         finally:
             self._finished.set()
 
+    def _take(self) -> tuple[Hashable, Callable[[], None] | None] | None:
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            return self._queue.popleft()
+
+    def _put(self, *items: tuple[Hashable, Callable[[], None] | None] | None) -> None:
+        """Queue ``items`` (the caller holds the lock)."""
+        self._queue.extend(items)
+        self._ready.notify()
+
     def submit(self, layer: Hashable, after: Callable[[], None] | None = None) -> None:
         """Queue ``layer``'s update (an open-ended step); the worker calls ``after()`` first."""
         if layer not in self._events:
@@ -136,10 +162,12 @@ class LayerPipeline:
             if layer in self._submitted:
                 raise ValueError(f"layer {layer!r} was submitted twice in one step")
             self._submitted.append(layer)
-        self._queue.put((layer, after))
+            self._put((layer, after))
 
-    def close(self, order: Sequence[Hashable]) -> None:
-        """Queue every layer not yet submitted, in ``order`` (which must name them all), and end the step."""
+    def close(self, order: Sequence[Hashable], *, reorder: bool = True) -> None:
+        """Queue every layer not yet submitted, in ``order`` (which must name them all), and end the step;
+        the submitted layers not started yet take their places in ``order`` too (``reorder``, Note:
+        [most urgent first]), else they go first as submitted."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the pipelined step is already closed")
@@ -149,9 +177,13 @@ class LayerPipeline:
                 raise ValueError(f"close() must list every layer not submitted yet: missing {sorted(map(str, missing))}")
             self._submitted.extend(rest)
             self._closed = True
-        for layer in rest:
-            self._queue.put((layer, None))
-        self._queue.put(None)
+            self.waiting_at_close = len(self._queue)
+            items = [*self._queue, *((layer, None) for layer in rest)]
+            if reorder:
+                rank = {layer: i for i, layer in enumerate(order)}
+                items.sort(key=lambda item: rank.get(item[0], -1))
+            self._queue.clear()
+            self._put(*items, None)
 
     def abort(self) -> list[Hashable]:
         """End an open-ended step without updating the layers not submitted (their events are set: a
@@ -161,7 +193,7 @@ class LayerPipeline:
                 return []
             self._closed = True
             self._aborted = [layer for layer in self.order if layer not in self._submitted]
-        self._queue.put(None)
+            self._put(None)
         for layer in self._aborted:
             self._events[layer].set()
         return list(self._aborted)

@@ -1,0 +1,146 @@
+"""Updates handed over in the backward but not started when the step comes go in the next forward's
+order, and the step does not wait for them (Note: [most urgent first] in optim/pipeline.py): exact."""
+
+from __future__ import annotations
+
+import threading
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_lazytrain.optim import HybridAdamW
+from lightning_lazytrain.optim.pipeline import LayerPipeline
+from lightning_lazytrain.strategy import LazyTrainStrategy
+from test_optim_pipeline import N_LAYERS, make_model
+from test_optim_pipeline import all_tensors as everything
+from test_updates_in_backward import hand_over_in_backward, make_opt, plan_in_backward
+
+
+def gated_pipeline(reorder: bool) -> tuple[list, LayerPipeline]:
+    """An open-ended step whose worker holds the first layer submitted until the step is closed."""
+    done: list = []
+    gate, started = threading.Event(), threading.Event()
+    pipe = LayerPipeline(["rest", 0, 1, 2, 3], done.append, lambda layer, none: None, open_ended=True).start()
+    pipe.submit(3, after=lambda: (started.set(), gate.wait(30)))
+    assert started.wait(30)  # the worker is on layer 3
+    pipe.submit(2)
+    pipe.submit(1)
+    pipe.close(["rest", 0, 1, 2, 3], reorder=reorder)
+    gate.set()
+    pipe.wait_all(timeout=30)
+    return done, pipe
+
+
+def test_close_queues_the_waiting_layers_in_the_steps_order():
+    done, pipe = gated_pipeline(reorder=True)
+    assert done == [3, "rest", 0, 1, 2]  # 3 had started; 2 and 1 take their places in the forward's order
+    assert pipe.waiting_at_close == 2
+    done, pipe = gated_pipeline(reorder=False)
+    assert done == [3, 2, 1, "rest", 0]  # first in, first out: the forward's first layers last
+    assert pipe.waiting_at_close == 2
+
+
+class Gated(HybridAdamW):
+    """The first update of a step waits for ``gate``: the step comes while the others still wait."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.order: list = []
+
+    def _update_layer(self, layer, plan):
+        if not self.order or self.order[-1] == "end":
+            self.started.set()
+            self.gate.wait(30)
+        self.order.append(layer)
+        super()._update_layer(layer, plan)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_step_that_does_not_wait_for_the_backwards_updates_is_exact(set_to_none):
+    """Layers 3, 2, 1 handed over in the backward; layer 3's update is held, so 2 and 1 still wait when
+    the step comes: the step returns at once, queues 0, 1, 2 in the forward's order, and gradients zeroed
+    right after it (Lightning's zero_grad) change nothing: every parameter and state equal the serial step's."""
+    serial_model, eager_model = make_model(), make_model()
+    serial = make_opt(serial_model)
+    eager = Gated(make_opt(eager_model).param_groups, lr=1e-2, eight_bit="none", skip_nonfinite=False,
+                  updates_in_backward=True)
+    hand_over_in_backward(eager_model, eager, [])
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(3)]
+    for x in xs:
+        serial.zero_grad()
+        serial_model(x).pow(2).mean().backward()
+        serial.step()
+    left = 0
+    for x in xs:
+        eager.gate.clear()
+        eager.started.clear()
+        eager_model(x).pow(2).mean().backward()
+        assert eager.started.wait(30)  # the worker holds layer 3's update
+        eager.seal_backward()
+        pipe = eager.step_pipelined(order=list(range(N_LAYERS)))
+        left += pipe.waiting_at_close
+        assert not pipe.done  # the step did not wait: layer 3's update is still held
+        eager.zero_grad(set_to_none=set_to_none)
+        eager.gate.set()
+        pipe.wait_all(timeout=30)
+        eager.order.append("end")
+    assert eager.order == [3, 0, 1, 2, "end"] * len(xs)
+    assert left == 2 * len(xs) == eager.backward_updates_left_at_step
+    assert all(torch.equal(a, b) for a, b in zip(everything(serial_model, serial), everything(eager_model, eager)))
+
+
+def test_an_unsealed_step_still_waits_and_stays_exact():
+    """Without ``seal_backward`` (a loop of one's own) the step reads what the early updates used before
+    deciding: it waits for them, and the order stays the submitted one."""
+    serial_model, eager_model = make_model(), make_model()
+    serial = make_opt(serial_model)
+    eager = make_opt(eager_model, updates_in_backward=True)
+    hand_over_in_backward(eager_model, eager, [])
+    x = torch.randn(8, 64)
+    serial_model(x).pow(2).mean().backward()
+    serial.step()
+    eager_model(x).pow(2).mean().backward()
+    pipe = eager.step_pipelined(order=list(range(N_LAYERS)))
+    assert pipe.waiting_at_close == 0 and all(pipe.is_updated(layer) for layer in (1, 2, 3))
+    pipe.wait_all(timeout=30)
+    assert all(torch.equal(a, b) for a, b in zip(everything(serial_model, serial), everything(eager_model, eager)))
+
+
+def test_under_the_trainer_a_slow_host_update_is_reordered_and_exact():
+    """strategy="lazytrain" with a host update slower than the backward (each layer's update sleeps): the
+    blocks handed over are still waiting at the step, go in the forward's order, and the run equals the
+    one with every update at the step bit for bit."""
+    import time
+
+    from lightning_lazytrain.lit_module import CausalLMModule
+
+    class Slow(HybridAdamW):
+        def _update_layer(self, layer, plan):
+            time.sleep(0.03)
+            super()._update_layer(layer, plan)
+
+    def run(flag):
+        class Module(CausalLMModule):
+            def configure_optimizers(self):
+                return Slow(self.param_groups(), lr=self.lr, eight_bit="none", skip_nonfinite=False,
+                            updates_in_backward=flag)
+
+        torch.manual_seed(0)
+        module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
+        trainer = L.Trainer(strategy=LazyTrainStrategy(policy=plan_in_backward()), accelerator="cpu", max_steps=4,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0)
+        g = torch.Generator().manual_seed(3)
+        data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(4)]
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        opt = trainer.optimizers[0]
+        opt.wait_step()
+        return [p.detach().clone() for p in module.parameters()], opt
+
+    want, _ = run(False)
+    got, opt = run(True)
+    assert opt.backward_updates_left_at_step > 0  # blocks handed over were still waiting at some step
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
