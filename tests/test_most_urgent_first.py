@@ -144,3 +144,36 @@ def test_under_the_trainer_a_slow_host_update_is_reordered_and_exact():
     got, opt = run(True)
     assert opt.backward_updates_left_at_step > 0  # blocks handed over were still waiting at some step
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("call", ["state_dict", "load_state_dict", "wait_step", "zero_grad"])
+def test_what_would_give_up_an_open_step_raises(call):
+    """Between a backward whose updates began and its optimizer step, reading or loading the optimizer's
+    state, waiting for its step or zeroing its gradients would give the open step up, and the step after
+    it would update the layers handed over in the backward a second time: each raises, the step then
+    runs and equals the serial one bit for bit (found by a review: state_dict() there gave two updates)."""
+    serial_model, eager_model = make_model(), make_model()
+    serial, eager = make_opt(serial_model), make_opt(eager_model, updates_in_backward=True)
+    hand_over_in_backward(eager_model, eager, [])
+    x = torch.randn(8, 64)
+    serial_model(x).pow(2).mean().backward()
+    serial.step()
+    saved = eager.state_dict()
+    eager_model(x).pow(2).mean().backward()
+    eager.seal_backward()
+    args = {"load_state_dict": (saved,), "zero_grad": ()}.get(call, ())
+    with pytest.raises(RuntimeError, match=f"{call}\\(\\) between a backward whose updates began"):
+        getattr(eager, call)(*args)
+    eager.step_pipelined(order=list(range(N_LAYERS))).wait_all()
+    assert all(torch.equal(a, b) for a, b in zip(everything(serial_model, serial), everything(eager_model, eager)))
+
+
+def test_abandon_step_gives_an_open_step_up():
+    model = make_model()
+    opt = make_opt(model, updates_in_backward=True)
+    hand_over_in_backward(model, opt, [])
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    assert opt.updating_in_backward
+    opt.abandon_step()
+    assert not opt.updating_in_backward
+    opt.state_dict()  # nothing open any more

@@ -131,7 +131,7 @@ class PipelinedSteps:
         late = sorted(self._handed & late_groups)
         if late:
             for inner, _ in self._eager:
-                inner.wait_step()  # no update still running; the open step is abandoned (logged)
+                inner.abandon_step()  # no update still running; the open step is given up (logged)
             raise RuntimeError(
                 f"HybridAdamW(updates_in_backward=True): blocks {late} were updated during the backward, then their "
                 "gradients changed (a block called again after its gradients were complete, or a post-accumulate-grad "
@@ -185,7 +185,7 @@ class PipelinedSteps:
         self._pending = []
         for inner, _ in self._eager:
             if inner.updating_in_backward:
-                inner.wait_step()
+                inner.abandon_step()
 
     def clear(self) -> None:
         self.finish()

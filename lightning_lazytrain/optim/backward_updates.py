@@ -98,6 +98,20 @@ class BackwardUpdates:
         """The layers handed over in the open step so far (empty: none open)."""
         return self._eager.pipe.submitted if self._eager is not None else ()
 
+    def abandon_step(self) -> None:
+        """Give up a step begun in the backward that will not reach its optimizer step (an error in the
+        backward, teardown): the layers updated so far stay updated, the others are not (logged); then
+        wait for any pipelined step in flight. Nothing to give up: as ``wait_step``."""
+        self._wait_inflight()
+
+    def _refuse_open(self, what: str) -> None:
+        """``what`` (``zero_grad``, ``state_dict``, ``load_state_dict``, ``wait_step``) between a backward
+        whose updates began and its optimizer step raises: it would give the open step up, and the
+        optimizer step after it would update the layers already updated in the backward a second time."""
+        if self._eager is not None:
+            raise RuntimeError(f"{what} between a backward whose updates began (HybridAdamW(updates_in_backward="
+                               "True)) and its optimizer step: step first (or abandon_step() to give the step up)")
+
     def _layer_params(self, layers) -> list[torch.Tensor]:
         return [p for layer in layers for gi in self._layer_groups[layer] for p in self.param_groups[gi]["params"]]
 

@@ -480,7 +480,10 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             pipe.wait_all()
 
     def wait_step(self) -> None:
-        """Block until an in-flight pipelined step is complete (re-raising its error, if any)."""
+        """Block until an in-flight pipelined step is complete (re-raising its error, if any). Between a
+        backward whose updates began (``updates_in_backward``) and its optimizer step there is no complete
+        step to wait for: that raises (``abandon_step`` gives such a step up)."""
+        self._refuse_open("wait_step()")
         self._wait_inflight()
 
     def _clear_layer_grads(self, layer: Hashable, set_to_none: bool) -> None:
@@ -498,9 +501,7 @@ class HybridAdamW(BackwardUpdates, Optimizer):
                     p.grad.zero_()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._eager is not None:
-            raise RuntimeError("zero_grad() between a backward whose updates began (HybridAdamW(updates_in_backward="
-                               "True)) and its optimizer step: step first, then zero the gradients")
+        self._refuse_open("zero_grad()")
         pipe = self._inflight
         if pipe is not None and not pipe.done:
             pipe.request_zero_grad(set_to_none)
@@ -510,6 +511,7 @@ class HybridAdamW(BackwardUpdates, Optimizer):
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
+        self._refuse_open("state_dict()")
         self._wait_inflight()
         return super().state_dict()
 
@@ -519,6 +521,7 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         Tensors move to their parameter's device (CPU <-> CUDA) keeping their dtype (see
         checkpoint.py). The 8/32-bit assignment must be the one the state was saved with.
         """
+        self._refuse_open("load_state_dict()")
         self._wait_inflight()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
