@@ -68,6 +68,8 @@ class Record:
         rec = self
 
         class _Cb(L.Callback):
+            reads_gradients_only = True  # records losses, reads no weight: the step may stay pipelined
+
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 rec.train.append(float(outputs["loss"].item()))
 

@@ -111,7 +111,10 @@ class FitSettings:
     step (Note: [stale norms] in optim/hybrid_adamw.py). ``updates_in_backward``: None when a
     ``HybridAdamW(updates_in_backward=True)`` may update blocks during the backward (the adapter knows
     the step's last micro-batch and that nothing runs between the backward and the step), else why not
-    (Note: [updates in the backward pass] in core/optimizer_steps.py)."""
+    (Note: [updates in the backward pass] in core/optimizer_steps.py). ``step_waits``: None when user code
+    cannot read weights between an optimizer step and the next forward, else why it may: the plan's step
+    is then serial and a pipelined one is waited for (Note: [weights read after the step] in
+    adapters/weight_readers.py)."""
 
     grad_accum: int = 1
     full_microbatches: bool = False
@@ -120,3 +123,4 @@ class FitSettings:
     loss_scaled: bool = False
     norms_trusted: bool = True
     updates_in_backward: str | None = "the loop does not say which micro-batch ends the optimizer step"
+    step_waits: str | None = None

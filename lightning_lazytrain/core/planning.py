@@ -36,11 +36,13 @@ class Profile:
     """A profiled step, as the planner needs it: the executor that ran it, its stats, and what the
     core knows of the run (tokens of a micro-batch, accumulation, the step's micro-batches, when
     the step began, the HybridAdamW optimizers, the gradient sync, a sharded store's measured
-    collective bandwidth, and whether blocks are updated during the backward)."""
+    collective bandwidth, whether blocks are updated during the backward, and whether the optimizer step
+    must be serial)."""
 
     def __init__(self, executor: Executor, stats: StepStats, *, tokens: int, grad_accum: int, micro_batches: int,
                  t_step: float, hybrids: list, grad_sync: Any, shard_store: Any,
-                 shard_bytes_per_s: float | None, updates_in_backward: bool = False) -> None:
+                 shard_bytes_per_s: float | None, updates_in_backward: bool = False,
+                 serial_step: bool = False) -> None:
         self.executor = executor
         self.stats = stats
         self.tokens = tokens
@@ -53,6 +55,8 @@ class Profile:
         self.shard_bytes_per_s = shard_bytes_per_s
         # Note: [updates in the backward pass] (core/optimizer_steps.py): the run's updates may start there
         self.updates_in_backward = updates_in_backward
+        # Note: [weights read after the step] (adapters/weight_readers.py): the step must be serial
+        self.serial_step = serial_step
 
 
 class Planner:
@@ -151,7 +155,8 @@ class Planner:
                 if p.updates_in_backward:  # priced where the updates run (planner/schedule.py)
                     wl = dataclasses.replace(wl, updates_in_backward=True)
                 plan = plan_from_workload(wl, hardware, policy=self.options.policy,
-                                          options=MilpOptions(conversions=self.options.conversions),
+                                          options=MilpOptions(conversions=self.options.conversions,
+                                                              optimizer_mode="serial" if p.serial_step else "auto"),
                                           start=ex.schedule if reason is not None else None, profiled=ex.schedule)
                 plan.state_fraction = fraction
                 plan.timings["hardware"] = t_hw

@@ -226,6 +226,9 @@ class TrainingCore:
         if not self.layout.is_distributed and self.options.nonblock_parts:  # several processes: one part
             split_rest_parts(ex, self.optimizers)
         self._choose_compute_copy()
+        if fit.step_waits is not None and hybrid_adamws(self.optimizers):
+            self._info(f"lazytrain: the optimizer step updates every weight before it returns (no pipelined step): "
+                       f"{fit.step_waits}")
 
     def add_optimizer(self, optimizer: Any) -> None:
         """One more optimizer of the module's parameters (Fabric sets them up one by one)."""
@@ -418,7 +421,7 @@ class TrainingCore:
                           micro_batches=micro_batches, t_step=self._t_step, hybrids=hybrid_adamws(self.optimizers),
                           grad_sync=self.grad_sync, shard_store=self.shard_store(),
                           shard_bytes_per_s=self._shard_bytes_per_s,
-                          updates_in_backward=self._updates_in_backward())
+                          updates_in_backward=self._updates_in_backward(), serial_step=self.fit.step_waits is not None)
         plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
         if plan is None:  # a re-plan that keeps the current schedule
             return
@@ -461,6 +464,8 @@ class TrainingCore:
         if self.steps.order(optimizer) is None:
             return False
         self.steps.start(optimizer)
+        if self.fit.step_waits is not None:  # Note: [weights read after the step] (adapters/weight_readers.py)
+            self.steps.finish()
         return True
 
     def finish_optimizer_steps(self) -> None:
