@@ -361,6 +361,8 @@ def _seq_net(mixed: bool) -> L.LightningModule:
 @pytest.mark.parametrize("policy", ["milp", "recompute_all", "megatrain"])
 def test_sequential_stack_trains_as_auto(policy: str, mixed: bool) -> None:
     class Streamed(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def __init__(self) -> None:
             self.paths: list[tuple[str, int]] = []
 

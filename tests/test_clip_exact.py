@@ -44,6 +44,7 @@ class Record(L.Callback):
     Lightning's ``clip_grad_norm_`` returned (recorded by ``fit``), under lazytrain the fused clip's
     own (``HybridAdamW.last_grad_norm``). No hook between the backward and the step here: one would
     make the fused clip take its norms at the step (Note: [stale norms] in optim/hybrid_adamw.py)."""
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
 
     def __init__(self):
         self.losses, self.norms = [], []

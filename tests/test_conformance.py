@@ -112,6 +112,8 @@ class ManualNet(Net):
 
 
 class Losses(L.Callback):
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
     def __init__(self):
         self.values = []
 
@@ -518,6 +520,8 @@ def test_a_step_whose_backward_skips_blocks_is_not_the_profile(caplog):
     import logging
 
     class Planned(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def __init__(self):
             self.after_step = []
 

@@ -128,6 +128,8 @@ def test_conversions_on_the_device_train_as_on_the_host(conversions, policy, tmp
     placed = []
 
     class Placed(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def on_train_batch_end(self, trainer, *args):
             placed.append(trainer.strategy.executor.params.placement)
 

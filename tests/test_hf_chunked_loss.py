@@ -103,6 +103,8 @@ def test_the_strategy_option_trains_as_the_modules_own_loss_without_the_full_log
     plans = []
 
     class Seen(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def on_train_batch_end(self, trainer, *args):
             plans.append(getattr(trainer.strategy, "plan", None))
 

@@ -21,6 +21,7 @@ pytest.importorskip("bitsandbytes")
 
 class Seen(L.Callback):
     """What the plan had (the strategy drops it at teardown)."""
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
 
     def __init__(self):
         self.plan = None

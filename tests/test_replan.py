@@ -152,6 +152,7 @@ def test_link_rates_are_bytes_over_busy_time():
 
 class SlowsDown(L.Callback):
     """Makes the emulated host<->device link `factor` times slower from step `at` on."""
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
 
     def __init__(self, at: int, factor: float):
         self.at, self.factor = at, factor
@@ -233,6 +234,7 @@ def test_a_slower_link_mid_run_triggers_one_replan_and_training_stays_exact():
 class SlowProfile(L.Callback):
     """Every block's forward sleeps ``seconds`` during the first (profiled) step only: a burst of load
     while the profile is taken. Records the prediction of every step."""
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -281,6 +283,8 @@ def test_warm_up_steps_run_before_the_profiled_one_and_training_stays_exact():
     from test_conformance import Net, fit
 
     class PlanSeen(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def __init__(self):
             self.planned = []
 

@@ -66,6 +66,8 @@ def offload_and_recompute_plan(path) -> str:
 
 
 class Losses(L.Callback):
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
     def __init__(self):
         self.values = []
 
@@ -461,6 +463,8 @@ def test_a_replan_inside_the_closure_that_makes_the_step_serial_steps_serially(m
         raise RuntimeError("does not fit")
 
     class ReplanAtStep2(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 2:
                 trainer.strategy.core.planner.replan_reason = "test: a forced re-plan"
@@ -516,6 +520,8 @@ def test_the_host_jobs_fixed_cost_is_measured_only_for_conversions_to_place(monk
     plans = []
 
     class Plan(L.Callback):
+        reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             plans.append(trainer.strategy.core.plan)
 

@@ -120,6 +120,8 @@ def test_a_change_after_the_backward_is_refused_loudly(change):
 
 # ---- under the Trainer ------------------------------------------------------------------------------
 class Losses(L.Callback):
+    reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
+
     def __init__(self):
         self.values = []
         self.plan = None
