@@ -177,3 +177,37 @@ def test_abandon_step_gives_an_open_step_up():
     opt.abandon_step()
     assert not opt.updating_in_backward
     opt.state_dict()  # nothing open any more
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_layer_is_updated_once_whatever_the_timing(seed):
+    """The worker's queue under random timing: layers submitted while others run (slow or not), the step
+    closed in a random order (reordered or not) or aborted: every layer updated exactly once, an abort
+    leaving exactly the layers never submitted."""
+    import random
+    import time
+
+    rng = random.Random(seed)
+    layers = ["rest", 0, 1, 2, 3, 4, 5]
+    counts: dict = {}
+
+    def update(layer):
+        if rng.random() < 0.3:
+            time.sleep(0.002 * rng.random())
+        counts[layer] = counts.get(layer, 0) + 1
+
+    pipe = LayerPipeline(layers, update, lambda layer, none: None, open_ended=True).start()
+    handed = rng.sample([1, 2, 3, 4, 5], rng.randint(0, 5))
+    for layer in handed:
+        delay = 0.002 * rng.random() if rng.random() < 0.5 else 0.0
+        pipe.submit(layer, after=(lambda d=delay: time.sleep(d)))
+    if rng.random() < 0.2:
+        left = pipe.abort()
+        pipe.wait_all(timeout=30)
+        assert set(left) == set(layers) - set(handed)
+        assert counts == {layer: 1 for layer in handed}
+        return
+    order = rng.sample(layers, len(layers))
+    pipe.close(order, reorder=rng.random() < 0.7)
+    pipe.wait_all(timeout=30)
+    assert counts == {layer: 1 for layer in layers}
