@@ -445,6 +445,9 @@ class Clock:
         self.starts: dict[int, float] = {}
         self.ends: dict[int, float] = {}
         self.opt_starts: dict[int, float] = {}
+        # the forward / backward split of each step (Note: [phase marks]): CUDA events on the compute stream
+        # (no synchronise: the host runs ahead as in training), perf_counter on the CPU
+        self.marks: dict[int, dict[str, Any]] = {}
         self.k = -1
         self.reset_peak: Callable[[], None] = (lambda: torch.cuda.reset_peak_memory_stats()) if self.cuda else (
             lambda: None)
@@ -466,10 +469,28 @@ class Clock:
         for fn in self.hooks[name]:
             fn()
 
+    def _mark(self, name: str) -> None:
+        """Note: [phase marks] A phase boundary of step ``k``: on CUDA an event on the current stream, which
+        the GPU passes once the work queued before it is done -- the forward's end as the device ran it,
+        its waits for host updates included -- without stopping the host; on the CPU the time now."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.setdefault(self.k, {})[name] = ev
+        else:
+            self.marks.setdefault(self.k, {})[name] = time.perf_counter()
+
+    def _between(self, k: int, a: str, b: str) -> float | None:
+        m = self.marks.get(k, {})
+        if a not in m or b not in m:
+            return None
+        return m[a].elapsed_time(m[b]) / 1e3 if self.cuda else m[b] - m[a]
+
     def start(self, k: int) -> None:
         self.sync()
         self.k = k
         self.starts[k] = time.perf_counter()
+        self._mark("start")
         if k == self.first_timed:
             self.reset_peak()
             self._run("first_timed")
@@ -485,9 +506,13 @@ class Clock:
             say(f"step {k} of {self.total}: " + ("first" if k == 0 else "timed steps start" if k == self.first_timed
                                                  else "profiled step"))
 
+    def before_backward(self) -> None:
+        self._mark("backward")
+
     def before_optimizer(self) -> None:
         self.sync()
         self.opt_starts[self.k] = time.perf_counter()
+        self._mark("optimizer")
 
     def end(self, k: int) -> None:
         self.sync()
@@ -519,6 +544,15 @@ class Clock:
         if opt:
             out["optimizer_seconds"] = statistics.median(opt)
             out["optimizer_seconds_each"] = [round(s, 4) for s in opt]
+        # Note: [phase marks]: the timed steps' forward (from the step's start: T's waits for the updated
+        # non-block weights and block 0 included) and backward (to the optimizer step), medians
+        phases = {}
+        for name, (a, b) in {"forward": ("start", "backward"), "backward": ("backward", "optimizer")}.items():
+            got = [x for k in range(self.first_timed, self.profiled) if (x := self._between(k, a, b)) is not None]
+            if got:
+                phases[name] = round(statistics.median(got), 4)
+        if phases:
+            out["phase_seconds"] = phases
         if self.cuda and timed:
             out["max_memory_allocated_gb"] = self.allocated / GB
             out["max_memory_reserved_gb"] = self.reserved / GB
@@ -571,6 +605,9 @@ def lightning_probe(clock: Clock):
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             clock.start(batch_idx)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            clock.before_backward()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             clock.before_optimizer()
@@ -964,6 +1001,7 @@ def run_fsdp2(a: argparse.Namespace, res: dict, save: Callable[..., None]) -> No
             clock.start(k)
             tokens = data[k].to(a.device, non_blocking=True)
             loss = hf_loss(model, tokens)
+            clock.before_backward()
             loss.backward()
             clock.before_optimizer()
             try:
