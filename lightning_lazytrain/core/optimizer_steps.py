@@ -67,6 +67,7 @@ class PipelinedSteps:
         self._pending = []
         self._plans = {}
         self._eager = []
+        ex.on_part_final, ex.early_part_set = None, frozenset()  # Note: [early non-block parts]
         if ex.params is not None and ex.params.final_grads_hook == self._on_final_grads:
             ex.params.set_final_grads_hook(None)
         if ex.params is None or ex.schedule.optimizer != "pipelined":
@@ -106,6 +107,7 @@ class PipelinedSteps:
                 self._eager = []
             elif why is None:
                 ex.params.set_final_grads_hook(self._on_final_grads)
+                ex.on_part_final, ex.early_part_set = self._on_part_final, self._early_parts(ex)
             else:
                 log.warning("HybridAdamW(updates_in_backward=True): the updates wait for the optimizer step "
                             "(pipelined under the next forward) because %s", why)
@@ -119,6 +121,31 @@ class PipelinedSteps:
         self._handed.add(layer)
         for inner, block_layer in self._eager:
             inner.update_in_backward(block_layer[layer], after=accumulated.wait)
+
+    def _early_parts(self, ex: Executor) -> frozenset[int]:
+        """Note: [early non-block parts] (engine/early_parts.py): the parts p >= 1 of the non-block weights
+        that every such optimizer's layers lie wholly inside (a layer handed over must be complete)."""
+        assert ex.params is not None
+        parts = len(ex.params.rest_parts)
+        rest = {id(q) for q in ex.params.group_parameters(REST)}
+        ok = set(range(1, parts))
+        for inner, _ in self._eager:
+            part_layers = self._plans[id(inner)][2]
+            for k in range(1, parts):
+                inside = {id(q) for q in ex.params.rest_part_parameters(k)}
+                layer_rest = [{id(q) for g in inner.param_groups if g["layer"] == layer for q in g["params"]} & rest
+                              for layer in part_layers[k]]
+                if not part_layers[k] or any(not ids <= inside for ids in layer_rest):
+                    ok.discard(k)
+        return frozenset(ok)
+
+    def _on_part_final(self, part: int, accumulated: Any) -> None:
+        """Part ``part`` of the non-block weights was written back during the backward (Note: [early
+        non-block parts]): its layers go to the optimizer once their accumulation is done."""
+        self._handed.add(REST)
+        for inner, _ in self._eager:
+            for layer in self._plans[id(inner)][2][part]:
+                inner.update_in_backward(layer, after=accumulated.wait)
 
     def arm(self, on: bool) -> None:
         """This micro-batch's final gradients are (``on``) or are not the step's: hand them over."""

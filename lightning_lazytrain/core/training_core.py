@@ -307,6 +307,7 @@ class TrainingCore:
         # (nor one whose post-accumulate-grad hooks may change the gradients after they were handed over)
         self.steps.arm(self.automatic and self._last_of_step and not ex.profiling and not self._late_grads_seen
                        and not self._post_hooks)
+        ex.early_parts_armed = self.steps.armed and self.steps.updates_in_backward  # Note: [early non-block parts]
         if first:
             self._micro_index = 0
             self._t_step = time.perf_counter()

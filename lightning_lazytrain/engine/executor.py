@@ -50,6 +50,7 @@ from lightning_lazytrain.engine.block_fn import (AdhocPass, BlockContext, BlockF
 from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardState, UnsupportedBlockPattern, rerun_call
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
+from lightning_lazytrain.engine.early_parts import EarlyParts
 from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks, PartialForward
@@ -58,6 +59,7 @@ from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks, tensor_hook_names
 from lightning_lazytrain.engine.window_memory import WindowMemory
+from lightning_lazytrain.engine.worker import CopyHandle
 from lightning_lazytrain.planner.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,13 @@ class Executor:
         self.measure_memory = False  # True: measure real device bytes per window (always while profiling)
         self._mem: WindowMemory | None = None  # while a step measures its device bytes
         self.rest_parts: list[list[nn.Parameter]] = []  # see set_rest_parts
+        # Note: [early non-block parts] (early_parts.py): the parts that may be written back and handed over
+        # during the backward, the optimizer's hand-over (both set by core/optimizer_steps.PipelinedSteps),
+        # whether this micro-batch is armed for it (the training core), and the micro-batch's watch
+        self.early_part_set: frozenset[int] = frozenset()
+        self.on_part_final: Callable[[int, CopyHandle], None] | None = None
+        self.early_parts_armed = False
+        self._early: EarlyParts | None = None
         self.placement: dict[str, list[int]] = {}  # see set_placement
         # sharded data parallel (engine/shard_store.py): the process group whose ranks share every
         # block's host state ("world": the default group); None: this process holds all of it
@@ -179,6 +188,29 @@ class Executor:
     @nvme_required_bytes.setter
     def nvme_required_bytes(self, nbytes: int) -> None:
         self._nvme_required = int(nbytes)
+
+    def _watch_early_parts(self, last: bool) -> None:
+        """Note: [early non-block parts]: watch this micro-batch's non-block gradients (an armed last one)."""
+        assert self.params is not None
+        self._early = None
+        if last and self.early_parts_armed and self.early_part_set and self.on_part_final is not None:
+            parts = {p: self.params.rest_part_parameters(p) for p in self.early_part_set
+                     if 0 < p < len(self.params.rest_parts)}
+            if parts:
+                self._early = EarlyParts(parts, self._send_early_part)
+        self.params.arrival_watch = self._early.arrived if self._early is not None else None
+
+    def _send_early_part(self, part: int) -> bool:
+        """Part ``part``'s gradients are complete (autograd's thread, during the backward): write it back
+        and hand it to the optimizer, while a block's backward is still to come and a part is left for T."""
+        assert self.params is not None and self._early is not None and self.on_part_final is not None
+        if self._micro is None or self._b_next < 0 or len(self._early.sent) + 2 > len(self.params.rest_parts):
+            return False
+        pending = self.params.send_grads(REST, part=part)
+        self.params.finish_grads(pending, norm=False, final=False, wait=False)
+        assert pending.slot.accumulated is not None
+        self.on_part_final(part, pending.slot.accumulated)
+        return True
 
     def _wait_for_update(self, j: int) -> None:
         """``wait_updated(j)``, the seconds this thread is blocked on it counted in the step's
@@ -339,6 +371,7 @@ class Executor:
             return
         self._stop_memory()
         assert self.acts is not None
+        self._watch_early_parts(False)
         self._finish_grads()
         self._exit.close()
         self._evict_lazy_slots()
@@ -379,6 +412,7 @@ class Executor:
         self._backprops: dict[int, int] = {}  # block -> backwards run in this micro-batch (planned, ad hoc)
         self._ctxs: dict[int, BlockContext] = {}  # block -> its planned pass's node, until its backward window
         self.params.post_hooks.reset()
+        self._watch_early_parts(last)
         self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
         self._shared = SharedInputs()  # Note: [one gradient per shared input] (block_fn.py)
         if first:
@@ -440,11 +474,16 @@ class Executor:
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
         self._retire_residents(0)  # layer 0's slot lives on between the micro-batches of a step
         self._flush_adhoc_grads()
+        early = self._early.sent if self._early is not None else set()  # Note: [early non-block parts]
         if self.take_norms:
             self.stats.grad_norms[REST] = {}
-            self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST, param_norms=self.stats.grad_norms[REST])
+            self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST, param_norms=self.stats.grad_norms[REST],
+                                                                           skip=early)
         else:  # Note: [norms only when wanted]
-            self.params.write_back_grads(REST, norm=False, final=True)
+            self.params.write_back_grads(REST, norm=False, final=True, skip=early)
+        if self._early is not None and self._early.late:
+            self.stats.late_groups.add(REST)
+        self._watch_early_parts(False)
         self._exit.close()
         self.acts.end_step()
         self.engine.synchronize()

@@ -17,7 +17,7 @@ gradients never land directly (``take_grads`` reads the landing buffer).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -70,21 +70,26 @@ class GradWriteBack:
 
     def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
                          param_norms: dict[nn.Parameter, torch.Tensor] | None = None,
-                         final: bool | None = None) -> torch.Tensor | None:
+                         final: bool | None = None, skip: Collection[int] = ()) -> torch.Tensor | None:
         """D2H the slot's grads, add them into the host fp32 ``.grad`` of the masters.
 
         Returns the group's squared grad norm (0-dim fp32, of the accumulated
         host grad) for global-norm clipping, or None with ``norm=False``;
-        ``param_norms`` and ``final`` (default: ``norm``) as in ``finish_grads``.
+        ``param_norms`` and ``final`` (default: ``norm``) as in ``finish_grads``. ``skip``: the parts of
+        the non-block group written back already (Note: [early non-block parts] in early_parts.py;
+        never all of them, nor part 0).
         """
         final = norm if final is None else final
         if layer == REST and len(self._rest_parts) > 1:  # Note: [non-block parts]: part p's
             # accumulation overlaps part p+1's D2H; the norms come with the last part (every part in)
-            last = len(self._rest_parts) - 1
-            pending = [self.send_grads(layer, slot, part=p) for p in range(last + 1)]
-            for p in range(last):
-                self.finish_grads(pending[p], norm=False, final=False, wait=False)
-            return self.finish_grads(pending[last], norm=norm, final=final, param_norms=param_norms)
+            parts = [p for p in range(len(self._rest_parts)) if p not in skip]
+            if not parts or parts[0] != 0:
+                raise ValueError(f"write_back_grads(skip={sorted(skip)}): part 0 and at least one part are written "
+                                 "back here")
+            pending = [self.send_grads(layer, slot, part=p) for p in parts]
+            for pend in pending[:-1]:
+                self.finish_grads(pend, norm=False, final=False, wait=False)
+            return self.finish_grads(pending[-1], norm=norm, final=final, param_norms=param_norms)
         return self.finish_grads(self.send_grads(layer, slot), norm=norm, final=final, param_norms=param_norms)
 
     def send_grads(self, layer: int, slot: int | None = None, *, part: int | None = None,

@@ -146,6 +146,8 @@ class ParamStore(GradWriteBack):
         self._on_final_grads: FinalGradsHook | None = None
         # the user's post-accumulate-grad hooks on the masters (Note: [gradient hooks on streamed parameters])
         self.post_hooks = PostAccumulateHooks()
+        # each non-block gradient as it is accumulated (Note: [early non-block parts] in early_parts.py)
+        self.arrival_watch: Callable[[nn.Parameter], None] | None = None
         self._groups = self._build_groups()
         self._index = {id(info): k for grp in self._groups.values() for k, info in enumerate(grp.params)}
         self._owner = {id(info): gid for gid, grp in self._groups.items() for info in grp.params}
@@ -724,6 +726,8 @@ class ParamStore(GradWriteBack):
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
         s.touched.add(key)
         self.post_hooks.arrived(key, master)
+        if self.arrival_watch is not None and s.gid == REST:
+            self.arrival_watch(master)
 
     def close(self) -> None:
         """Finish copies and drop the device buffers; the module keeps its host masters."""

@@ -1,0 +1,58 @@
+"""Non-block parts whose gradients are complete before the backward ends, written back and handed over then.
+
+Note: [early non-block parts]
+    The non-block weights are staged for the whole step and their gradients are written back in T,
+    after the backward (Note: [non-block parts] in planner/schedule.py). With the updates in the backward
+    (Note: [updates in the backward pass] in core/optimizer_steps.py), a part whose gradients are complete
+    while blocks' backwards are still to come -- an untied head with the final norm: autograd
+    accumulates them before the last block's backward begins -- is written back at once (its D2H and
+    host accumulation) and handed to the optimizer, so its host update runs under the blocks' backward
+    instead of in T, before the next forward. A part is complete when every parameter of it that
+    requires grad has had its gradient accumulated in this micro-batch (the post-accumulate-grad hooks of
+    the bound weights; autograd accumulates a leaf once per backward, after its every use, so a weight
+    tied to the embedding completes only at the end). Only in an armed micro-batch (a step's last),
+    only for parts that the optimizer's layers lie wholly inside and never part 0 (its write-back
+    collects the whole buffer: ``Executor.early_part_set``), only while a block's backward is still to
+    come, and never the last part left for T. A gradient arriving for a part after it was written back (a
+    second backward in one micro-batch) marks the non-block group late, and the training core raises
+    (``PipelinedSteps.check_late``: an update cannot be taken back). The plan still prices the parts'
+    updates in T (an upper bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from torch import nn
+
+__all__ = ["EarlyParts"]
+
+
+class EarlyParts:
+    """One micro-batch's watch: which eligible parts' gradients are complete (``arrived``, from the bound
+    weights' post-accumulate-grad hooks), and ``send(part) -> bool`` for each that completes."""
+
+    def __init__(self, parts: Mapping[int, Iterable[nn.Parameter]], send: Callable[[int], bool]) -> None:
+        self._left = {p: {id(q) for q in params if q.requires_grad} for p, params in parts.items()}
+        self._part_of = {key: p for p, keys in self._left.items() for key in keys}
+        self._left = {p: keys for p, keys in self._left.items() if keys}
+        self._send = send
+        self.sent: set[int] = set()
+        self.late = False
+
+    def arrived(self, master: nn.Parameter) -> None:
+        key = id(master)
+        p = self._part_of.get(key)
+        if p is None:
+            return
+        if p in self.sent:  # written back already: this gradient came too late for it
+            self.late = True
+            return
+        left = self._left.get(p)
+        if left is None:
+            return
+        left.discard(key)
+        if not left:
+            del self._left[p]
+            if self._send(p):
+                self.sent.add(p)
