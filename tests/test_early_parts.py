@@ -26,6 +26,29 @@ def test_a_part_is_sent_once_all_of_its_gradients_arrived_and_late_ones_are_flag
     declined = EarlyParts({2: [c]}, lambda p: False)
     declined.arrived(c)
     assert declined.sent == set()  # the executor declined: left for T
+    declined.arrived(c)
+    assert not declined.late  # and a later gradient for it is T's
+
+
+def test_requires_grad_is_read_when_gradients_arrive():
+    """A parameter made trainable after the watch began is waited for; one made trainable after its part
+    went marks the part late (found by a review: the watch read requires_grad once, at the start)."""
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    b.requires_grad_(False)
+    sent: list[int] = []
+    watch = EarlyParts({1: [a, b]}, lambda p: sent.append(p) is None)
+    b.requires_grad_(True)  # the training step makes it trainable before the forward
+    watch.arrived(a)
+    assert sent == []
+    watch.arrived(b)
+    assert sent == [1]
+    c, d = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    d.requires_grad_(False)
+    watch = EarlyParts({1: [c, d]}, lambda p: True)
+    watch.arrived(c)
+    d.requires_grad_(True)
+    watch.arrived(d)
+    assert watch.late
 
 
 @pytest.mark.parametrize("tied", [False, True])

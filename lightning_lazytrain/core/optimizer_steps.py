@@ -159,8 +159,9 @@ class PipelinedSteps:
         if late:
             for inner, _ in self._eager:
                 inner.abandon_step()  # no update still running; the open step is given up (logged)
+            what = ", ".join("the non-block weights" if j == REST else f"block {j}" for j in late)
             raise RuntimeError(
-                f"HybridAdamW(updates_in_backward=True): blocks {late} were updated during the backward, then their "
+                f"HybridAdamW(updates_in_backward=True): {what} were updated during the backward, then their "
                 "gradients changed (a block called again after its gradients were complete, or a post-accumulate-grad "
                 "hook registered during the fit): this step cannot be exact. Use updates_in_backward=False for this "
                 "model.")

@@ -13,8 +13,12 @@ Note: [early non-block parts]
     tied to the embedding completes only at the end). Only in an armed micro-batch (a step's last),
     only for parts that the optimizer's layers lie wholly inside and never part 0 (its write-back
     collects the whole buffer: ``Executor.early_part_set``), only while a block's backward is still to
-    come, and never the last part left for T. A gradient arriving for a part after it was written back (a
-    second backward in one micro-batch) marks the non-block group late, and the training core raises
+    come, and never the last part left for T. Which parameters require grad is read at each arrival (a
+    training step may set it on a master after the micro-batch began: the bind follows it), and a part
+    written back early collects its own parameters' gradients first (under ``create_graph`` autograd
+    replaces a bound weight's ``.grad`` instead of adding into the buffer). A gradient arriving for a
+    part after it was written back (a second backward in one micro-batch, a parameter made trainable
+    after its part went) marks the non-block group late, and the training core raises
     (``PipelinedSteps.check_late``: an update cannot be taken back). The plan still prices the parts'
     updates in T (an upper bound).
 """
@@ -33,26 +37,26 @@ class EarlyParts:
     weights' post-accumulate-grad hooks), and ``send(part) -> bool`` for each that completes."""
 
     def __init__(self, parts: Mapping[int, Iterable[nn.Parameter]], send: Callable[[int], bool]) -> None:
-        self._left = {p: {id(q) for q in params if q.requires_grad} for p, params in parts.items()}
-        self._part_of = {key: p for p, keys in self._left.items() for key in keys}
-        self._left = {p: keys for p, keys in self._left.items() if keys}
+        self._params = {p: list(params) for p, params in parts.items()}
+        self._part_of = {id(q): p for p, params in self._params.items() for q in params}
+        self._arrived: dict[int, set[int]] = {p: set() for p in self._params}
         self._send = send
         self.sent: set[int] = set()
+        self.declined: set[int] = set()
         self.late = False
 
     def arrived(self, master: nn.Parameter) -> None:
-        key = id(master)
-        p = self._part_of.get(key)
-        if p is None:
+        p = self._part_of.get(id(master))
+        if p is None or p in self.declined:
             return
         if p in self.sent:  # written back already: this gradient came too late for it
             self.late = True
             return
-        left = self._left.get(p)
-        if left is None:
-            return
-        left.discard(key)
-        if not left:
-            del self._left[p]
+        got = self._arrived[p]
+        got.add(id(master))
+        # complete: every parameter that requires grad now has its gradient (read now, not at the start)
+        if all(id(q) in got for q in self._params[p] if q.requires_grad):
             if self._send(p):
                 self.sent.add(p)
+            else:
+                self.declined.add(p)

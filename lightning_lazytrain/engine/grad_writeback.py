@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
-from lightning_lazytrain.engine.param_groups import ParamGroup, Slot
+from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot
 
 __all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
 
@@ -104,8 +104,9 @@ class GradWriteBack:
         if not part:
             grads = self._collect_grads(s)
             s.prior_accumulated = s.accumulated
-        else:
-            grads = self._ensure_grad_buffers(s)
+        else:  # part 0's collected every part's; a part written back before it collects its own (Note:
+            # [early non-block parts] in early_parts.py)
+            grads = self._collect_grads(s, infos)
         via = self._via.get("d2h") if layer in self._device_widen else None  # Note: [conversion on the device]
         g = self._group(layer)
         landed = s.grad_host
@@ -129,11 +130,15 @@ class GradWriteBack:
             return False
         return all(info.param.grad is None for info in infos)
 
-    def _collect_grads(self, s: Slot) -> torch.Tensor:
-        """The slot's flat grad buffer with every wrapper's gradient in it."""
+    def _collect_grads(self, s: Slot, only: Iterable[ParamEntry] | None = None) -> torch.Tensor:
+        """The slot's flat grad buffer with every wrapper's gradient in it (``only``: those of these
+        parameters, a part's)."""
         grads = self._ensure_grad_buffers(s)
+        keep = None if only is None else {id(i) for i in only}
         with torch.no_grad():
             for info, w in s.wrappers:
+                if keep is not None and id(info) not in keep:
+                    continue
                 # Grads that did not land in place: create_graph=True makes
                 # AccumulateGrad replace .grad by (old + new); user code may
                 # have set it to None (= zero).
