@@ -1,7 +1,8 @@
 """Early non-block parts (Note: [early non-block parts] in engine/early_parts.py): cases where the part's
 gradient is not what the device buffer holds when the part is complete by its watch. Each fit with
 HybridAdamW(updates_in_backward=True) must equal the same fit with updates_in_backward=False bit for bit
-(as it did before the early parts: the head went with T)."""
+(as it did before the early parts: the head went with T). Since 4eb7206 an early part collects its own
+gradients (create_graph), and a LightningModule that overrides ``backward`` keeps the updates for the step."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def _fit(updates_in_backward: bool, *, create_graph: bool = False, toggle_norm: 
                 self._norm_master.requires_grad_(self.global_step % 2 == 1)
             return super().training_step(batch, batch_idx)
 
-        def backward(self, loss, *args, **kwargs):
-            loss.backward(create_graph=create_graph)
+        if create_graph:
+            def backward(self, loss, *args, **kwargs):
+                loss.backward(create_graph=True)
 
     torch.manual_seed(0)
     module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
@@ -64,6 +66,9 @@ def test_an_early_part_writes_back_the_gradient_the_serial_step_sees(case):
     kw = {"create_graph": True} if case == "create_graph" else {"toggle_norm": True}
     want, want_params, _ = _fit(False, **kw)
     got, got_params, opt = _fit(True, **kw)
-    assert "head" in opt.in_backward  # the early path ran
+    if case == "create_graph":  # an overridden backward keeps the updates for the step (it may run several passes)
+        assert opt.in_backward == []
+    else:
+        assert "head" in opt.in_backward  # the early path ran
     differ = [n for n in want_params if not torch.equal(want_params[n], got_params[n])]
     assert not differ and got == want, differ[-2:]

@@ -328,8 +328,9 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         scaled = scaler is not None and scaler.is_enabled()
         # Note: [updates in the backward pass] (core/optimizer_steps.py): why blocks may not be updated
         # during the backward (None: they may)
-        # (an overridden optimizer_step may run the closure without stepping, or step with something else)
-        own_step = [n for n in ("optimizer_step", "optimizer_zero_grad") if is_overridden(n, module)]
+        # (an overridden optimizer_step may run the closure without stepping, or step with something else; an
+        # overridden backward may run several backward passes, or one with create_graph)
+        own_step = [n for n in ("optimizer_step", "optimizer_zero_grad", "backward") if is_overridden(n, module)]
         in_backward = ("manual optimization" if not module.automatic_optimization else
                        f"the LightningModule overrides {' and '.join(own_step)}" if own_step else
                        f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient first"
