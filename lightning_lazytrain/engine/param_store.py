@@ -710,13 +710,16 @@ class ParamStore(GradWriteBack):
                 # Same mechanism as torch.func.functional_call; bypasses
                 # registration hooks that would fire per layer per step.
                 m._parameters[name] = w
-        handles = [m.register_forward_pre_hook(_follower(pairs)) for m, pairs in follow.values()]
+        followers = [_Follower(pairs) for _, pairs in follow.values()]
+        handles = [m.register_forward_pre_hook(f) for (m, _), f in zip(follow.values(), followers)]
         s.bound = True
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+            for f in followers:  # set through the module after its last call: the master follows too
+                f()
             for info, _ in s.wrappers:
                 for m, name in info.sites:
                     m._parameters[name] = info.param
@@ -765,10 +768,21 @@ def upcast_parameters(module: nn.Module) -> int:
     return changed
 
 
-def _follower(pairs: list) -> Any:
-    """A forward pre-hook that gives each compute copy its master's current ``requires_grad``."""
-    def hook(module: nn.Module, args: Any) -> None:
-        for master, w in pairs:
-            if w.requires_grad != master.requires_grad:
+class _Follower:
+    """A long bind's ``requires_grad``, both ways (``bind(follow_requires_grad=True)``), as a forward pre-hook
+    of each module holding the pairs' compute copies and once more when the bind ends: set on a master
+    (Lightning's ``toggle_optimizer``), the compute copy follows; set on the compute copy (user code that
+    reaches the weight through the module during the step, where the module holds the copy), the master
+    follows, as under plain autograd, where the module's parameter is the master."""
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs
+        self._last = {id(w): w.requires_grad for _, w in pairs}
+
+    def __call__(self, module: nn.Module | None = None, args: Any = None) -> None:
+        for master, w in self.pairs:
+            if w.requires_grad != self._last[id(w)]:  # set through the module: the master follows
+                master.requires_grad_(w.requires_grad)
+            elif w.requires_grad != master.requires_grad:  # set on the master: the compute copy follows
                 w.requires_grad_(master.requires_grad)
-    return hook
+            self._last[id(w)] = w.requires_grad
