@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import lightning as L
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from lightning_lazytrain.strategy import LazyTrainStrategy
 from test_optim_pipeline import N_LAYERS, make_model
 from test_optim_pipeline import all_tensors as everything
 from test_updates_in_backward import hand_over_in_backward, make_opt, plan_in_backward
+from test_weights_read_after_step import fit
 
 
 def gated_pipeline(reorder: bool) -> tuple[list, LayerPipeline]:
@@ -113,35 +113,8 @@ def test_under_the_trainer_a_slow_host_update_is_reordered_and_exact():
     """strategy="lazytrain" with a host update slower than the backward (each layer's update sleeps): the
     blocks handed over are still waiting at the step, go in the forward's order, and the run equals the
     one with every update at the step bit for bit."""
-    import time
-
-    from lightning_lazytrain.lit_module import CausalLMModule
-
-    class Slow(HybridAdamW):
-        def _update_layer(self, layer, plan):
-            time.sleep(0.03)
-            super()._update_layer(layer, plan)
-
-    def run(flag):
-        class Module(CausalLMModule):
-            def configure_optimizers(self):
-                return Slow(self.param_groups(), lr=self.lr, eight_bit="none", skip_nonfinite=False,
-                            updates_in_backward=flag)
-
-        torch.manual_seed(0)
-        module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
-        trainer = L.Trainer(strategy=LazyTrainStrategy(policy=plan_in_backward()), accelerator="cpu", max_steps=4,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0)
-        g = torch.Generator().manual_seed(3)
-        data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(4)]
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-        opt = trainer.optimizers[0]
-        opt.wait_step()
-        return [p.detach().clone() for p in module.parameters()], opt
-
-    want, _ = run(False)
-    got, opt = run(True)
+    want, _ = fit(LazyTrainStrategy(policy=plan_in_backward()), updates_in_backward=False)
+    got, opt = fit(LazyTrainStrategy(policy=plan_in_backward()), updates_in_backward=True)
     assert opt.backward_updates_left_at_step > 0  # blocks handed over were still waiting at some step
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -143,20 +143,24 @@ class CountingHybridAdamW(HybridAdamW):
         super().update_in_backward(layer, after)
 
 
-def plan_in_backward(layers: int = 4) -> str:
-    """A plan file: recompute_all with the updates in the backward (a plan file's choice is kept; the
-    planner would pick the faster way for this tiny CPU model)."""
-    import dataclasses
+def plan_file(schedule) -> str:
+    """A plan file holding ``schedule`` (a plan file's choice is kept: the planner would pick its own)."""
     import json
     import tempfile
 
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"schedule": schedule.to_json()}, f)
+    return f.name
+
+
+def plan_in_backward(layers: int = 4) -> str:
+    """A plan file: recompute_all with the updates in the backward (the planner would pick the faster way
+    for this tiny CPU model)."""
+    import dataclasses
+
     from lightning_lazytrain.planner import recompute_all
 
-    s = dataclasses.replace(recompute_all(layers), updates_in_backward=True, policy="test-in-backward")
-    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump({"schedule": s.to_json()}, f)
-    f.close()
-    return f.name
+    return plan_file(dataclasses.replace(recompute_all(layers), updates_in_backward=True, policy="test-in-backward"))
 
 
 def fit_tiny(updates_in_backward: bool, *, accumulate: int = 1, clip: float | None = None, steps: int = 5,

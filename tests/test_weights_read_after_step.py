@@ -4,8 +4,6 @@ as under strategy="auto" (Note: [weights read after the step] in adapters/weight
 from __future__ import annotations
 
 import dataclasses
-import json
-import tempfile
 import time
 
 import lightning as L
@@ -18,6 +16,7 @@ from lightning_lazytrain.lit_module import CausalLMModule
 from lightning_lazytrain.optim import HybridAdamW
 from lightning_lazytrain.planner import keep_all
 from lightning_lazytrain.strategy import LazyTrainStrategy
+from test_updates_in_backward import plan_file
 
 STEPS = 4
 
@@ -53,14 +52,13 @@ class Plans(L.Callback):
 
 
 def pipelined_plan(updates_in_backward: bool) -> str:
-    """A plan file forcing a pipelined step (a plan file's choice is kept)."""
-    s = dataclasses.replace(keep_all(4), optimizer="pipelined", updates_in_backward=updates_in_backward, policy="t")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"schedule": s.to_json()}, f)
-    return f.name
+    """A plan file forcing a pipelined step."""
+    return plan_file(dataclasses.replace(keep_all(4), optimizer="pipelined", updates_in_backward=updates_in_backward,
+                                         policy="t"))
 
 
-def fit(strategy, callbacks, *, updates_in_backward=False):
+def fit(strategy, callbacks=(), *, updates_in_backward=False):
+    """The tiny CausalLMModule with ``SlowHybridAdamW`` for ``STEPS`` steps: its weights, and its optimizer."""
     class Module(CausalLMModule):
         def configure_optimizers(self):
             return SlowHybridAdamW(self.param_groups(), lr=self.lr, eight_bit="none", skip_nonfinite=False,
@@ -70,11 +68,11 @@ def fit(strategy, callbacks, *, updates_in_backward=False):
     module = Module(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=callbacks)
+                        callbacks=list(callbacks))
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(STEPS)]
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-    return [p.detach().clone() for p in module.parameters()]
+    return [p.detach().clone() for p in module.parameters()], trainer.optimizers[0]
 
 
 @pytest.mark.parametrize("updates_in_backward", [False, True])
@@ -82,10 +80,10 @@ def test_a_callback_reading_weights_after_the_step_sees_what_auto_shows(updates_
     """A plan file forces a pipelined step with a slow host update: the weights a callback reads at each
     batch's end equal strategy="auto"'s bit for bit (before: steps 2..4 saw layers not yet updated)."""
     want_reader, got_reader = WeightReader(), WeightReader()
-    want = fit("auto", [want_reader], updates_in_backward=updates_in_backward)
+    want, _ = fit("auto", [want_reader], updates_in_backward=updates_in_backward)
     with caplog.at_level("INFO", logger="lightning_lazytrain"):
-        got = fit(LazyTrainStrategy(policy=pipelined_plan(updates_in_backward)), [got_reader],
-                  updates_in_backward=updates_in_backward)
+        got, _ = fit(LazyTrainStrategy(policy=pipelined_plan(updates_in_backward)), [got_reader],
+                     updates_in_backward=updates_in_backward)
     assert "WeightReader.on_train_batch_end may read the weights" in caplog.text
     assert len(got_reader.seen) == len(want_reader.seen) == STEPS
     for a, b in zip(want_reader.seen, got_reader.seen):
