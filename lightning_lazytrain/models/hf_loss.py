@@ -21,9 +21,21 @@ replaced):
   only (compute full logits yourself if you need them).
 
 Equal to the module's own loss up to summation order (fp32: within 1e-5 relative; tested on the
-causal LMs of the architecture matrix). Models whose head is not a plain linear layer (Gemma2's
-final logit soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``, a head with a bias
-as Phi's and GPT-J's) are refused by name, as are models without ``logits_to_keep``.
+causal LMs of the architecture matrix); a micro-batch whose labels are all ``ignore_index`` gives the
+module's NaN loss and its zero gradients. Models whose head is not a plain linear layer (a soft-cap:
+Gemma2's ``final_logit_softcapping``, RecurrentGemma's ``logits_soft_cap``, whatever its value; a scale
+other than 1: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``,
+``logits_mup_width_multiplier``; a head with a bias as Phi's and GPT-J's) are refused by name, as are
+models without ``logits_to_keep``.
+
+Note: [the chunked loss's probe] No list of names keeps up with the library's models, so when the hooks
+are installed the module's own loss is checked against the chunked one once, on a tiny input (2 x 8
+tokens, one forward of the model without gradients, in eval mode, the global RNG untouched), with the
+decoder's output scaled so the logits reach +-60 (where a soft-cap or a scale shows): a model whose
+loss neither convention reproduces (a head transform, a loss of its own) is refused with both figures;
+one whose own loss takes its labels unshifted (BART's, Pegasus's, Blenderbot's ``...ForCausalLM``) is
+trained that way (``ChunkedLoss.shift``). The coefficient of an MoE model's router loss is read under
+either name the library uses (``router_aux_loss_coef``, ``aux_loss_coef``).
 """
 
 from __future__ import annotations
@@ -38,8 +50,15 @@ from .loss import chunked_lm_loss
 
 __all__ = ["ChunkedLoss", "chunked_loss_modules"]
 
-# config attributes of a head that is not one plain linear layer (the chunked loss would differ)
-_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# config attributes of a head that is not one plain linear layer (the chunked loss would differ): scales
+# (1 is the identity) and soft-caps (tanh(x / c) * c is no identity for any c: only None switches one off)
+_HEAD_SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "logits_mup_width_multiplier")
+_HEAD_CAPS = ("final_logit_softcapping", "logits_soft_cap")
+# an MoE model's coefficient of its load-balancing loss, added to the loss when it has labels
+_AUX_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
+# the probe's tolerance on the loss (relative): fp32 heads, 16-bit heads (their logits rounded apart)
+_PROBE_RTOL = {torch.float32: 1e-5, torch.float64: 1e-9}
+_PROBE_RTOL_16 = 1e-2
 
 
 def _is_causal_lm(module: nn.Module) -> bool:
@@ -66,9 +85,9 @@ class ChunkedLoss:
             raise ValueError(f"chunked_loss: {name} is not a Hugging Face causal LM (a ...ForCausalLM with "
                              "get_decoder and get_output_embeddings)")
         config = model.config
-        for attr in _HEAD_TRANSFORMS:
+        for attr in _HEAD_SCALES + _HEAD_CAPS:
             value = getattr(config, attr, None)
-            if value not in (None, 1, 1.0):
+            if value is not None and (attr in _HEAD_CAPS or value != 1):
                 raise ValueError(f"chunked_loss: {name} transforms its logits ({attr}={value!r}), so the chunked "
                                  "linear + cross-entropy would not be its loss; train it with chunked_loss=False "
                                  "(its own loss, whose full logits the plan counts)")
@@ -84,6 +103,7 @@ class ChunkedLoss:
         self.chunk_tokens = int(chunk_tokens)
         self._call: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
+        self.shift = self._probe(model)
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.get_decoder().register_forward_hook(self._keep_hidden),
@@ -95,9 +115,75 @@ class ChunkedLoss:
             h.remove()
         self._handles = []
 
+    @staticmethod
+    def _probe(model: nn.Module) -> bool:
+        """Note: [the chunked loss's probe]: the module's own loss against the chunked one, once, on a
+        tiny input (2 x 8 random tokens, a masked prompt), in eval mode without gradients (the global RNG
+        untouched), with the decoder's last hidden state scaled so the logits reach +-60 (a soft-cap or
+        a scale shows as a trained model's would). Returns whether the module shifts its labels (Hugging
+        Face's causal LMs do; BART's and a few others' ``...ForCausalLM`` take them shifted already);
+        raises ValueError where neither convention gives its loss, so a head transform or a loss that
+        no list of names knows is refused instead of trained on silently."""
+        name = type(model).__name__
+        head = model.get_output_embeddings()
+        weight = head.weight
+        if weight.device.type == "meta":
+            raise ValueError(f"chunked_loss: {name}'s weights are on the meta device: materialise them first")
+        seen: dict[str, torch.Tensor] = {}
+
+        def widen(module: nn.Module, args: tuple, output: Any) -> Any:
+            hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            top = (hidden.float() @ weight.float().t()).abs().max().item()
+            hidden = hidden * (60.0 / top if top > 0 else 1.0)
+            seen["hidden"] = hidden
+            if hasattr(output, "last_hidden_state"):
+                output.last_hidden_state = hidden
+                return output
+            return (hidden, *output[1:])
+
+        vocab = weight.shape[0]
+        ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0)).to(weight.device)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        modes = [(m, m.training) for m in model.modules()]
+        devices = [weight.device] if weight.device.type == "cuda" else []
+        handle = model.get_decoder().register_forward_hook(widen)
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                model.eval()
+                try:
+                    out = model(input_ids=ids, labels=labels)
+                except Exception as err:
+                    raise ValueError(f"chunked_loss: {name} could not be checked against its own loss on a tiny "
+                                     f"input ({type(err).__name__}: {err}); use chunked_loss=False") from err
+                own = out.loss
+                if own is None or "hidden" not in seen:
+                    raise ValueError(f"chunked_loss: {name} computed no loss from its labels, or its decoder "
+                                     "(get_decoder()) did not run: use chunked_loss=False")
+                aux = _aux_loss(model, out)
+                got = {}
+                for shift in (True, False):
+                    targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:] if shift else labels
+                    loss = chunked_lm_loss(seen["hidden"], weight, targets, ignore_index=-100)
+                    got[shift] = (loss + aux if aux is not None else loss).float().item()
+        finally:
+            handle.remove()
+            for m, mode in modes:
+                m.training = mode
+        want = own.float().item()
+        rtol = _PROBE_RTOL.get(weight.dtype, _PROBE_RTOL_16)
+        for shift in (True, False):
+            if abs(got[shift] - want) <= rtol * abs(want):
+                return shift
+        raise ValueError(f"chunked_loss: {name}'s own loss is not the chunked linear + cross-entropy of its "
+                         f"decoder's output through its LM head's weight (on a tiny input: {want:.6g}, chunked "
+                         f"{got[True]:.6g} with the labels shifted, {got[False]:.6g} without): its head or its loss "
+                         "transforms the logits; train it with chunked_loss=False (its own loss, whose full "
+                         "logits the plan counts)")
+
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
-        if labels is None and shift is None:
+        if labels is None:  # the module computes no loss without labels (shift_labels alone: none either)
             self._call = None
             return None
         kwargs = dict(kwargs)
@@ -124,14 +210,21 @@ class ChunkedLoss:
             raise RuntimeError(f"chunked_loss: {type(module).__name__}'s decoder did not run in its forward")
         ignore = call["ignore_index"]
         targets = call["shift_labels"]
-        if targets is None:  # Hugging Face's shift: position t predicts label t + 1
-            targets = nn.functional.pad(call["labels"], (0, 1), value=ignore)[..., 1:]
+        if targets is None:  # Hugging Face's shift: position t predicts label t + 1 (where the module shifts)
+            targets = (nn.functional.pad(call["labels"], (0, 1), value=ignore)[..., 1:] if self.shift
+                       else call["labels"])
         head = module.get_output_embeddings()
         loss = chunked_lm_loss(hidden, head.weight, targets.to(hidden.device), self.chunk_tokens,
                                ignore_index=ignore, num_items_in_batch=call["num_items_in_batch"])
-        aux = getattr(output, "aux_loss", None)
-        coef = getattr(module, "router_aux_loss_coef", None)
-        if aux is not None and coef:  # an MoE model adds its load-balancing loss when it has labels
-            loss = loss + coef * aux.to(loss.device)
+        aux = _aux_loss(module, output)
+        if aux is not None:  # an MoE model adds its load-balancing loss when it has labels
+            loss = loss + aux.to(loss.device)
         output.loss = loss
         return output
+
+
+def _aux_loss(model: nn.Module, output: Any) -> torch.Tensor | None:
+    """An MoE model's load-balancing loss times its coefficient, as the model adds it to the loss; or None."""
+    aux = getattr(output, "aux_loss", None)
+    coef = next((c for attr in _AUX_COEFS if (c := getattr(model, attr, None))), None)
+    return coef * aux if aux is not None and coef else None

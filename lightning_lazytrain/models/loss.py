@@ -77,7 +77,9 @@ def _masked_forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: to
     valid = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
     safe = torch.where(valid, targets, torch.zeros_like(targets))
     denom = valid.sum().float() if denominator is None else torch.as_tensor(denominator, device=hidden.device).float()
-    scale = valid.to(torch.float32) / denom  # d(loss)/d(row loss): 1/denominator, 0 where ignored
+    # d(loss)/d(row loss): 1/denominator, 0 where ignored -- also when every row is (denominator 0: the loss
+    # is 0/0 = NaN as F.cross_entropy's, its gradient 0 as F.cross_entropy's, not 0/0)
+    scale = torch.where(valid, 1.0 / denom, torch.zeros((), device=hidden.device))
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dh = torch.empty_like(hidden) if need_h else None
     dw = torch.zeros_like(weight) if need_w else None
