@@ -345,7 +345,9 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return super().get_module_state_dict(self._unwrap(module))
+        module = self._unwrap(module)
+        with self.core.masters_in_modules():  # Note: [a state dict mid-bind] (between accumulated micro-batches)
+            return super().get_module_state_dict(module)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:

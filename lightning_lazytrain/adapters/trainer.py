@@ -409,9 +409,11 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
     # ---- checkpoints (core/checkpoint_state.py) ------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.core.finish_optimizer_steps()  # the host masters may still be being updated
-        # data_parallel="shard": each rank's rows of the sharded parameters, as they are (no gather)
-        return super().lightning_module_state_dict()
+        self.core.finish_optimizer_steps("a checkpoint")  # the host masters may still be being updated
+        # data_parallel="shard": each rank's rows of the sharded parameters, as they are (no gather); the
+        # masters, not the compute copies a bind holds in the modules (Note: [a state dict mid-bind])
+        with self.core.masters_in_modules():
+            return super().lightning_module_state_dict()
 
     @property
     @override
@@ -442,7 +444,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         """Several processes (``checkpoint_format="sharded"``): every rank writes its share of one
         directory through DCP, atomically (``core/sharded_checkpoint.py``). Otherwise rank 0 writes the
         whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
-        self.core.finish_optimizer_steps()
+        self.core.finish_optimizer_steps("a checkpoint")
         full = self.core.checkpoints.save(checkpoint, filepath, storage_options, self.lightning_module,
                                           self.optimizers)
         if full is not None and self.is_global_zero:

@@ -74,22 +74,10 @@ class PipelinedSteps:
             return False
         blocks_n = len(ex.stack)
         for inner in hybrid_adamws(optimizers):
-            layer_of = {id(p): g["layer"] for g in inner.param_groups for p in g["params"]}
-            groups: dict[int, set] = {}
-            for j in [REST, *range(blocks_n)]:
-                groups[j] = {layer_of.get(id(p)) for p in ex.params.group_parameters(j)} - {None}
-            blocks = [groups[j] for j in range(blocks_n)]
-            if any(len(g) != 1 for g in blocks) or len({next(iter(g)) for g in blocks}) != len(blocks):
+            plan = _layer_plan(ex, inner)
+            if plan is None:
                 continue  # the optimizer's layers do not follow the blocks: keep the serial step
-            block_layer = {j: next(iter(groups[j])) for j in range(blocks_n)}
-            first = [layer for layer in inner.layers if layer in groups[REST]]
-            rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
-            # the optimizer layers holding each part of the non-block weights (one part: all of them)
-            parts = len(ex.params.rest_parts)
-            part_layers = [first] if parts == 1 else [
-                [layer for layer in first
-                 if layer in {layer_of.get(id(p)) for p in ex.params.rest_part_parameters(k)}]
-                for k in range(parts)]
+            first, block_layer, rest, part_layers = plan
             # T updates the non-block layers, layer 0, then the schedule's serial layers (the per-layer
             # mode: the executor waits for them before F0); the forward pipelines the others in order
             serial = [j for j in ex.schedule.serial_layers if j < blocks_n]
@@ -125,19 +113,15 @@ class PipelinedSteps:
     def _early_parts(self, ex: Executor) -> frozenset[int]:
         """Note: [early non-block parts] (engine/early_parts.py): the parts p >= 1 of the non-block weights
         that every such optimizer's layers lie wholly inside (a layer handed over must be complete)."""
-        assert ex.params is not None
-        parts = len(ex.params.rest_parts)
-        rest = {id(q) for q in ex.params.group_parameters(REST)}
-        ok = set(range(1, parts))
-        for inner, _ in self._eager:
-            part_layers = self._plans[id(inner)][2]
-            for k in range(1, parts):
-                inside = {id(q) for q in ex.params.rest_part_parameters(k)}
-                layer_rest = [{id(q) for g in inner.param_groups if g["layer"] == layer for q in g["params"]} & rest
-                              for layer in part_layers[k]]
-                if not part_layers[k] or any(not ids <= inside for ids in layer_rest):
-                    ok.discard(k)
-        return frozenset(ok)
+        return _early_parts(ex, [(inner, self._plans[id(inner)][2]) for inner, _ in self._eager])
+
+    @staticmethod
+    def planned_early_parts(ex: Executor, optimizers: list) -> tuple[int, ...]:
+        """The early parts a configuration for ``ex``'s stack would arm if the updates run in the backward
+        (what the plan prices: ``Workload.early_parts``)."""
+        eager = [(inner, plan[3]) for inner in hybrid_adamws(optimizers)
+                 if getattr(inner, "updates_in_backward", False) and (plan := _layer_plan(ex, inner)) is not None]
+        return tuple(sorted(_early_parts(ex, eager))) if eager else ()
 
     def _on_part_final(self, part: int, accumulated: Any) -> None:
         """Part ``part`` of the non-block weights was written back during the backward (Note: [early
@@ -205,14 +189,24 @@ class PipelinedSteps:
         """Forget the updates that have finished (a step's first micro-batch)."""
         self._pending = [p for p in self._pending if not p[0].done]
 
-    def finish(self) -> None:
-        """Wait for the updates still running (before evaluation, checkpoints, teardown); a step begun in
-        the backward that never reached its optimizer step (an error in the backward) is abandoned."""
+    def finish(self, refuse: str | None = None) -> None:
+        """Wait for the updates still running (before evaluation, checkpoints, teardown). A step begun in
+        the backward that has not reached its optimizer step: ``refuse`` (what wants the weights now: a
+        checkpoint, evaluation) raises -- the blocks updated already cannot be taken back, and giving the
+        step up would update them twice at the optimizer step; None (teardown, an error in the backward)
+        gives it up."""
         for pipe, _, _ in self._pending:
             pipe.wait_all()
         self._pending = []
         for inner, _ in self._eager:
             if inner.updating_in_backward:
+                if refuse is not None:
+                    raise RuntimeError(
+                        f"{refuse} between a backward and its optimizer step, while HybridAdamW(updates_in_backward="
+                        f"True) is updating blocks in that backward ({list(inner.layers_updated_in_backward)} "
+                        "began): their weights are neither the step's old ones nor its new ones. Write it after the "
+                        "optimizer step (on_train_batch_end), or let the callback not declare reads_gradients_only "
+                        "(the updates then wait for the step), or use updates_in_backward=False")
                 inner.abandon_step()
 
     def clear(self) -> None:
@@ -220,6 +214,46 @@ class PipelinedSteps:
         self._plans = {}
         self._eager = []
         self.arm(False)
+
+
+def _layer_plan(ex: Executor, inner: Any) -> tuple[list, dict, list, list] | None:
+    """How ``inner``'s layers lie over ``ex``'s groups: (the layers of the non-block weights, block ->
+    layer, the layers of neither, the layers holding each part of the non-block weights; one part: all
+    of them), or None where its layers do not follow the blocks (one layer per block, each its own)."""
+    assert ex.params is not None
+    blocks_n = len(ex.stack)
+    layer_of = {id(p): g["layer"] for g in inner.param_groups for p in g["params"]}
+    groups: dict[int, set] = {}
+    for j in [REST, *range(blocks_n)]:
+        groups[j] = {layer_of.get(id(p)) for p in ex.params.group_parameters(j)} - {None}
+    blocks = [groups[j] for j in range(blocks_n)]
+    if any(len(g) != 1 for g in blocks) or len({next(iter(g)) for g in blocks}) != len(blocks):
+        return None
+    block_layer = {j: next(iter(groups[j])) for j in range(blocks_n)}
+    first = [layer for layer in inner.layers if layer in groups[REST]]
+    rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
+    parts = len(ex.params.rest_parts)
+    part_layers = [first] if parts == 1 else [
+        [layer for layer in first if layer in {layer_of.get(id(p)) for p in ex.params.rest_part_parameters(k)}]
+        for k in range(parts)]
+    return first, block_layer, rest, part_layers
+
+
+def _early_parts(ex: Executor, eager: list[tuple[Any, list]]) -> frozenset[int]:
+    """Note: [early non-block parts]: the parts p >= 1 that every optimizer of ``eager`` (with its layers
+    per part) holds in whole layers lying wholly inside the part."""
+    assert ex.params is not None
+    parts = len(ex.params.rest_parts)
+    rest = {id(q) for q in ex.params.group_parameters(REST)}
+    ok = set(range(1, parts))
+    for inner, part_layers in eager:
+        for k in range(1, parts):
+            inside = {id(q) for q in ex.params.rest_part_parameters(k)}
+            layer_rest = [{id(q) for g in inner.param_groups if g["layer"] == layer for q in g["params"]} & rest
+                          for layer in part_layers[k]]
+            if not part_layers[k] or any(not ids <= inside for ids in layer_rest):
+                ok.discard(k)
+    return frozenset(ok)
 
 
 def norms_wanted(optimizers: list, *, hand_over: bool, clip: bool, several: bool) -> bool:

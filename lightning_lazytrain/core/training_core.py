@@ -422,7 +422,9 @@ class TrainingCore:
                           micro_batches=micro_batches, t_step=self._t_step, hybrids=hybrid_adamws(self.optimizers),
                           grad_sync=self.grad_sync, shard_store=self.shard_store(),
                           shard_bytes_per_s=self._shard_bytes_per_s,
-                          updates_in_backward=self._updates_in_backward(), serial_step=self.fit.step_waits is not None)
+                          updates_in_backward=self._updates_in_backward(),
+                          early_parts=self.steps.planned_early_parts(ex, self.optimizers) if self._updates_in_backward()
+                          else (), serial_step=self.fit.step_waits is not None)
         plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
         if plan is None:  # a re-plan that keeps the current schedule
             return
@@ -469,9 +471,16 @@ class TrainingCore:
             self.steps.finish()
         return True
 
-    def finish_optimizer_steps(self) -> None:
-        """Wait for pipelined updates still running (before evaluation, checkpoints, teardown)."""
-        self.steps.finish()
+    def finish_optimizer_steps(self, what: str | None = None) -> None:
+        """Wait for pipelined updates still running (before evaluation, checkpoints, teardown); ``what``
+        (a checkpoint, evaluation) raises where a step begun in the backward is still open."""
+        self.steps.finish(refuse=what)
+
+    def masters_in_modules(self) -> contextlib.AbstractContextManager:
+        """Note: [a state dict mid-bind] (engine/param_store.py): the host masters in the modules while a
+        checkpoint reads their ``state_dict()``."""
+        ex = self.executor
+        return ex.params.masters_in_modules() if ex is not None and ex.params is not None else contextlib.nullcontext()
 
     def clip_sharded(self, optimizer: Any, max_norm: float) -> bool:
         """``clip_grad_norm_`` over ``optimizer``'s parameters when blocks are sharded, with the norm of
@@ -491,7 +500,7 @@ class TrainingCore:
     def begin_inference(self) -> None:
         """Evaluation begins: pipelined updates finished, an open micro-batch dropped, non-block
         weights staged on the device while blocks stream."""
-        self.steps.finish()
+        self.steps.finish(refuse="evaluation")
         ex = self.executor
         if ex is not None:
             ex.disarm()

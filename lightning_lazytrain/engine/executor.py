@@ -93,6 +93,7 @@ class Executor:
         self.stats = StepStats()
         self._orig: dict[int, Callable] = {}
         self._micro: tuple[bool, bool] | None = None
+        self._between_microbatches = False  # evaluation between an accumulated step's micro-batches
         self._exit = contextlib.ExitStack()
         self.params: ParamStore | None = None
         self.acts: ActivationStore | None = None
@@ -386,11 +387,23 @@ class Executor:
     @contextlib.contextmanager
     def inference(self):
         """Evaluation outside training: the non-block weights are staged and bound (no grads);
-        blocks stream through the slots (``torch.no_grad``/``inference_mode`` forwards)."""
+        blocks stream through the slots (``torch.no_grad``/``inference_mode`` forwards). Between the
+        micro-batches of an accumulated step (validation after a micro-batch that is not the step's
+        last) the non-block weights stay bound as the step bound them -- the masters they were staged
+        from do not change within a step -- and their device gradients keep what the step accumulated."""
         assert self.params is not None
         if self._micro is not None:
             raise RuntimeError("inference() inside a training micro-batch")
         self.params.invalidate_copies()  # the masters may have changed since the last micro-batch
+        if self.params.is_bound(REST):
+            # the blocks stream through the re-run slot (_stream_only): slot 0 still holds layer 0's
+            # gradients, which the next micro-batch's F0 sends
+            self._between_microbatches = True
+            try:
+                yield
+            finally:
+                self._between_microbatches = False
+            return
         self.params.stage(REST).wait()
         with self.params.bind(REST, grads=False):
             yield
@@ -557,11 +570,12 @@ class Executor:
 
     def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """Evaluation: stream the weights through the two slots, keep nothing. Inside a training
-        micro-batch (a no-grad forward in ``training_step``) the slots belong to the planned pass:
-        stream through the recompute slot instead."""
+        micro-batch (a no-grad forward in ``training_step``), or between an accumulated step's
+        micro-batches, the slots belong to the planned pass: stream through the recompute slot instead."""
         assert self.params is not None
-        if self._micro is not None:
-            if self.schedule.optimizer == "pipelined" and self._micro[0] and self.wait_updated is not None:
+        if self._micro is not None or self._between_microbatches:
+            if (self._micro is not None and self.schedule.optimizer == "pipelined" and self._micro[0]
+                    and self.wait_updated is not None):
                 self._wait_for_update(j)  # the pipelined step may still be updating layer j's masters
             self.params.stage(j, RECOMPUTE_SLOT)
             try:

@@ -726,6 +726,34 @@ class ParamStore(GradWriteBack):
             s.bound = False
             s.free = self.engine.record_compute()
 
+    def is_bound(self, layer: int, slot: int | None = None) -> bool:
+        """Is group ``layer``'s slot bound into the modules now (REST: between a step's micro-batches too)?"""
+        return self._slot(layer, slot).bound and self._slot(layer, slot).gid == layer
+
+    @contextlib.contextmanager
+    def masters_in_modules(self) -> Iterator[None]:
+        """For a while, the host masters in the modules where a bind put compute copies.
+
+        Note: [a state dict mid-bind]
+            The non-block group is bound into the modules for a whole training micro-batch, through
+            evaluation, and between an accumulated step's micro-batches; a checkpoint written then
+            (ModelCheckpoint at validation end, ``trainer.save_checkpoint`` in ``training_step``) reads the
+            modules' ``state_dict()``, which must hold the masters -- fp32 with ``fp32_masters``, on the
+            host -- not the bound 16-bit device copies. The strategies read it inside this."""
+        swapped = []
+        for s in self._slots:
+            if s.bound:
+                for info, w in s.wrappers:
+                    for m, name in info.sites:
+                        if m._parameters.get(name) is w:
+                            m._parameters[name] = info.param
+                            swapped.append((m, name, w))
+        try:
+            yield
+        finally:
+            for m, name, w in swapped:
+                m._parameters[name] = w
+
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
         s.touched.add(key)
         self.post_hooks.arrived(key, master)
