@@ -275,12 +275,16 @@ def test_the_plan_decides_whether_the_updates_run_in_the_backward(caplog):
         _, _, opt = fit_tiny(True, policy="recompute_all")
     plan = fit_tiny.last_plan
     assert plan.result.workload.updates_in_backward  # allowed, and priced both ways
+    # the head part (the final norm and the untied head) priced where it runs: in B{L-1} (Note: [early
+    # non-block parts])
+    assert plan.result.workload.early_parts == (1,) and plan.result.workload.nonblock_part_count == 2
     chosen = plan.result.schedule.updates_in_backward
     assert (opt.in_backward != []) == chosen
     if not chosen:
         assert "the plan updates at the step" in caplog.text
     _, _, opt = fit_tiny(False, policy="recompute_all")
     assert not fit_tiny.last_plan.result.schedule.updates_in_backward and opt.in_backward == []
+    assert fit_tiny.last_plan.result.workload.early_parts == ()
 
 
 def test_gradients_dropped_after_the_step_returns_do_not_change_it():

@@ -42,7 +42,7 @@ class Profile:
     def __init__(self, executor: Executor, stats: StepStats, *, tokens: int, grad_accum: int, micro_batches: int,
                  t_step: float, hybrids: list, grad_sync: Any, shard_store: Any,
                  shard_bytes_per_s: float | None, updates_in_backward: bool = False,
-                 serial_step: bool = False) -> None:
+                 early_parts: tuple[int, ...] = (), serial_step: bool = False) -> None:
         self.executor = executor
         self.stats = stats
         self.tokens = tokens
@@ -55,6 +55,8 @@ class Profile:
         self.shard_bytes_per_s = shard_bytes_per_s
         # Note: [updates in the backward pass] (core/optimizer_steps.py): the run's updates may start there
         self.updates_in_backward = updates_in_backward
+        # Note: [early non-block parts] (engine/early_parts.py): the parts written back and updated there
+        self.early_parts = early_parts
         # Note: [weights read after the step] (adapters/weight_readers.py): the step must be serial
         self.serial_step = serial_step
 
@@ -153,7 +155,8 @@ class Planner:
                 wl, fraction = self._price_optimizer_states(wl, hardware, p)
                 wl = rank_workload(wl, layout, p)
                 if p.updates_in_backward:  # priced where the updates run (planner/schedule.py)
-                    wl = dataclasses.replace(wl, updates_in_backward=True)
+                    wl = dataclasses.replace(wl, updates_in_backward=True, early_parts=tuple(
+                        k for k in p.early_parts if k < wl.nonblock_part_count))
                 plan = plan_from_workload(wl, hardware, policy=self.options.policy,
                                           options=MilpOptions(conversions=self.options.conversions,
                                                               optimizer_mode="serial" if p.serial_step else "auto"),

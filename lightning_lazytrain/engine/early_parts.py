@@ -19,8 +19,9 @@ Note: [early non-block parts]
     replaces a bound weight's ``.grad`` instead of adding into the buffer). A gradient arriving for a
     part after it was written back (a second backward in one micro-batch, a parameter made trainable
     after its part went) marks the non-block group late, and the training core raises
-    (``PipelinedSteps.check_late``: an update cannot be taken back). The plan still prices the parts'
-    updates in T (an upper bound).
+    (``PipelinedSteps.check_late``: an update cannot be taken back). The plan prices them where they run
+    (``Workload.early_parts``, from ``PipelinedSteps.planned_early_parts``: the last micro-batch's first B
+    window, planner/schedule.py).
 """
 
 from __future__ import annotations

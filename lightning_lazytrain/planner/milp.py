@@ -407,18 +407,22 @@ class ScheduleModel:
             # updates in the backward: layer u+1's update follows its accumulate in the last micro-batch's
             # B{u} (its own window variable tBL with accumulation; tB is then the other micro-batches')
             upd = lay[u + 1].opt_seconds * self.bwd if self.in_backward and u + 1 < L else 0.0
-            windows = ([(m.tB[u], f"tB[{u}]", 0.0), (m.tBL[u], f"tBL[{u}]", upd)] if hasattr(m, "tBL")
-                       else [(m.tB[u], f"tB[{u}]", upd)])
+            # and the early non-block parts at the end of the last micro-batch's first B window
+            early = self._early_rows if u == L - 1 else (lambda cast_end: [])
+            windows = ([(m.tB[u], f"tB[{u}]", 0.0, False), (m.tBL[u], f"tBL[{u}]", upd, True)] if hasattr(m, "tBL")
+                       else [(m.tB[u], f"tB[{u}]", upd, True)])
             if u == 0:  # no prefetch, no block
-                for var, name, up in windows:
-                    rows = [compute, reloads, grads + acc[u + 1] + up, nvr_b]
+                for var, name, up, last in windows:
+                    rows = [compute, reloads, grads + acc[u + 1] + up, nvr_b] + (early(0.0) if last else [])
                     if ar[u + 1]:  # replicate_overlap: the host all-reduce after the accumulate
                         rows.append(grads + acc[u + 1] + ar[u + 1])
                     bound(var, name, rows)
                 continue
             fetched, cast_end, gathered = self._b_chains(u, h2d)
-            for var, name, up in windows:
+            for var, name, up, last in windows:
                 exprs = [compute, fetched + reloads, grads + acc[u + 1] + up, nvr_b] + gathered
+                if last:
+                    exprs += early(cast_end)
                 for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
                     # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
                     exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
@@ -428,6 +432,31 @@ class ScheduleModel:
                     exprs += [grads + acc[u + 1] + ar[u + 1], cast_end + acc[u + 1] + ar[u + 1]]
                 bound(var, name, exprs + self.internals.hull_rows(lay[u].bwd_seconds, "B", u, h2d))
         bound(m.tT, "tT", self._t_window())
+
+    def _early_rows(self, cast_end) -> list:
+        """Note: [early non-block parts] (engine/early_parts.py): with the updates in the backward (``bwd``),
+        the last micro-batch's ``B{L-1}`` ends with each early part's gradient D2H (the D2H lane is
+        otherwise idle there), its host accumulate (FIFO, after the window's casts, which end at
+        ``cast_end``) and its update (CPU lane, after the accumulate; ``Schedule.windows``). The lanes'
+        end as rows, exact for a binary ``bwd``: the CPU lane's end is the longest of the paths that
+        enter the host lane at part k0 (after its D2H, or after the casts) and the CPU lane at part k."""
+        from .schedule import Op
+        from .simulator import op_cost
+
+        parts = self.wl.backward_parts(True) if self.in_backward else ()
+        if not parts:
+            return []
+        cost = lambda lane, kind, p: op_cost(Op(lane, kind, -1 - p), self.wl, self.hw)[0]  # noqa: E731
+        d2h = [cost("d2h", "grads", p) for p in parts]
+        acc = [cost("host", "accumulate", p) for p in parts]
+        upd = [cost("cpu", "optimizer", p) for p in parts]
+        rows = []
+        for k in range(len(parts)):
+            tail = sum(upd[k:])
+            rows.append(cast_end + (sum(acc[:k + 1]) + tail) * self.bwd)
+            for k0 in range(k + 1):
+                rows.append((sum(d2h[:k0 + 1]) + sum(acc[k0:k + 1]) + tail) * self.bwd)
+        return rows
 
     def block_chain(self, s: int, u: int, h2d: float) -> tuple[float, float, float, float, float, float]:
         """Times (from the window's start) of recompute block ``(s, u+1)`` in ``B{u}``, as ``schedule``
@@ -493,20 +522,27 @@ class ScheduleModel:
         non-block update (then layer 0's; serial: every layer's) runs, each updated group is cast and
         fetched. T holds no other decision, so its length in each mode is a constant, taken from the
         simulator's own timing of ``Schedule.windows()``'s T (exact, for one rank or several); with
-        both modes open the rows are gated by ``pipe`` (exact for a binary)."""
+        both modes open the rows are gated by ``pipe`` (exact for a binary). With the updates in the
+        backward (``bwd``) a third constant: T without the early parts' accumulates and updates
+        (``Workload.backward_parts``; they run in ``B{L-1}``, ``_early_rows``)."""
         from .policies import recompute_all
         from .simulator import _run_window
 
         ends, cpu_end = {}, {}
-        for mode in self.modes:
-            s = dataclasses.replace(recompute_all(self.L), optimizer=mode, data_parallel=self.dp)
-            t = s.windows(nonblock_parts=self.wl.nonblock_part_count)[-1]  # (in the backward: the same T)
+        modes = [*self.modes, *(["in_backward"] if self.in_backward else [])]
+        for mode in modes:
+            s = dataclasses.replace(recompute_all(self.L), optimizer="pipelined" if mode == "in_backward" else mode,
+                                    data_parallel=self.dp)
+            t = s.windows(nonblock_parts=self.wl.nonblock_part_count, updates_in_backward=mode == "in_backward",
+                          early_parts=self.wl.backward_parts(mode == "in_backward"))[-1]
             segments: list = []
             ends[mode], _ = _run_window(t, 0.0, self.wl, self.hw, segments, {})
             cpu_end[mode] = max((g.end for g in segments if g.lane == "cpu"), default=0.0)
         pipe = self.pipe
-        rows = ([ends["pipelined"] * self.m.pipe, ends["serial"] * (1 - self.m.pipe)] if len(self.modes) > 1
-                else [ends[self.modes[0]]])
+        rows = ([ends["pipelined"] * (self.m.pipe - self.bwd), ends["serial"] * (1 - self.m.pipe)]
+                if len(self.modes) > 1 else [ends[self.modes[0]] * ((1 - self.bwd) if self.modes == ("pipelined",) else 1)])
+        if self.in_backward:  # T without the early parts' updates (Note: [early non-block parts])
+            rows.append(ends["in_backward"] * self.bwd)
         if self.y:  # the serial layers' updates follow layer 0's on the CPU lane; nothing waits for them
             rows.append(cpu_end["pipelined"] * pipe + sum(self.lay[j].opt_seconds * y for j, y in self.y.items()))
         return rows

@@ -329,7 +329,8 @@ class Schedule:
         return [f"F{j}" for j in range(L)] + ["H"] + [f"B{t}" for t in range(L - 1, -1, -1)] + ["T"]
 
     def windows(self, *, first_microbatch: bool = True, last_microbatch: bool = True,
-                nonblock_parts: int = 1, updates_in_backward: bool = False) -> list[Window]:
+                nonblock_parts: int = 1, updates_in_backward: bool = False,
+                early_parts: tuple[int, ...] = ()) -> list[Window]:
         """Every window's ops in issue order; the executor follows this list, the simulator times it.
 
         ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
@@ -354,6 +355,11 @@ class Schedule:
         ``nonblock_parts`` (one rank; ``Workload.nonblock_part_count``): T moves, accumulates, updates
         and fetches the non-block group in that many parts, op indices ``-1, -2, ...`` (Note:
         [non-block parts]).
+
+        ``early_parts`` (with the updates in the backward; ``Workload.backward_parts``): those parts of the
+        non-block group are written back, accumulated and updated at the end of the last micro-batch's
+        first B window (their gradients are complete before the blocks' backward: Note: [early non-block
+        parts] in engine/early_parts.py); T only casts and fetches them.
         """
         L = self.num_layers
         pipelined = self.optimizer == "pipelined"
@@ -422,6 +428,10 @@ class Schedule:
             _accumulate(ops, grads, allreduce=overlap)
             if in_backward and last_microbatch and t + 1 < L:  # after layer t+1's (last) accumulate
                 ops.append(Op("cpu", "optimizer", t + 1, after=len(ops) - 1))
+            if in_backward and last_microbatch and t == L - 1:  # the early parts, after the window's other ops
+                for p in early_parts:
+                    _accumulate(ops, [_grads(ops, -1 - p)])
+                    ops.append(Op("cpu", "optimizer", -1 - p, after=len(ops) - 1))
             out.append(Window(f"B{t}", tuple(ops)))
         if last_microbatch and self.data_parallel != "none":
             out.append(Window("T", tuple(self._t_ops_data_parallel())))
@@ -434,16 +444,19 @@ class Schedule:
             # part p's cast and fetch overlap part p+1's update). One part: the single-group T.
             ops = []
             parts = [-1 - p for p in range(nonblock_parts)]
+            early = {-1 - p for p in early_parts} if in_backward else set()
             _accumulate(ops, [_grads(ops, 0)])
             for idx in parts:
-                _accumulate(ops, [_grads(ops, idx)])
+                if idx not in early:
+                    _accumulate(ops, [_grads(ops, idx)])
             ready = len(ops) - 1
             pos = {}
-            for j in parts + ([0] if in_backward else [0, *self.serial_layers] if pipelined else list(range(L))):
+            for j in [i for i in parts if i not in early] + (
+                    [0] if in_backward else [0, *self.serial_layers] if pipelined else list(range(L))):
                 ops.append(Op("cpu", "optimizer", j, after=ready))
                 pos[j] = len(ops) - 1
-            for j in parts + [0]:
-                _fetch(ops, "weights", j, after=pos[j])
+            for j in parts + [0]:  # an early part was updated in the backward: its fetch waits for nothing
+                _fetch(ops, "weights", j, after=pos.get(j, -1))
             out.append(Window("T", tuple(ops)))
         return out
 

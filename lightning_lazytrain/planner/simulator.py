@@ -242,7 +242,8 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
     for k in range(g):
         for w, window in enumerate(s.windows(first_microbatch=k == 0, last_microbatch=k == g - 1,
                                              nonblock_parts=wl.nonblock_part_count,
-                                             updates_in_backward=s.updates_in_backward and wl.updates_in_backward)):
+                                             updates_in_backward=s.updates_in_backward and wl.updates_in_backward,
+                                             early_parts=wl.backward_parts(s.updates_in_backward))):
             end, busy = _run_window(window, now, wl, hw, timeline, lane_bytes)
             if k == 0 or window.name == "T":
                 window_seconds[window.name] = end - now

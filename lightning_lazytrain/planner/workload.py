@@ -201,6 +201,11 @@ class Workload:
     # ``HybridAdamW(updates_in_backward=True)`` the fit lets do so; Note: [updates in the backward pass]
     # in core/optimizer_steps.py): a pipelined schedule's updates run in the B windows (schedule.py)
     updates_in_backward: bool = False
+    # with the updates in the backward: the parts of the non-block group (indices into
+    # ``nonblock_parts``, never 0) whose gradients are complete before the blocks' backward (an untied
+    # head with the final norm) -- written back, accumulated and updated in the last micro-batch's first
+    # B window instead of in T (schedule.py; Note: [early non-block parts] in engine/early_parts.py)
+    early_parts: tuple[int, ...] = ()
     # the host lane takes every gradient's norm at a step's last copy (engine/executor.py, Note: [norms
     # only when wanted]): False for a run that uses none (no clip, no non-finite skip, one process)
     host_norms: bool = True
@@ -221,6 +226,12 @@ class Workload:
         if self.nonblock_part_count == 1:
             return value
         return value * self.nonblock_parts[-1 - index] / self.nonblock_params
+
+    def backward_parts(self, in_backward: bool) -> tuple[int, ...]:
+        """The parts a schedule writes back and updates in the backward (``early_parts``), where its
+        updates run there (``in_backward``: the schedule's choice, which the run must allow) and T moves
+        the group in parts; else none."""
+        return self.early_parts if in_backward and self.updates_in_backward and self.nonblock_part_count > 1 else ()
 
     def recast_seconds(self, j: int) -> float:
         """Host-lane seconds of the cast before a fetch of layer ``j`` in the H or a B window (its
@@ -276,6 +287,11 @@ class Workload:
                                     or sum(self.nonblock_parts) != self.nonblock_params):
             raise InvalidInput("workload.nonblock_parts", self.nonblock_parts,
                                f"need positive element counts summing to nonblock_params = {self.nonblock_params}")
+        if any(not 0 < p < max(len(self.nonblock_parts), 1) for p in self.early_parts) or \
+                len(set(self.early_parts)) != len(self.early_parts):
+            raise InvalidInput("workload.early_parts", self.early_parts,
+                               f"need distinct part indices 1..{len(self.nonblock_parts) - 1} of nonblock_parts "
+                               "(part 0 is always written back in T)")
         from .schedule import DATA_PARALLEL
         if self.data_parallel not in DATA_PARALLEL:
             raise InvalidInput("workload.data_parallel", self.data_parallel, f"must be one of {DATA_PARALLEL}")
@@ -293,6 +309,7 @@ class Workload:
         data["layers"] = tuple(LayerWork(**layer) for layer in data["layers"])
         data["boundary_bytes"] = tuple(data["boundary_bytes"])
         data["nonblock_parts"] = tuple(data.get("nonblock_parts", ()))
+        data["early_parts"] = tuple(data.get("early_parts", ()))
         data["device_conversions"] = tuple(data.get("device_conversions", ()))
         return cls(**data).validate()
 
