@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -165,6 +165,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._half_step = False  # a failing run gave up a step begun in the backward: no checkpoint from here
 
     # the options, as given (read-only; CoreOptions checked them)
     hardware = option("hardware")
@@ -285,6 +286,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._half_step = False
         self.accelerator.setup(trainer)
         if self.fp32_masters and trainer.ckpt_path is not None and not self.restore_checkpoint_after_setup:
             raise ValueError("LazyTrainStrategy(fp32_masters=True) cannot resume a checkpoint while an on_fit_start "
@@ -409,11 +411,21 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
     # ---- checkpoints (core/checkpoint_state.py) ------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.core.finish_optimizer_steps("a checkpoint")  # the host masters may still be being updated
+        self._finish_for_checkpoint()  # the host masters may still be being updated
         # data_parallel="shard": each rank's rows of the sharded parameters, as they are (no gather); the
         # masters, not the compute copies a bind holds in the modules (Note: [a state dict mid-bind])
         with self.core.masters_in_modules():
             return super().lightning_module_state_dict()
+
+    def _finish_for_checkpoint(self) -> None:
+        """Before a checkpoint reads the masters: the pipelined updates finished. A step begun in the
+        backward and still open raises (its blocks updated cannot be taken back) -- but while the run is
+        failing (Lightning's ``on_exception``: OnExceptionCheckpoint) raising would skip Lightning's
+        teardown and hide the user's error, so the step is given up and the checkpoint not written."""
+        trainer = _trainer_of(self.lightning_module)
+        failing = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        if self.core.finish_optimizer_steps(None if failing else "a checkpoint"):
+            self._half_step = True
 
     @property
     @override
@@ -444,7 +456,12 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         """Several processes (``checkpoint_format="sharded"``): every rank writes its share of one
         directory through DCP, atomically (``core/sharded_checkpoint.py``). Otherwise rank 0 writes the
         whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
-        self.core.finish_optimizer_steps("a checkpoint")
+        self._finish_for_checkpoint()
+        if self._half_step:
+            rank_zero_warn(f"lazytrain: the checkpoint {filepath} was not written: the run failed between a backward "
+                           "whose HybridAdamW(updates_in_backward=True) updates began and its optimizer step, so the "
+                           "weights hold that step half done; resume from the last checkpoint written before")
+            return
         full = self.core.checkpoints.save(checkpoint, filepath, storage_options, self.lightning_module,
                                           self.optimizers)
         if full is not None and self.is_global_zero:

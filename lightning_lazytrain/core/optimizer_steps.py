@@ -189,15 +189,16 @@ class PipelinedSteps:
         """Forget the updates that have finished (a step's first micro-batch)."""
         self._pending = [p for p in self._pending if not p[0].done]
 
-    def finish(self, refuse: str | None = None) -> None:
+    def finish(self, refuse: str | None = None) -> bool:
         """Wait for the updates still running (before evaluation, checkpoints, teardown). A step begun in
         the backward that has not reached its optimizer step: ``refuse`` (what wants the weights now: a
         checkpoint, evaluation) raises -- the blocks updated already cannot be taken back, and giving the
         step up would update them twice at the optimizer step; None (teardown, an error in the backward)
-        gives it up."""
+        gives it up. Returns whether a step was given up (the masters then hold a step half done)."""
         for pipe, _, _ in self._pending:
             pipe.wait_all()
         self._pending = []
+        gave_up = False
         for inner, _ in self._eager:
             if inner.updating_in_backward:
                 if refuse is not None:
@@ -208,6 +209,8 @@ class PipelinedSteps:
                         "optimizer step (on_train_batch_end), or let the callback not declare reads_gradients_only "
                         "(the updates then wait for the step), or use updates_in_backward=False")
                 inner.abandon_step()
+                gave_up = True
+        return gave_up
 
     def clear(self) -> None:
         self.finish()

@@ -214,7 +214,14 @@ class TrainingCore:
             raise ValueError("LazyTrainStrategy(chunked_loss=...) found no Hugging Face causal LM (a ...ForCausalLM) "
                              f"in {type(module).__name__}: compute a chunked loss yourself "
                              "(lightning_lazytrain.models.loss.chunked_lm_loss) or drop the option")
-        self._loss_hooks = [ChunkedLoss(m, self.options.chunked_loss) for m in found]
+        try:  # one at a time: a model refused later must not leave the earlier ones hooked
+            for m in found:
+                self._loss_hooks.append(ChunkedLoss(m, self.options.chunked_loss))
+        except BaseException:
+            for hooks in self._loss_hooks:
+                hooks.remove()
+            self._loss_hooks = []
+            raise
 
     def start_fit(self, optimizers: list, fit: FitSettings, *, artifact_dir: str | None = None) -> None:
         """Training begins with these optimizers: the non-block weights split along HybridAdamW's
@@ -369,7 +376,8 @@ class TrainingCore:
         self._steps_ended += 1
         if not profiled:  # a profiled step ran another schedule, with timing on
             self.planner.watch_drift(self.layout, self.metrics.get("lazytrain/step_seconds", float("nan")))
-            self.planner.watch_memory(self.layout, stats)
+            if not stats.evaluated_mid_step:  # the allocator's peak would be the evaluation's too
+                self.planner.watch_memory(self.layout, stats)
         if not self.automatic:
             self._open()  # later forwards of this training step are passes with grad
         return stats
@@ -423,8 +431,10 @@ class TrainingCore:
                           grad_sync=self.grad_sync, shard_store=self.shard_store(),
                           shard_bytes_per_s=self._shard_bytes_per_s,
                           updates_in_backward=self._updates_in_backward(),
-                          early_parts=self.steps.planned_early_parts(ex, self.optimizers) if self._updates_in_backward()
-                          else (), serial_step=self.fit.step_waits is not None)
+                          # the parts a configuration would arm whose gradients the profiled step saw complete early
+                          early_parts=tuple(p for p in self.steps.planned_early_parts(ex, self.optimizers)
+                                            if p in stats.early_complete_parts) if self._updates_in_backward() else (),
+                          serial_step=self.fit.step_waits is not None)
         plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
         if plan is None:  # a re-plan that keeps the current schedule
             return
@@ -471,10 +481,11 @@ class TrainingCore:
             self.steps.finish()
         return True
 
-    def finish_optimizer_steps(self, what: str | None = None) -> None:
+    def finish_optimizer_steps(self, what: str | None = None) -> bool:
         """Wait for pipelined updates still running (before evaluation, checkpoints, teardown); ``what``
-        (a checkpoint, evaluation) raises where a step begun in the backward is still open."""
-        self.steps.finish(refuse=what)
+        (a checkpoint, evaluation) raises where a step begun in the backward is still open; without it
+        such a step is given up (returns True: the masters hold a step half done)."""
+        return self.steps.finish(refuse=what)
 
     def masters_in_modules(self) -> contextlib.AbstractContextManager:
         """Note: [a state dict mid-bind] (engine/param_store.py): the host masters in the modules while a
@@ -506,6 +517,9 @@ class TrainingCore:
             ex.disarm()
             self.abort_microbatch()  # a forward without backward (manual optimization)
             self._inference.enter_context(ex.inference())
+            if ex.evaluating_mid_step:  # its time is not the step's (step_seconds, the drift watch)
+                t0 = time.perf_counter()
+                self._inference.callback(lambda: setattr(self, "_t_step", self._t_step + time.perf_counter() - t0))
 
     def end_inference(self) -> None:
         self._inference.close()

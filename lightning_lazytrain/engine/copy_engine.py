@@ -26,12 +26,13 @@ Note: [one worker, one error rule]); the handle types and ``CopyError`` live in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -209,6 +210,21 @@ class CopyEngine(ABC):
             self._bytes = dict.fromkeys(LANES, 0)
             self._count = dict.fromkeys(LANES, 0)
             self._records = []
+
+    @contextlib.contextmanager
+    def paused_stats(self) -> Iterator[None]:
+        """The copies made inside are not counted: bytes, counts and records as they were before (an
+        evaluation between an accumulated step's micro-batches is not part of the step)."""
+        self.synchronize()
+        with self._stats_lock:
+            saved = dict(self._bytes), dict(self._count), len(self._records)
+        try:
+            yield
+        finally:
+            self.synchronize()
+            with self._stats_lock:
+                self._bytes, self._count = saved[0], saved[1]
+                del self._records[saved[2]:]
 
     def _add_record(self, record: CopyRecord) -> None:
         with self._stats_lock:

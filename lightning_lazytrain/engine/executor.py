@@ -199,7 +199,17 @@ class Executor:
                      if 0 < p < len(self.params.rest_parts)}
             if parts:
                 self._early = EarlyParts(parts, self._send_early_part)
+        elif last and self.profiling and len(self.params.rest_parts) > 1:  # observe only: which could go early
+            self._early = EarlyParts({p: self.params.rest_part_parameters(p) for p in range(1, len(self.params.rest_parts))},
+                                     self._saw_early_part)
         self.params.arrival_watch = self._early.arrived if self._early is not None else None
+
+    def _saw_early_part(self, part: int) -> bool:
+        """A profiled step: part ``part``'s gradients are complete; recorded where a block's backward is
+        still to come (``StepStats.early_complete_parts``); nothing is sent."""
+        if self._micro is not None and self._b_next >= 0:
+            self.stats.early_complete_parts.add(part)
+        return False
 
     def _send_early_part(self, part: int) -> bool:
         """Part ``part``'s gradients are complete (autograd's thread, during the backward): write it back
@@ -316,9 +326,9 @@ class Executor:
 
         run(self.disarm)
         run(self._stop_memory)
-        if self._micro is not None:
-            self._micro = None
-            run(self._exit.close)
+        # inside a micro-batch, or between an accumulated step's micro-batches (the non-block bind held)
+        self._micro = None
+        run(self._exit.close)
         run(self._restore_blocks)
         for part in (self.acts, self.params):
             if part is not None:
@@ -343,6 +353,11 @@ class Executor:
     @property
     def in_microbatch(self) -> bool:
         return self._micro is not None
+
+    @property
+    def evaluating_mid_step(self) -> bool:
+        """An evaluation between an accumulated step's micro-batches is running (``inference``)."""
+        return self._between_microbatches
 
     def arm(self, *, first: bool = True, last: bool = True) -> None:
         """Begin the next micro-batch when the model is next called (a non-block module or a block).
@@ -399,8 +414,10 @@ class Executor:
             # the blocks stream through the re-run slot (_stream_only): slot 0 still holds layer 0's
             # gradients, which the next micro-batch's F0 sends
             self._between_microbatches = True
+            self.stats.evaluated_mid_step = True
             try:
-                yield
+                with self.engine.paused_stats():  # not the step's copies
+                    yield
             finally:
                 self._between_microbatches = False
             return

@@ -17,6 +17,13 @@ class StepStats:
     """What one optimizer step did (filled by the executor, read by tests and loggers)."""
 
     lane_bytes: dict[str, int] = field(default_factory=dict)
+    # an evaluation ran between this step's micro-batches (its copies are not counted, nor its time in
+    # step_seconds; the allocator's peak would include it: no memory watch from this step)
+    evaluated_mid_step: bool = False
+    # a profiled step's non-block parts (p >= 1) whose gradients were complete while a block's backward
+    # was still to come: those the updates in the backward can hand over early (Note: [early non-block
+    # parts] in early_parts.py), what the plan prices there
+    early_complete_parts: set[int] = field(default_factory=set)
     recomputed_forwards: dict[int, int] = field(default_factory=dict)  # layer -> re-runs (block + local)
     peak_tracked_bytes: int = 0
     layer_sq_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # REST = -1 included

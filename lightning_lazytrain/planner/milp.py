@@ -544,7 +544,11 @@ class ScheduleModel:
         if self.in_backward:  # T without the early parts' updates (Note: [early non-block parts])
             rows.append(ends["in_backward"] * self.bwd)
         if self.y:  # the serial layers' updates follow layer 0's on the CPU lane; nothing waits for them
-            rows.append(cpu_end["pipelined"] * pipe + sum(self.lay[j].opt_seconds * y for j, y in self.y.items()))
+            # (a serial layer excludes the updates in the backward, whose T has the early parts' updates
+            # elsewhere: its own CPU lane's end, gated by bwd)
+            on_t = (cpu_end["pipelined"] * (pipe - self.bwd) + cpu_end["in_backward"] * self.bwd if self.in_backward
+                    else cpu_end["pipelined"] * pipe)
+            rows.append(on_t + sum(self.lay[j].opt_seconds * y for j, y in self.y.items()))
         return rows
 
     def iteration_time(self):
