@@ -300,7 +300,8 @@ def test_gradient_clip_val_is_fused_into_hybrid_adamw(monkeypatch):
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     opt = trainer.optimizers[0]
     assert passes == []  # no separate clip pass over the gradients
-    assert opt.max_grad_norm == 0.05 and opt.last_grad_norm > 0.05  # the clip was active
+    assert opt.last_clip == 0.05 and opt.last_grad_norm > 0.05  # the clip was active (fused, the step's own)
+    assert opt.max_grad_norm is None  # the Trainer's clip is each step's, not made the optimizer's own
     assert max(abs(a - b) for a, b in zip(losses.values, want)) <= 1e-5
 
 
@@ -322,7 +323,7 @@ def test_fused_clip_with_a_loss_scaler_sees_unscaled_norms():
 
     want, _ = run("auto")  # Lightning unscales, then clips with clip_grad_norm_
     got, opt = run("lazytrain")
-    assert opt.max_grad_norm == 0.05 and 0.05 < opt.last_grad_norm < 100  # unscaled (scaled: ~1000x larger)
+    assert opt.last_clip == 0.05 and 0.05 < opt.last_grad_norm < 100  # unscaled (scaled: ~1000x larger)
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
 
 

@@ -41,8 +41,13 @@ class _CoreRouting:
 
         inner = getattr(optimizer, "optimizer", optimizer)
         norm = GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.NORM
-        if isinstance(inner, HybridAdamW) and norm:
-            inner.max_grad_norm = float(clip_val) if clip_val and clip_val > 0 else None
+        if not (clip_val and clip_val > 0):
+            return  # Lightning calls with 0 every step when no clip is set: nothing to clip
+        # fused into the next step's update (that step only) where it is that step's one clip: the automatic
+        # loop's, right before the step; a manual clip (between backwards) or a second clip (the optimizer's
+        # own max_grad_norm) clips the gradients here, as under strategy="auto"
+        if isinstance(inner, HybridAdamW) and norm and self.core.automatic and inner.max_grad_norm is None:
+            inner.clip_next_step(float(clip_val))
             return
         # sharded blocks: a norm over this rank's tensors would be over its shards
         if norm and clip_val and clip_val > 0 and self.core.clip_sharded(optimizer, float(clip_val)):

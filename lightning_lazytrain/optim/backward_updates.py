@@ -118,9 +118,9 @@ class BackwardUpdates:
     def _begin_eager(self) -> None:
         self._wait_inflight()
         self._resolve_pending()
-        if self.max_grad_norm is not None:
+        if self._clip_now() is not None:
             raise RuntimeError(
-                f"HybridAdamW(updates_in_backward=True) cannot clip (max_grad_norm={self.max_grad_norm}, e.g. "
+                f"HybridAdamW(updates_in_backward=True) cannot clip (max_grad_norm={self._clip_now()}, e.g. "
                 "from the Trainer's gradient_clip_val): a clip needs every gradient before any update")
         self.last_grad_norm = math.nan
         cuda_devices = sorted({p.device for p in self._bits if p.device.type == "cuda"}, key=str)
@@ -151,12 +151,12 @@ class BackwardUpdates:
         changed = [self._names.get(p, "?") for p, grad, version in (e.used if e.sealed is None else e.sealed)
                    if p.grad is not grad or grad._version != version]
         hyper = self._hyper() != e.plan.hyper
-        if changed or hyper or self.max_grad_norm is not None:
+        if changed or hyper or self._clip_now() is not None:
             e.pipe.abort()
             e.pipe.wait_all()
             what = (f"the gradients of {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} were edited or "
                     "replaced" if changed else "a hyperparameter (lr, betas, eps, weight_decay) was changed"
-                    if hyper else f"a clip was set (max_grad_norm={self.max_grad_norm})")
+                    if hyper else f"a clip was set (max_grad_norm={self._clip_now()})")
             raise RuntimeError(
                 f"HybridAdamW(updates_in_backward=True): layers {list(e.pipe.submitted)} were updated during the "
                 f"backward, but between the backward and the optimizer step {what}; the step cannot equal a serial "

@@ -45,6 +45,7 @@ from .checkpoint import load_param_state, saved_bits
 from .clip import (
     ClipDecision,
     SqNormInbox,
+    clip_coefficient,
     decide_clip,
     global_grad_norm,
     grad_total_norm,
@@ -136,6 +137,8 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         self.eight_bit = eight_bit
         self.block_size = block_size
         self.max_grad_norm = max_grad_norm
+        self._step_clip: float | None = None  # clip_next_step's: the next step's only
+        self.last_clip: float | None = None
         self.min_8bit_numel = min_8bit_numel
         self.impl: Impl32 = impl
         self.skip_nonfinite = skip_nonfinite
@@ -326,7 +329,7 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             norms = [fresh.get(p) if n is None else n for p, n in zip(params, norms)]
         return norms
 
-    def _global_norm(self) -> torch.Tensor | None:
+    def _global_norm(self, clip: float | None) -> torch.Tensor | None:
         handed_norms, self._grad_norms = self._grad_norms, None
         recompute, self._recompute_norms = self._recompute_norms, None
         self.handed_norms_used = self.stale_norms = 0
@@ -349,15 +352,34 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             values = [v for layer in handed for v in handed[layer]]
             device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
             return norm_from_sq_norms(values, device)
-        if self.max_grad_norm is None and not self.skip_nonfinite:
+        if clip is None and not self.skip_nonfinite:
             return None
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         return global_grad_norm(grads)
 
     # ------------------------------------------------------------------------------ stepping
+    def clip_next_step(self, max_norm: float | None) -> None:
+        """Clip the next step's gradients to ``max_norm`` (the global L2 norm), fused into its update,
+        as a ``clip_grad_norm_`` run just before it would (Note: [exact clip] in clip.py); the step after
+        it is not clipped unless asked again. The Trainer's ``gradient_clip_val`` arrives here (the
+        strategy's precision plugin). ``max_grad_norm`` (the constructor's) stays the optimizer's own
+        clip; with both, the plugin clips the gradients itself first, as under ``strategy="auto"``."""
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be positive or None, got {max_norm}")
+        self._step_clip = max_norm
+
+    def _clip_now(self) -> float | None:
+        """The clip of the step about to run: the one asked for it (``clip_next_step``), else its own."""
+        return self._step_clip if self._step_clip is not None else self.max_grad_norm
+
     def _prepare(self) -> _StepPlan:
         self._resolve_pending()
-        decision = decide_clip(self._global_norm(), self.max_grad_norm)
+        clip, asked, self._step_clip = self._clip_now(), self._step_clip is not None, None
+        self.last_clip = clip  # the clip the step applied (its own max_grad_norm, or the one asked for it)
+        total = self._global_norm(clip)
+        decision = decide_clip(total, clip)
+        if asked and not decision.finite and total is not None:
+            decision = self._clipped_nonfinite(total, clip)
         self.last_grad_norm = decision.grad_norm
         if decision.skip:
             self.skipped_steps += 1
@@ -368,6 +390,20 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             )
         grads = {id(p): p.grad for g in self.param_groups for p in g["params"] if p.grad is not None}
         return _StepPlan(clip=decision, hyper=self._hyper(), grads=grads)
+
+    def _clipped_nonfinite(self, total: torch.Tensor, clip: float) -> ClipDecision:
+        """A clip asked for this step (the Trainer's, ``clip_next_step``) over a non-finite norm, as
+        ``clip_grad_norm_`` then this step would run it: the gradients are multiplied by its factor (0 for
+        an infinite norm -- a 16-bit norm may overflow while every gradient is finite --, NaN for a NaN
+        one) and the step runs on them; ``skip_nonfinite`` skips it only where a scaled gradient is not
+        finite (this step's own norm of them, under strategy="auto")."""
+        coef = clip_coefficient(total, clip)
+        factor = float(coef.float().item())
+        value = float(total.float().item())
+        if self.skip_nonfinite and not (math.isfinite(factor) and all(
+                bool(torch.isfinite(p.grad).all()) for g in self.param_groups for p in g["params"] if p.grad is not None)):
+            return ClipDecision(grad_norm=value, scale=1.0, finite=False, scale_tensor=None)
+        return ClipDecision(grad_norm=value, scale=factor, finite=True, scale_tensor=coef)
 
     def _hyper(self) -> list[_GroupHyper]:
         return [
