@@ -195,9 +195,15 @@ class PipelinedSteps:
         checkpoint, evaluation) raises -- the blocks updated already cannot be taken back, and giving the
         step up would update them twice at the optimizer step; None (teardown, an error in the backward)
         gives it up. Returns whether a step was given up (the masters then hold a step half done)."""
-        for pipe, _, _ in self._pending:
-            pipe.wait_all()
-        self._pending = []
+        pending, self._pending = self._pending, []
+        failed: BaseException | None = None
+        for pipe, _, _ in pending:  # every one waited for, even after one failed (its error raised below)
+            try:
+                pipe.wait_all()
+            except BaseException as err:  # noqa: BLE001 - re-raised once all are done
+                failed = failed or err
+        if failed is not None:
+            raise failed
         gave_up = False
         for inner, _ in self._eager:
             if inner.updating_in_backward:
@@ -213,10 +219,12 @@ class PipelinedSteps:
         return gave_up
 
     def clear(self) -> None:
-        self.finish()
-        self._plans = {}
-        self._eager = []
-        self.arm(False)
+        try:
+            self.finish()
+        finally:  # a failed update is raised after the configuration is dropped
+            self._plans = {}
+            self._eager = []
+            self.arm(False)
 
 
 def _layer_plan(ex: Executor, inner: Any) -> tuple[list, dict, list, list] | None:

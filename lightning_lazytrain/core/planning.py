@@ -23,7 +23,7 @@ from lightning_lazytrain.core.replan import DriftMonitor, measured_link_rates
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
 from lightning_lazytrain.engine.profiler import workload_from_stats
-from lightning_lazytrain.planner import Hardware, InfeasibleBudget, Workload, simulate
+from lightning_lazytrain.planner import Hardware, InfeasibleBudget, InfeasibleSchedule, Workload, simulate
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import candidates
 
@@ -172,11 +172,21 @@ class Planner:
             except BaseException as err:
                 if isinstance(err, InfeasibleBudget):  # the first line a user reads, before the traceback
                     log.error("lazytrain cannot train this within its budget: %s", err)
+                if (isinstance(err, InfeasibleSchedule) and err.resource == "nvme_capacity"
+                        and self.options.nvme_dir is not None and err.need_bytes is not None):
+                    # a plan (a plan file's) needs more spill space than the drive has: say which directory
+                    # and how to fix it (NvmeDirError), as the check before the first step does
+                    from lightning_lazytrain.engine.nvme import check_nvme_dir
+
+                    try:
+                        check_nvme_dir(self.options.nvme_dir, int(err.need_bytes))
+                    except Exception as named:
+                        err = named
                 if not layout.is_distributed:
-                    raise
+                    raise err
                 failure = f"{type(err).__name__}: {err}"
                 broadcast_object((None, failure, None))
-                raise
+                raise err
         if layout.is_distributed:
             plan, failure, current_s = broadcast_object((plan, failure, current_s))
             if plan is None:

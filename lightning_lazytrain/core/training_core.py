@@ -535,9 +535,17 @@ class TrainingCore:
     # ---- end -------------------------------------------------------------------------------------
     def teardown(self) -> None:
         """Restore the blocks' forward, free device buffers and threads; the module keeps its trained
-        host parameters. The re-plan records stay; the next fit profiles and plans again."""
-        self.steps.clear()
-        self.end_inference()
+        host parameters. The re-plan records stay; the next fit profiles and plans again. A failed
+        pipelined update (raised again by ``steps.clear``) is raised after everything is closed."""
+        try:
+            self.steps.clear()
+        finally:
+            try:
+                self.end_inference()
+            finally:
+                self._close()
+
+    def _close(self) -> None:
         if self.executor is not None:
             if self.last_stats is not None and self.artifact_dir and self.layout.is_global_zero:
                 _write_measured_timeline(self.last_stats, self.artifact_dir)

@@ -215,7 +215,7 @@ def calibrate_host_rates(wl: Workload, schedule: Schedule, hw: Hardware) -> Hard
     base = hw.replace(host_job_seconds=job)
     predicted, _ = host_seconds(priced_from_rates(wl, cur, base), base)
     # the bytes' share of each kind, measured over predicted (the fixed part is the same in both)
-    factors = {kind: (measured[kind] - jobs[kind] * job) / (predicted[kind] - jobs[kind] * job)
+    factors = {kind: (measured[kind] - jobs.get(kind, 0) * job) / (predicted[kind] - jobs.get(kind, 0) * job)
                for kind in ("cast", "accumulate")
                if measured.get(kind, 0) > 0 and predicted.get(kind, 0) - jobs.get(kind, 0) * job > 0}
     if not factors:
