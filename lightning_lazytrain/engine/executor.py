@@ -497,6 +497,7 @@ class Executor:
         if not last:
             self._flush_adhoc_grads()
             self.params.wait_host()  # the host grads hold this micro-batch's gradients when it ends
+            self.params.reconcile_outside_grads()  # Note: [a master used outside its block]
             self.params.post_hooks.fire()  # Note: [gradient hooks on streamed parameters]
             self._micro = None
             return None
@@ -517,6 +518,7 @@ class Executor:
         self._exit.close()
         self.acts.end_step()
         self.engine.synchronize()
+        self.params.reconcile_outside_grads()  # Note: [a master used outside its block]
         self._micro = None
         self.stats.lane_bytes = self.engine.bytes_moved
         self.stats.peak_tracked_bytes = self.tracker.peak

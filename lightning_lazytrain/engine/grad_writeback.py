@@ -17,6 +17,8 @@ gradients never land directly (``take_grads`` reads the landing buffer).
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -54,19 +56,87 @@ class PendingGrads:
 class GradWriteBack:
     """The gradient methods of ``ParamStore`` (which provides the groups, slots, views and engine)."""
 
+    # ---- Note: [a master used outside its block] ---------------------------------------------------
+    def _watch_outside_uses(self) -> None:
+        """Note: [a master used outside its block]
+            A block's weights reach its forward as bound copies, so the gradients of that use arrive
+            through the slot and are landed or added into the master's host ``.grad`` on the host lane.
+            User code may also use the master itself outside the block (a weight penalty on
+            ``model.layers[1].lin.weight``): autograd then accumulates into the master's ``.grad`` on
+            the training thread, possibly while the host lane sets that ``.grad`` to its view of the
+            host gradient -- one of the two would be lost. Each block master carries a post-accumulate
+            hook recording such a gradient; the host lane merges one it finds (under a lock), and at
+            the end of the micro-batch (after the host lane) ``reconcile_outside_grads`` adds any the
+            race left out into the view, so ``.grad`` is the sum of both uses, as under plain autograd
+            (the two terms bit for bit; over accumulated micro-batches the sums group differently)."""
+        self._outside_lock = threading.Lock()
+        self._outside: dict[int, tuple[ParamEntry, torch.Tensor]] = {}
+        self._adopted: set[int] = set()  # entries whose .grad the host lane set to their view this micro-batch
+        self._outside_handles = []
+        for gid, g in self._groups.items():
+            if gid == REST:  # bound for the whole step: a use of it goes through its copy
+                continue
+            for info in g.params:
+                if not info.param.requires_grad:  # (torch refuses a hook there; one thawed later goes without)
+                    continue
+                hook = functools.partial(self._outside_use, info)
+                hook._lazytrain_internal = True  # not the user's (user_grad_hooks.user_post_accumulate_hooks)
+                self._outside_handles.append(info.param.register_post_accumulate_grad_hook(hook))
+
+    def _outside_use(self, info: ParamEntry, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None or grad.data_ptr() == self._host_view(self._group(self._owner[id(info)]).grad, info).data_ptr():
+            return  # added into the view in place: counted
+        with self._outside_lock:
+            self._outside[id(info)] = (info, grad)
+
+    def _take_outside(self, info: ParamEntry, view: torch.Tensor) -> torch.Tensor | None:
+        """The host lane is about to set ``info``'s ``.grad`` to ``view``: the gradient autograd put there
+        from a use outside the block, if any (no longer pending); call under ``_outside_lock``."""
+        self._adopted.add(id(info))
+        cur = info.param.grad
+        if cur is None or cur.data_ptr() == view.data_ptr():
+            return None
+        entry = self._outside.get(id(info))
+        if entry is not None and entry[1] is cur:
+            del self._outside[id(info)]
+        return cur
+
+    def reconcile_outside_grads(self) -> None:
+        """End of a micro-batch, after the host lane: the outside uses' gradients the race left out join
+        the host gradients (Note: [a master used outside its block])."""
+        with self._outside_lock:
+            pending, self._outside = list(self._outside.values()), {}
+            adopted, self._adopted = self._adopted, set()
+        with torch.no_grad():
+            for info, grad in pending:
+                if id(info) not in adopted:
+                    continue  # no gradient of the block's use came: autograd's .grad stands alone
+                view = self._host_view(self._group(self._owner[id(info)]).grad, info)
+                view.add_(grad)
+                info.param.grad = view
+
+    def _remove_outside_watch(self) -> None:
+        for h in getattr(self, "_outside_handles", []):
+            h.remove()
+        self._outside_handles = []
+
     def _ensure_host_grads(self, g: ParamGroup, touched: frozenset | set = frozenset()) -> None:
         # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
         # without a host grad gets one (a zeroed view) only when a gradient reached it; the flat
         # buffer stays zero where no parameter has a grad, so norms of the flat buffer are right.
         for info in g.params:
-            view, cur = self._host_view(g.grad, info), info.param.grad
-            if cur is None:
-                view.zero_()
-                if id(info) in touched and info.param.requires_grad:
+            view = self._host_view(g.grad, info)
+            with self._outside_lock:  # Note: [a master used outside its block]
+                cur = self._take_outside(info, view) if g.gid != REST else info.param.grad
+                if cur is None:
+                    if info.param.grad is None:
+                        view.zero_()
+                        if id(info) in touched and info.param.requires_grad:
+                            info.param.grad = view
+                elif cur.data_ptr() != view.data_ptr():
+                    view.copy_(cur)
                     info.param.grad = view
-            elif cur.data_ptr() != view.data_ptr():
-                view.copy_(cur)
-                info.param.grad = view
 
     def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
                          param_norms: dict[nn.Parameter, torch.Tensor] | None = None,
@@ -240,7 +310,11 @@ class GradWriteBack:
             for info in infos:
                 view = self._host_view(g.grad, info)
                 if id(info) in touched and info.param.requires_grad:
-                    info.param.grad = view
+                    with self._outside_lock:  # Note: [a master used outside its block]
+                        cur = self._take_outside(info, view) if g.gid != REST else None
+                        if cur is not None:
+                            view.add_(cur)
+                        info.param.grad = view
                     receiving.append(info)
                 else:
                     view.zero_()

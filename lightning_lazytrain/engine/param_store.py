@@ -151,6 +151,7 @@ class ParamStore(GradWriteBack):
         self._groups = self._build_groups()
         self._index = {id(info): k for grp in self._groups.values() for k, info in enumerate(grp.params)}
         self._owner = {id(info): gid for gid, grp in self._groups.items() for info in grp.params}
+        self._watch_outside_uses()  # Note: [a master used outside its block] (grad_writeback.py)
         self._layouts = self._make_layouts()  # sharded groups (engine/shard_store.py); none here
         g = self._groups[REST]
         self._rest_parts: list[tuple[int, int, tuple[ParamEntry, ...]]] = [(0, g.numel, tuple(g.params))]
@@ -764,6 +765,7 @@ class ParamStore(GradWriteBack):
         """Finish copies and drop the device buffers; the module keeps its host masters."""
         if any(s.bound for s in self._slots):
             raise RuntimeError("close() inside bind()")
+        self._remove_outside_watch()
         try:
             self.engine.synchronize()
         finally:

@@ -65,8 +65,15 @@ def forward_tensor_hooks(master: nn.Parameter, wrapper: nn.Parameter, *, always:
     wrapper.register_hook(run)
 
 
+def user_post_accumulate_hooks(p: nn.Parameter) -> list:
+    """``p``'s post-accumulate-grad hooks but the engine's own (marked ``_lazytrain_internal``: Note: [a
+    master used outside its block] in grad_writeback.py)."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    return [fn for fn in hooks.values() if not getattr(fn, "_lazytrain_internal", False)]
+
+
 def has_post_accumulate_hooks(params: Iterable[nn.Parameter]) -> bool:
-    return any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+    return any(user_post_accumulate_hooks(p) for p in params)
 
 
 def tensor_hook_names(named: Iterable[tuple[str, nn.Parameter]]) -> list[str]:
@@ -111,10 +118,10 @@ class PostAccumulateHooks:
         with torch.no_grad():  # as autograd runs them (no create_graph)
             for key in order:
                 p = landed[key]
-                hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+                hooks = user_post_accumulate_hooks(p)
                 if not hooks or not p.requires_grad:
                     continue
-                for fn in list(hooks.values()):
+                for fn in hooks:
                     if fn(p) is not None:  # torch's own check
                         raise RuntimeError("Tensor post accumulate grad hooks should return None.")
                 fired += 1
