@@ -343,8 +343,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         return FitSettings(grad_accum=trainer.accumulate_grad_batches, full_microbatches=full, hand_over_norms=True,
                            clip=bool(trainer.gradient_clip_val), loss_scaled=scaled, norms_trusted=trusted,
                            updates_in_backward=in_backward,
-                           step_waits=weights_read_after_step(module, trainer.callbacks,
-                                                              grads_clipped=bool(trainer.gradient_clip_val)))
+                           step_waits=weights_read_after_step(module, trainer.callbacks))
 
     @property
     @override

@@ -46,22 +46,18 @@ def _trusted(cb: Any) -> bool:
     return type(cb).__module__.startswith(("lightning.", "lightning_lazytrain."))
 
 
-def weights_read_after_step(module: Any, callbacks: list, *, grads_clipped: bool = False) -> str | None:
+def weights_read_after_step(module: Any, callbacks: list) -> str | None:
     """Why the fit's optimizer step must have updated every weight when it returns (Note: [weights
     read after the step]), naming the hooks; None when no untrusted hook runs between a step and the
     next forward. Manual optimization counts too (``training_step`` itself may read the weights after
-    ``optimizer.step()``). ``grads_clipped`` (a clip fused into the step scales the gradients in place
-    as it updates each layer): a hook that declares ``reads_gradients_only`` counts as well, since the
-    gradients it reads are the step's until the step is done."""
+    ``optimizer.step()``)."""
     found = []
     if not getattr(module, "reads_gradients_only", False):
         found += [f"the LightningModule's {name}" for name in HOOKS if is_overridden(name, module)]
         if not module.automatic_optimization:
             found.append("manual optimization (training_step may read the weights after optimizer.step())")
-    elif grads_clipped:
-        found += [f"the LightningModule's {name} (gradients)" for name in HOOKS if is_overridden(name, module)]
     for cb in callbacks:
-        if not _trusted(cb) or (grads_clipped and getattr(cb, "reads_gradients_only", False)):
+        if not _trusted(cb):
             found += [f"{type(cb).__name__}.{name}" for name in HOOKS if is_overridden(name, cb, parent=Callback)]
     if not found:
         return None

@@ -89,6 +89,7 @@ class TrainingCore:
         self._micro_index = 0
         self._last_of_step = True
         self._t_step = 0.0
+        self._outside_logged = False
         self._tokens: int | None = None  # of the first batch, which is profiled
         self._full = False  # this step's micro-batches each write all gradients back
         # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
@@ -434,7 +435,7 @@ class TrainingCore:
                           # the parts a configuration would arm whose gradients the profiled step saw complete early
                           early_parts=tuple(p for p in self.steps.planned_early_parts(ex, self.optimizers)
                                             if p in stats.early_complete_parts) if self._updates_in_backward() else (),
-                          serial_step=self.fit.step_waits is not None)
+                          serial_step=self._step_waits() is not None)
         plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
         if plan is None:  # a re-plan that keeps the current schedule
             return
@@ -477,9 +478,26 @@ class TrainingCore:
         if self.steps.order(optimizer) is None:
             return False
         self.steps.start(optimizer)
-        if self.fit.step_waits is not None:  # Note: [weights read after the step] (adapters/weight_readers.py)
+        if self._step_waits() is not None:  # Note: [weights read after the step] (adapters/weight_readers.py)
             self.steps.finish()
         return True
+
+    def _step_waits(self) -> str | None:
+        """Why the optimizer step must have updated every weight when it returns: a hook of the fit
+        (``FitSettings.step_waits``), or a block's master used outside its block (Note: [a master used
+        outside its block] in engine/grad_writeback.py: the code that does so reads the master itself,
+        before the forward would wait for its update)."""
+        if self.fit.step_waits is not None:
+            return self.fit.step_waits
+        ex = self.executor
+        if ex is not None and ex.params is not None and ex.params.outside_uses_seen:
+            if not self._outside_logged:
+                self._outside_logged = True
+                log.warning("lazytrain: a block's weights were used outside the block (e.g. a weight penalty on "
+                            "the parameter itself): the optimizer step updates every weight before it returns "
+                            "from now on (no pipelined step)")
+            return "a block's weights are used outside the block"
+        return None
 
     def finish_optimizer_steps(self, what: str | None = None) -> bool:
         """Wait for pipelined updates still running (before evaluation, checkpoints, teardown); ``what``

@@ -70,6 +70,9 @@ class GradWriteBack:
             race left out into the view, so ``.grad`` is the sum of both uses, as under plain autograd
             (the two terms bit for bit; over accumulated micro-batches the sums group differently)."""
         self._outside_lock = threading.Lock()
+        # a master was used outside its block: the code that did so reads it directly, so a pipelined step
+        # must have updated it when the step returns (TrainingCore: the step then waits, the plan is serial)
+        self.outside_uses_seen = False
         self._outside: dict[int, tuple[ParamEntry, torch.Tensor]] = {}
         self._adopted: set[int] = set()  # entries whose .grad the host lane set to their view this micro-batch
         self._outside_handles = []
@@ -89,6 +92,7 @@ class GradWriteBack:
             return  # added into the view in place: counted
         with self._outside_lock:
             self._outside[id(info)] = (info, grad)
+            self.outside_uses_seen = True
 
     def _take_outside(self, info: ParamEntry, view: torch.Tensor) -> torch.Tensor | None:
         """The host lane is about to set ``info``'s ``.grad`` to ``view``: the gradient autograd put there
