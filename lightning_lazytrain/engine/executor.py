@@ -557,6 +557,15 @@ class Executor:
         # A block the planned pass already ran in this micro-batch (a second forward before the
         # backward: manual optimization, several losses) runs ad hoc: self-contained, exact, unplanned.
         adhoc = j in self._forwarded
+        if not adhoc and len(self._forwarded) != j:  # the planned pass streams the blocks in the stack's order
+            skipped = [i for i in range(j) if i not in self._forwarded]
+            raise RuntimeError(
+                f"strategy='lazytrain': block {j} of {self.stack.path!r} was called in a training forward after "
+                f"block(s) {sorted(self._forwarded)}, without {skipped or 'them in order'} (the model skips or "
+                "reorders blocks: LayerDrop, early exit, a custom order). "
+                "The plan streams every block in the stack's order once per forward. Fix: turn the skipping off "
+                "for training (e.g. the config's layerdrop=0), call every block in order, or train this model "
+                "with another strategy")
         self._forwarded.add(j)
         node = BlockContext(j)  # Note: [the block node] (block_fn.py)
         outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
