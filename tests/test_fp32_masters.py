@@ -16,13 +16,11 @@ from lightning_lazytrain.strategy import LazyTrainStrategy
 from test_conformance import Net, data, fit, mixed_plan
 
 
-class MasterNet(Net):
-    """The reference: a bf16 model (``precision="bf16-true"``) trained through fp32 masters."""
+class MasterSteps:
+    """A LightningModule mixin: the model (bf16) trains through fp32 masters ``self.pairs`` (model
+    parameter, master), which its ``configure_optimizers`` sets up and hands to the optimizer."""
 
-    def configure_optimizers(self):
-        params = [p for n, p in self.named_parameters() if not n.startswith("critic")]
-        self.pairs = [(p, nn.Parameter(p.detach().float())) for p in params]
-        return torch.optim.AdamW([m for _, m in self.pairs], lr=1e-2)
+    pairs: list
 
     def on_after_backward(self):  # every micro-batch's gradients join the fp32 ones, as the host grads do
         for p, m in self.pairs:
@@ -36,6 +34,15 @@ class MasterNet(Net):
         with torch.no_grad():
             for p, m in self.pairs:
                 p.copy_(m)  # round to the model's bf16
+
+
+class MasterNet(MasterSteps, Net):
+    """The reference: a bf16 model (``precision="bf16-true"``) trained through fp32 masters."""
+
+    def configure_optimizers(self):
+        params = [p for n, p in self.named_parameters() if not n.startswith("critic")]
+        self.pairs = [(p, nn.Parameter(p.detach().float())) for p in params]
+        return torch.optim.AdamW([m for _, m in self.pairs], lr=1e-2)
 
     def masters(self):
         return {n: m for (n, _), (_, m) in zip(((n, p) for n, p in self.named_parameters()

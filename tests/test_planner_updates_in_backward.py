@@ -34,6 +34,37 @@ def cpu_ops(window):
     return [op.index for op in window.ops if op.lane == "cpu"]
 
 
+def assert_window_times_equal_the_simulator(wl, hw):
+    """The MILP's iteration time, seeded from every schedule of both modes (each pipelined one both ways),
+    is the simulator's."""
+    import pyomo.environ as pyo
+
+    model = ScheduleModel(wl, hw, MilpOptions())
+    n = 0
+    for s in both_ways(milp_space(3, nvme=False, pipelined=None)):
+        model.seed_from(s)
+        assert pyo.value(model.iteration_time()) == pytest.approx(
+            simulate(s, wl, hw, check=False).iteration_seconds, rel=1e-9), s
+        n += 1
+    assert n > 60
+
+
+def assert_plan_is_the_best_enumerated(wl, hw):
+    """The solved plan is optimal, its objective the simulator's, and as fast as the best enumerated
+    schedule of both modes."""
+    best = float("inf")
+    for s in both_ways(milp_space(3, pipelined=None)):
+        try:
+            best = min(best, simulate(s, wl, hw).iteration_seconds)
+        except InfeasibleSchedule:
+            continue
+    res = solve(wl, hw, mip_gap=TIGHT, time_limit=30, serial_layers=False)
+    assert res.status == "optimal"
+    assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-6)
+    assert res.simulated.iteration_seconds == pytest.approx(best, rel=1e-6)
+    return res
+
+
 @pytest.mark.parametrize("accum", [1, 3])
 def test_the_windows_update_each_layer_after_its_last_accumulate(accum):
     s = recompute_all(4)
@@ -78,35 +109,15 @@ def test_a_long_update_hides_under_the_backward():
 @pytest.mark.slow
 def test_milp_window_times_equal_the_simulator_with_updates_in_backward(seed):
     """Every schedule of both modes, accumulation 2-4 (the last micro-batch's own B windows) and 1."""
-    import pyomo.environ as pyo
-
     base, hw = small_instance(random.Random(1500 + seed), 3)
     for accum in (base.grad_accum, 1):
-        wl = in_backward(dataclasses.replace(base, grad_accum=accum))
-        model = ScheduleModel(wl, hw, MilpOptions())
-        n = 0
-        for s in both_ways(milp_space(3, nvme=False, pipelined=None)):
-            model.seed_from(s)
-            assert pyo.value(model.iteration_time()) == pytest.approx(
-                simulate(s, wl, hw, check=False).iteration_seconds, rel=1e-9), s
-            n += 1
-        assert n > 60
+        assert_window_times_equal_the_simulator(in_backward(dataclasses.replace(base, grad_accum=accum)), hw)
 
 
 @pytest.mark.parametrize("seed", range(2))
 def test_the_plan_is_the_best_enumerated_schedule_with_updates_in_backward(seed):
     wl, hw = small_instance(random.Random(1600 + seed), 3)
-    wl = in_backward(wl)
-    best = float("inf")
-    for s in both_ways(milp_space(3, pipelined=None)):
-        try:
-            best = min(best, simulate(s, wl, hw).iteration_seconds)
-        except InfeasibleSchedule:
-            continue
-    res = solve(wl, hw, mip_gap=TIGHT, time_limit=30, serial_layers=False)
-    assert res.status == "optimal"
-    assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-6)
-    assert res.simulated.iteration_seconds == pytest.approx(best, rel=1e-6)
+    res = assert_plan_is_the_best_enumerated(in_backward(wl), hw)
     assert res.schedule.serial_layers == ()
 
 
@@ -189,8 +200,6 @@ def test_an_early_head_part_leaves_t():
                                                pytest.param(0, (500, 300, 200), (1, 2), marks=pytest.mark.slow),
                                                pytest.param(1, (500, 300, 200), (1, 2), marks=pytest.mark.slow)])
 def test_milp_window_times_equal_the_simulator_with_early_parts(seed, parts, early):
-    import pyomo.environ as pyo
-
     rng = random.Random(1700 + seed)
     base, hw = small_instance(rng, 3)
     base = with_early_parts(base, rng, parts, early, opt=(2.0, 6.0))  # the early chain outlasts B{L-1}
@@ -198,29 +207,11 @@ def test_milp_window_times_equal_the_simulator_with_early_parts(seed, parts, ear
     casts = dataclasses.replace(base, nonblock_grad_bytes=1e6, nonblock_opt_seconds=20.0, layers=tuple(
         dataclasses.replace(x, cast_seconds=x.bwd_seconds * 3) for x in base.layers))
     for wl in (base, casts, dataclasses.replace(base, grad_accum=1), dataclasses.replace(casts, grad_accum=1)):
-        wl = in_backward(wl)
-        model = ScheduleModel(wl, hw, MilpOptions())
-        n = 0
-        for s in both_ways(milp_space(3, nvme=False, pipelined=None)):
-            model.seed_from(s)
-            assert pyo.value(model.iteration_time()) == pytest.approx(
-                simulate(s, wl, hw, check=False).iteration_seconds, rel=1e-9), s
-            n += 1
-        assert n > 60
+        assert_window_times_equal_the_simulator(in_backward(wl), hw)
 
 
 @pytest.mark.parametrize("seed", range(2))
 def test_the_plan_is_the_best_enumerated_schedule_with_early_parts(seed):
     rng = random.Random(1800 + seed)
     wl, hw = small_instance(rng, 3)
-    wl = in_backward(with_early_parts(wl, rng))
-    best = float("inf")
-    for s in both_ways(milp_space(3, pipelined=None)):
-        try:
-            best = min(best, simulate(s, wl, hw).iteration_seconds)
-        except InfeasibleSchedule:
-            continue
-    res = solve(wl, hw, mip_gap=TIGHT, time_limit=30, serial_layers=False)
-    assert res.status == "optimal"
-    assert res.objective == pytest.approx(res.simulated.iteration_seconds, rel=1e-6)
-    assert res.simulated.iteration_seconds == pytest.approx(best, rel=1e-6)
+    assert_plan_is_the_best_enumerated(in_backward(with_early_parts(wl, rng)), hw)

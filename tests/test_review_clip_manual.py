@@ -22,6 +22,7 @@ import lightning as L
 import pytest
 import torch
 from models import StackNet, WideBlock
+from test_fp32_masters import MasterSteps
 from test_updates_in_backward import plan_file
 from torch import nn
 
@@ -467,7 +468,7 @@ def test_16_mixed_with_a_loss_scaler_and_hybrid_adamw(how):
     assert_same(run(lazy("pipelined")), run("auto"))
 
 
-class MasterNet(Net):
+class MasterNet(MasterSteps, Net):
     """The reference for ``fp32_masters=True`` (tests/test_fp32_masters.py's, with HybridAdamW per block): a
     bf16 model (``bf16-true`` under auto) trained through fp32 masters -- each micro-batch's bf16 gradients
     added into the masters' fp32 ones, Lightning's clip and the optimizer on the masters, the model copy the
@@ -478,19 +479,6 @@ class MasterNet(Net):
         master = {id(p): m for p, m in self.pairs}
         groups = [{**g, "params": [master[id(p)] for p in g["params"]]} for g in self.groups()]
         return HybridAdamW(groups, lr=1e-2, weight_decay=0.1, **self.opt_kw)
-
-    def on_after_backward(self):
-        for p, m in self.pairs:
-            if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad.add_(g)
-                p.grad = None
-
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-        optimizer.step(closure=optimizer_closure)
-        with torch.no_grad():
-            for p, m in self.pairs:
-                p.copy_(m)
 
 
 @pytest.mark.parametrize("plan", ["serial", "pipelined"])

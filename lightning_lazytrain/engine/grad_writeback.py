@@ -132,12 +132,13 @@ class GradWriteBack:
         for info in g.params:
             view = self._host_view(g.grad, info)
             with self._outside_lock:  # Note: [a master used outside its block]
-                cur = self._take_outside(info, view) if g.gid != REST else info.param.grad
+                cur = info.param.grad
+                if g.gid != REST:
+                    self._take_outside(info, view)  # an outside use's gradient is copied in below
                 if cur is None:
-                    if info.param.grad is None:
-                        view.zero_()
-                        if id(info) in touched and info.param.requires_grad:
-                            info.param.grad = view
+                    view.zero_()
+                    if id(info) in touched and info.param.requires_grad:
+                        info.param.grad = view
                 elif cur.data_ptr() != view.data_ptr():
                     view.copy_(cur)
                     info.param.grad = view

@@ -166,7 +166,7 @@ class ChunkedLoss:
                 aux = _aux_loss(model, out)
                 got = {}
                 for shift in (True, False):
-                    targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:] if shift else labels
+                    targets = _targets(labels, -100, shift)
                     loss = chunked_lm_loss(seen["hidden"], weight, targets, ignore_index=-100)
                     got[shift] = (loss + aux if aux is not None else loss).float().item()
         finally:
@@ -217,8 +217,7 @@ class ChunkedLoss:
         ignore = call["ignore_index"]
         targets = call["shift_labels"]
         if targets is None:  # Hugging Face's shift: position t predicts label t + 1 (where the module shifts)
-            targets = (nn.functional.pad(call["labels"], (0, 1), value=ignore)[..., 1:] if self.shift
-                       else call["labels"])
+            targets = _targets(call["labels"], ignore, self.shift)
         head = module.get_output_embeddings()
         loss = chunked_lm_loss(hidden, head.weight, targets.to(hidden.device), self.chunk_tokens,
                                ignore_index=ignore, num_items_in_batch=call["num_items_in_batch"])
@@ -227,6 +226,12 @@ class ChunkedLoss:
             loss = loss + aux.to(loss.device)
         output.loss = loss
         return output
+
+
+def _targets(labels: torch.Tensor, ignore: int, shift: bool) -> torch.Tensor:
+    """Each position's target: Hugging Face's shift (position t predicts label t + 1, ``ignore`` appended),
+    or the labels as given (a model whose own loss takes them shifted already)."""
+    return nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:] if shift else labels
 
 
 def _aux_loss(model: nn.Module, output: Any) -> torch.Tensor | None:
