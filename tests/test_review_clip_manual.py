@@ -319,10 +319,6 @@ def grad_diffs(got: Grads, want: Grads) -> list:
             for a, b in zip(want.seen, got.seen)]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: block 0's and the non-block weights' gradients wait on the device until "
-                   "the step's last micro-batch and the write-back keeps only parameters that still require grad; "
-                   "dropping that filter broke toggle_optimizer in manual optimization (a frozen critic's earlier "
-                   "gradient came back) -- needs the requires_grad state at arrival, not at write-back")
 @pytest.mark.parametrize("plan", ["serial", "pipelined"])
 def test_parameters_frozen_between_the_micro_batches_of_a_step(plan):
     """Accumulation 2; block 1 and the embedding frozen at batch 5 (step 2's second micro-batch). Under auto

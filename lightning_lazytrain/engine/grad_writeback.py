@@ -13,6 +13,16 @@ then only gives the parameters the gradient reached their ``.grad`` views (the o
 zeroed, ``.grad`` stays None) and takes the norms. ``0 + x`` is ``x``: bit-identical to adding.
 A step's later copies of the group add as before (like to like when widened). Ad-hoc passes'
 gradients never land directly (``take_grads`` reads the landing buffer).
+
+Note: [gradients sent once] A slot's ``touched`` (the parameters whose compute copy received a gradient
+since the bind) is what a copy of its gradients carries to the host, and a send takes it: the slot's
+device values stay until the next bind zeroes them, but nothing marks them as news. Block 0's slot
+lives on between micro-batches; a micro-batch that does not bind it with gradients (a ``no_grad``
+forward, then a loss on the non-block weights: manual optimization) still sends it at T -- before, the
+previous backward's gradients came a second time (stepped again after ``zero_grad``). A parameter the
+gradient reached keeps it whatever its ``requires_grad`` is when the copy lands: one frozen between
+the micro-batches of a step keeps what reached it while it required one, as ``.grad`` does under plain
+autograd (``tests/test_gradients_sent_once.py``).
 """
 
 from __future__ import annotations
@@ -137,7 +147,7 @@ class GradWriteBack:
                     self._take_outside(info, view)  # an outside use's gradient is copied in below
                 if cur is None:
                     view.zero_()
-                    if id(info) in touched and info.param.requires_grad:
+                    if id(info) in touched:
                         info.param.grad = view
                 elif cur.data_ptr() != view.data_ptr():
                     view.copy_(cur)
@@ -195,6 +205,7 @@ class GradWriteBack:
                             tag=f"grad:{index}", via=via)
         s.sending = h
         touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
+        s.touched -= touched  # Note: [gradients sent once]
         return PendingGrads(layer, s, h, touched, part, direct=direct)
 
     def _lands_directly(self, g: ParamGroup, infos: Iterable, widened: bool) -> bool:
@@ -314,7 +325,7 @@ class GradWriteBack:
             receiving = []
             for info in infos:
                 view = self._host_view(g.grad, info)
-                if id(info) in touched and info.param.requires_grad:
+                if id(info) in touched:
                     with self._outside_lock:  # Note: [a master used outside its block]
                         cur = self._take_outside(info, view) if g.gid != REST else None
                         if cur is not None:
@@ -360,7 +371,7 @@ class GradWriteBack:
         g = self._group(layer)
         with torch.no_grad():
             self._ensure_host_grads(g, touched)
-            receiving = [i for i in g.params if id(i) in touched and i.param.requires_grad]
+            receiving = [i for i in g.params if id(i) in touched]
             self.post_hooks.landed((id(i), i.param) for i in receiving)
             if len(receiving) == len(g.params):
                 self._add(g.grad, grads)

@@ -245,6 +245,7 @@ class ShardedParamStore(ParamStore):
             layout.scatter_into(grads[: g.numel], rank_major)
             mine = torch.empty(layout.shard_numel, dtype=dt, device=grads.device)
         flags = torch.tensor([id(info) in s.touched for info in g.params], dtype=torch.int32)
+        s.touched = set()  # Note: [gradients sent once] in grad_writeback.py
         self.collective_bytes["reduce"] += (self.world - 1) * mine.nbytes
         # a ring all-reduce sends 2 (R-1)/R of the buffer (Note: [collective bytes] in core/grad_sync.py)
         self.collective_bytes["replica"] += 2 * (self.replicas - 1) / self.replicas * mine.nbytes
