@@ -196,3 +196,43 @@ def test_grads_set_to_none_during_a_pipelined_step_do_not_change_it() -> None:
     release.set()
     handle.wait_all()
     assert all(torch.equal(a, b) for a, b in zip(all_tensors(serial_model, serial), all_tensors(piped_model, piped)))
+
+
+@pytest.mark.parametrize("eight_bit", ["none", "all"])
+def test_clipped_grads_are_scaled_when_the_pipelined_step_returns(eight_bit: object) -> None:
+    """Note: [gradients read after a clipped step]: with ``clipped_grads=True`` every ``.grad`` holds its
+    clipped value when ``step_pipelined`` returns (as after ``clip_grad_norm_``), while the updates still run;
+    the step is bit for bit the one that scales each layer on the worker, and the gradients after it too."""
+    if eight_bit != "none":
+        pytest.importorskip("bitsandbytes")
+    models = [make_model(), make_model()]
+    opts = [make_opt(m, eight_bit, max_grad_norm=0.05) for m in models]
+    gate = threading.Event()
+    slow_layer = opts[1]._update_layer
+
+    def held(layer, plan):  # the first layer's update waits until the gradients were read
+        gate.wait(10)
+        slow_layer(layer, plan)
+
+    opts[1]._update_layer = held
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(16, 64, generator=g)
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+        grads_in = [p.grad.clone() for p in models[1].parameters()]
+        opts[0].step_pipelined().wait_all()
+        gate.clear()
+        pipe = opts[1].step_pipelined(clipped_grads=True)
+        assert opts[1].last_grad_norm > 0.05  # the clip is active
+        coef = 0.05 / (opts[1].last_grad_norm + 1e-6)
+        seen = [p.grad.clone() for p in models[1].parameters()]  # read while no update has run
+        assert not pipe.done
+        gate.set()
+        pipe.wait_all()
+        for a, b in zip(seen, grads_in):
+            torch.testing.assert_close(a, b * coef, rtol=1e-5, atol=0)
+        assert all(torch.equal(a, p.grad) for a, p in zip(seen, models[1].parameters()))
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(all_tensors(models[0], opts[0]), all_tensors(models[1], opts[1])))

@@ -33,7 +33,7 @@ from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import CoreViews, option
 from lightning_lazytrain.adapters.precision import is_lazytrain_precision, lazytrain_precision
 from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_dir
-from lightning_lazytrain.adapters.weight_readers import weights_read_after_step
+from lightning_lazytrain.adapters.weight_readers import gradients_read_after_step, weights_read_after_step
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
 from lightning_lazytrain.core.autoplan import NamedOptions, count_tokens
 from lightning_lazytrain.planner import Hardware
@@ -343,7 +343,8 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         return FitSettings(grad_accum=trainer.accumulate_grad_batches, full_microbatches=full, hand_over_norms=True,
                            clip=bool(trainer.gradient_clip_val), loss_scaled=scaled, norms_trusted=trusted,
                            updates_in_backward=in_backward,
-                           step_waits=weights_read_after_step(module, trainer.callbacks))
+                           step_waits=weights_read_after_step(module, trainer.callbacks),
+                           grads_read_after_step=gradients_read_after_step(module, trainer.callbacks))
 
     @property
     @override

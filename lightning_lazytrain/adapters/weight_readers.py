@@ -22,7 +22,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["HOOKS", "weights_read_after_step"]
+__all__ = ["HOOKS", "gradients_read_after_step", "weights_read_after_step"]
 
 # the hooks that run after an optimizer step and before the next forward (validation, checkpoints and
 # teardown wait for the updates themselves; on_before_zero_grad runs after the next forward)
@@ -63,3 +63,16 @@ def weights_read_after_step(module: Any, callbacks: list) -> str | None:
         return None
     return (f"{', '.join(found[:4])}{' ...' if len(found) > 4 else ''} may read the weights between the step and "
             "the next forward (declare reads_gradients_only = True on a callback or module that reads none)")
+
+
+def gradients_read_after_step(module: Any, callbacks: list) -> str | None:
+    """The hooks trusted to read no weights (``reads_gradients_only = True``) that run between a step and
+    the next forward and so may read its gradients (Note: [gradients read after a clipped step] in
+    optim/hybrid_adamw.py); None when there are none."""
+    found = []
+    if getattr(module, "reads_gradients_only", False):
+        found += [f"the LightningModule's {name}" for name in HOOKS if is_overridden(name, module)]
+    for cb in callbacks:
+        if getattr(cb, "reads_gradients_only", False):
+            found += [f"{type(cb).__name__}.{name}" for name in HOOKS if is_overridden(name, cb, parent=Callback)]
+    return ", ".join(found) if found else None

@@ -173,10 +173,13 @@ class PipelinedSteps:
         entry = self._plans.get(id(optimizer))
         return None if entry is None else entry[0]
 
-    def start(self, optimizer: Any) -> None:
-        """Start ``optimizer``'s pipelined update (its closure has run)."""
+    def start(self, optimizer: Any, *, clipped_grads: bool = False) -> None:
+        """Start ``optimizer``'s pipelined update (its closure has run); ``clipped_grads``: its gradients
+        hold their clipped values when this returns (Note: [gradients read after a clipped step] in
+        optim/hybrid_adamw.py)."""
         order, block_layer, part_layers = self._plans[id(optimizer)]
-        self._pending.append((optimizer.step_pipelined(order), block_layer, part_layers))
+        pipe = optimizer.step_pipelined(order, clipped_grads=clipped_grads)
+        self._pending.append((pipe, block_layer, part_layers))
 
     def wait_updated(self, j: int) -> None:
         """The executor is about to stage block j (or, for j = -1 - p, part p of the non-block

@@ -114,7 +114,10 @@ class FitSettings:
     (Note: [updates in the backward pass] in core/optimizer_steps.py). ``step_waits``: None when user code
     cannot read weights between an optimizer step and the next forward, else why it may: the plan's step
     is then serial and a pipelined one is waited for (Note: [weights read after the step] in
-    adapters/weight_readers.py)."""
+    adapters/weight_readers.py). ``grads_read_after_step``: None when no code trusted to read no weights
+    reads gradients between a step and the next forward, else who may: a pipelined step then scales the
+    gradients by the clip factor before it returns (Note: [gradients read after a clipped step] in
+    optim/hybrid_adamw.py)."""
 
     grad_accum: int = 1
     full_microbatches: bool = False
@@ -124,3 +127,4 @@ class FitSettings:
     norms_trusted: bool = True
     updates_in_backward: str | None = "the loop does not say which micro-batch ends the optimizer step"
     step_waits: str | None = None
+    grads_read_after_step: str | None = None

@@ -477,7 +477,7 @@ class TrainingCore:
         at the end of a step's backward): the caller then steps ``optimizer`` itself."""
         if self.steps.order(optimizer) is None:
             return False
-        self.steps.start(optimizer)
+        self.steps.start(optimizer, clipped_grads=self.fit.grads_read_after_step is not None)
         if self._step_waits() is not None:  # Note: [weights read after the step] (adapters/weight_readers.py)
             self.steps.finish()
         return True

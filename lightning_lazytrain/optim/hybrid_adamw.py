@@ -1,7 +1,7 @@
 """HybridAdamW: AdamW with per-parameter 8-bit or 32-bit states, fused clipping, pipelined step.
 
 * State bits per parameter come from :func:`assign_state_bits` (pure, logged, byte-accounted).
-* 8-bit states: bitsandbytes' blockwise kernel (CPU or CUDA), clip factor as ``gnorm_scale``.
+* 8-bit states: bitsandbytes' blockwise kernel (CPU or CUDA) on the gradient clipped in place.
 * 32-bit states: torch's fused AdamW kernel (default) or foreach math, clip factor fused in.
 * Global gradient norm: each parameter's norm handed over by the executor (:meth:`set_grad_norms`:
   then norm, factor and clipped update are bit for bit ``clip_grad_norm_`` + AdamW, see Note:
@@ -431,15 +431,14 @@ class HybridAdamW(BackwardUpdates, Optimizer):
                     continue
                 state = self.state[p]
                 if self._bits[p] == 8:
-                    # bitsandbytes multiplies a float32 copy of the gradient by ``gnorm_scale``: for
-                    # a float32 gradient exactly ``grad * coef``; a 16-bit one is clipped in its dtype.
-                    gnorm_scale = plan.clip.scale
-                    if coef is not None and grad.dtype != torch.float32:
+                    # clipped in place, as clip_grad_norm_ leaves it (bitsandbytes' ``gnorm_scale`` would
+                    # scale a copy: the same update, but ``.grad`` read after the step would be unclipped;
+                    # one pass beside the 8-bit kernel's many)
+                    if coef is not None:
                         scale_grads_([grad], coef)
-                        gnorm_scale = 1.0
                     adamw_8bit_update(
                         p, grad, state, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                        weight_decay=hp.weight_decay, gnorm_scale=gnorm_scale, grads_finite=grads_finite,
+                        weight_decay=hp.weight_decay, gnorm_scale=1.0, grads_finite=grads_finite,
                     )
                 else:
                     params.append(p)
@@ -471,13 +470,15 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_pipelined(self, order: Sequence[Hashable] | None = None) -> LayerPipeline:
+    def step_pipelined(self, order: Sequence[Hashable] | None = None, *, clipped_grads: bool = False) -> LayerPipeline:
         """Start a step whose per-layer updates run on a worker thread in ``order``.
 
         The norm / clip / skip decision is made here, before returning. ``order`` must list every
         layer exactly once (default: param-group order). Use ``handle.wait_updated(layer)`` before
         reading a layer's weights. The next ``step``/``state_dict``/... waits for completion;
-        ``zero_grad`` is deferred per layer (see pipeline.py).
+        ``zero_grad`` is deferred per layer (see pipeline.py). ``clipped_grads``: the gradients hold
+        their clipped values when this returns (code reads ``.grad`` after the step: Note: [gradients
+        read after a clipped step]); else each layer's are scaled on the worker, before its update.
         """
         order = list(self._layer_groups) if order is None else list(order)
         missing = set(self._layer_groups) - set(order)
@@ -491,6 +492,8 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         self._wait_inflight()
         plan = self._prepare()
         skip = plan.clip.skip
+        if clipped_grads and not skip and plan.clip.scale_tensor is not None:
+            plan = self._scaled_first(plan)
         cuda_devices = sorted({p.device for p in self._bits if p.device.type == "cuda"}, key=str)
         pipe = LayerPipeline(
             order,
@@ -502,6 +505,22 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         # What LRScheduler's wrapper of step() would record; it cannot see this entry point.
         self._opt_called = True  # type: ignore[attr-defined]
         return pipe
+
+    @staticmethod
+    def _scaled_first(plan: _StepPlan) -> _StepPlan:
+        """Note: [gradients read after a clipped step]
+            Under ``strategy="auto"``, ``clip_grad_norm_`` scales every ``.grad`` in place before the
+            step, so code that reads gradients after it (a callback's ``on_train_batch_end`` that
+            declares ``reads_gradients_only``: trusted to read no weights, so the pipelined step keeps
+            running behind it) sees the clipped ones. A pipelined step scales each layer's gradients on
+            its worker just before that layer's update, so such a read could see some layers scaled
+            and others not. With ``clipped_grads`` the calling thread scales them all first (the same
+            ``grad *= coef``, one pass at memory speed) and the updates run unclipped on the scaled
+            gradients -- ``clip_grad_norm_`` then AdamW, as under auto; the updates still overlap the
+            next forward."""
+        scale_grads_(list(plan.grads.values()), plan.clip.scale_tensor)
+        done = ClipDecision(grad_norm=plan.clip.grad_norm, scale=1.0, finite=plan.clip.finite, scale_tensor=None)
+        return _StepPlan(clip=done, hyper=plan.hyper, grads=plan.grads)
 
     # ------------------------------------------------------------- updates in the backward
     def _backward_plan(self) -> _StepPlan:
