@@ -97,6 +97,7 @@ class BlockContext:
     # the block's return structure, for the caller to rebuild the return value (taken at once:
     # it may reference the block's non-tensor outputs, e.g. a KV cache)
     output: BlockOutput | None = None
+    backpropagated: bool = False  # its backward ran (a second one: retain_graph, refused by name)
 
     def check_outputs(self, outs: Sequence[torch.Tensor]) -> None:
         """A re-run must produce the node's outputs again, as many as the forward did."""

@@ -925,7 +925,16 @@ class Executor:
             self.stats.unreached.add(t)
 
     def _check_live(self, ctx: BlockContext) -> None:
-        """A block's node may run its backward only in the micro-batch of its forward."""
+        """A block's node may run its backward once, in the micro-batch of its forward."""
+        if ctx.backpropagated:
+            raise UnsupportedBlockPattern(
+                f"a second backward through block {ctx.j}'s forward (a backward with retain_graph=True, then another "
+                "through the same forward): with strategy='lazytrain' each forward is backpropagated once; the "
+                "backward releases its saved state as it goes (its blocks' activations and weights are streamed, "
+                "not retained). Fix: add the losses and call backward once (e.g. manual_backward(loss1 + loss2): "
+                "the same gradients, summed before they reach the weights), or run the forward again for the "
+                "second loss.")
+        ctx.backpropagated = True
         if self._micro is None or ctx.serial != self._serial:
             raise RuntimeError(
                 f"backward through block {ctx.j}'s forward of an earlier micro-batch: with strategy='lazytrain' a "
