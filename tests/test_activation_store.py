@@ -328,7 +328,8 @@ def test_spill_io_round_trip_any_size_and_alignment(tmp_path: Path, n: int, shif
 # ------------------------------------------------------------------- host pool accounting
 def test_host_pool_holds_exact_page_classes_and_trims_to_the_step(tmp_path: Path) -> None:
     """Each host buffer is its size rounded up to 4 KiB (no power-of-two rounding, no alignment slack);
-    buffers are reused; ``end_step`` keeps per size class what the step held at once."""
+    buffers are reused; ``end_step`` keeps per size class what the step held at once, none of a class it did
+    not use; a host home may take a free buffer up to twice its size (never an NVMe leg)."""
     page = nvme.ALIGN
     with ActivationStore("cpu", nvme_dir=tmp_path) as s:
         assert s.host_pinned_bytes == 0
@@ -350,10 +351,19 @@ def test_host_pool_holds_exact_page_classes_and_trims_to_the_step(tmp_path: Path
         assert s.host_pinned_bytes == 6 * page  # this step's high-water per class is kept
         s.offload(("a", 0), a, Tier.CPU)  # the next step holds one page-class buffer, no 3-page one
         s.end_step()
-        assert s.host_pinned_bytes == 1 * page + 3 * page  # class used: trimmed to 1; unused class kept
+        # class used: trimmed to 1; the class the step did not use is dropped (Note: [buffers across batch shapes])
+        assert s.host_pinned_bytes == 1 * page
         s.offload("n", b, Tier.NVME)  # NVMe staging comes from the same pool
         s.get("n")
         assert s.host_pinned_bytes >= 4 * page
+        s.end_step()
+        c = torch.randn(1800)
+        s.offload("big", c, Tier.CPU)  # 7200 B -> 2 pages: takes the free 3-page buffer
+        before = s.host_pinned_bytes
+        s.offload("n2", torch.randn(1800), Tier.NVME)  # exact class: a new 2-page buffer
+        assert s.host_pinned_bytes == before + 2 * page
+        assert s._entries["big"].host.numel() == 3 * page
+        assert torch.equal(s.get("big"), c)
         s.end_step()
     assert s.host_pinned_bytes == 0  # closed: everything given back
 

@@ -75,7 +75,18 @@ class HostBufferPool:
 
     Every buffer is its own ``HostArena`` of exactly its size class (no power-of-two rounding, no
     alignment slack: arenas are page aligned). ``trim()`` gives back what the last step did not need.
+
+    Note: [buffers across batch shapes]
+        Under dynamic padding every sequence length is a new size class. A request that may take a
+        larger buffer (``get(..., larger=True)``: a host home, read back from its first bytes) takes a
+        free one up to ``LARGER`` times its size before a new one is pinned, so a pool that held a long
+        batch's buffers serves the shorter ones; an NVMe leg writes and reads the whole buffer and takes
+        its exact class. ``trim()`` keeps, per class, only what the last step held at once, and drops
+        the free buffers of every class the last step did not use: the pool holds one step's worth
+        whatever lengths went before (a class used once stayed for the run before).
     """
+
+    LARGER = 2
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -88,8 +99,13 @@ class HostBufferPool:
     def size_class(nbytes: int) -> int:
         return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
-    def get(self, nbytes: int) -> torch.Tensor:
+    def get(self, nbytes: int, *, larger: bool = False) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (its size class exactly, or with ``larger`` a free one up to
+        ``LARGER`` times that: Note: [buffers across batch shapes])."""
         size = self.size_class(nbytes)
+        if larger and not self._free.get(size):
+            size = min((s for s, bucket in self._free.items() if bucket and size < s <= self.LARGER * size),
+                       default=size)
         n = self._in_use[size] = self._in_use.get(size, 0) + 1
         self._high[size] = max(self._high.get(size, 0), n)
         bucket = self._free.get(size)
@@ -107,11 +123,12 @@ class HostBufferPool:
         self._free.setdefault(size, []).append(buf)
 
     def trim(self) -> None:
-        """Keep, per size class used since the last trim, only as many buffers as were used at once."""
-        for size, high in self._high.items():
-            bucket = self._free.get(size, [])
-            keep = max(0, high - self._in_use.get(size, 0))
+        """Keep, per size class, only as many buffers as were used at once since the last trim (none of
+        a class unused since then)."""
+        for size, bucket in self._free.items():
+            keep = max(0, self._high.get(size, 0) - self._in_use.get(size, 0))
             del bucket[keep:]
+        self._free = {size: bucket for size, bucket in self._free.items() if bucket}
         self._high = {size: n for size, n in self._in_use.items() if n}
         self._arenas = [a for a in self._arenas if a.alive]
 
@@ -267,7 +284,7 @@ class ActivationStore:
             e.device = t
             e.offload = DoneHandle("d2h")
         elif tier is Tier.CPU:
-            e.host = self.pool.get(n)
+            e.host = self.pool.get(n, larger=True)  # read from its first bytes (Note: [buffers across batch shapes])
             e.src = t
             e.moved = e.offload = self.engine.d2h(_typed(e.host, t.shape, t.dtype, n), t, tag=f"act:{key}")
         else:
