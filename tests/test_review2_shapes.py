@@ -298,6 +298,7 @@ def test_long_batches_hold_the_budget_when_the_profile_was_long(tmp_path):
     assert rec.predicted[-1] <= rec.budget
 
 
+@pytest.mark.xfail(strict=True, reason="OPEN: a batch larger than the profiled one runs on the plan")
 def test_a_batch_longer_than_the_profiled_one_does_not_exceed_the_budget_silently():
     """DEFECT. Profiled on a (2, 4) batch, the MILP keeps every activation (predicted peak 37.7 kB under a
     140 kB budget); then (2, 64) batches track 191 kB on the device, 1.4x the budget and 5x the plan, every
@@ -341,6 +342,7 @@ def allocator_peaks_from_tracked_bytes():
         Executor.end_microbatch = orig
 
 
+@pytest.mark.xfail(strict=True, reason="OPEN: a batch larger than the profiled one runs on the plan")
 def test_the_memory_watch_re_plans_for_the_batch_that_exceeded_the_budget():
     """DEFECT (the GPU path, emulated). Dynamic padding alternates short (2, 4) and long (2, 64) batches;
     the plan comes from a short one (37.7 kB predicted, budget 140 kB). After each long step (191 kB) the
@@ -362,6 +364,7 @@ def test_the_memory_watch_re_plans_for_the_batch_that_exceeded_the_budget():
         f"{len(core.replans)} memory re-plans: {[(r['step'], r['switched']) for r in core.replans]}")
 
 
+@pytest.mark.xfail(strict=False, reason="OPEN: the profile keeps the last micro-batch, not the largest")
 @pytest.mark.parametrize("order", ["short_then_long", "long_then_short"])
 def test_a_profiled_step_with_accumulation_is_planned_for_its_largest_micro_batch(order):
     """DEFECT for long_then_short. accumulate_grad_batches=2, each step a (2, 64) and a (2, 4) micro-batch,
