@@ -66,7 +66,9 @@ class PipelinedSteps:
         not (logged once per configuration when such an optimizer waits for its step instead)."""
         self._pending = []
         self._plans = {}
+        self._signatures: dict[int, tuple] = {}  # id(optimizer) -> its groups' layers when planned
         self._eager = []
+        self._ex, self._known, self._in_backward = ex, list(optimizers), in_backward  # (Note: [groups added mid-run])
         ex.on_part_final, ex.early_part_set = None, frozenset()  # Note: [early non-block parts]
         if ex.params is not None and ex.params.final_grads_hook == self._on_final_grads:
             ex.params.set_final_grads_hook(None)
@@ -83,6 +85,7 @@ class PipelinedSteps:
             serial = [j for j in ex.schedule.serial_layers if j < blocks_n]
             blocks_order = [0, *serial] + [j for j in range(1, blocks_n) if j not in serial]
             self._plans[id(inner)] = (first + [block_layer[j] for j in blocks_order] + rest, block_layer, part_layers)
+            self._signatures[id(inner)] = _signature(inner)
             if getattr(inner, "updates_in_backward", False):
                 self._eager.append((inner, block_layer))
         if self._eager:
@@ -169,9 +172,29 @@ class PipelinedSteps:
             inner.wait_backward_updates()
 
     def order(self, optimizer: Any) -> list | None:
-        """The layer order of ``optimizer``'s pipelined step, or None (a serial step)."""
+        """The layer order of ``optimizer``'s pipelined step, or None (a serial step). An optimizer whose
+        param groups changed since the configuration (``add_param_group``: a finetuning callback thawing
+        weights) is configured again first."""
         entry = self._plans.get(id(optimizer))
+        if (entry is not None and self._signatures.get(id(optimizer)) != _signature(optimizer)
+                and not any(inner.updating_in_backward for inner, _ in self._eager)):
+            self._regroup(optimizer)
+            entry = self._plans.get(id(optimizer))
         return None if entry is None else entry[0]
+
+    def _regroup(self, optimizer: Any) -> None:
+        """Note: [groups added mid-run]
+            The pipelined order lists every layer of the optimizer once, worked out per schedule. A group
+            added later (Lightning's ``BaseFinetuning.unfreeze_and_add_param_group``) brings a layer the
+            order lacks, and may put a block's weights in two layers (no longer one layer per block): the
+            configuration is made again from the optimizers as they are now (after every update still in
+            flight: a new configuration drops the waits), or, where an optimizer's layers no longer follow
+            the blocks, its step is serial from then on (logged)."""
+        self.finish()
+        self.configure(self._ex, self._known, in_backward=self._in_backward)
+        if id(optimizer) not in self._plans:
+            log.info("lazytrain: %s's param groups changed (add_param_group) and its layers no longer follow the "
+                     "blocks: its step is serial from now on", type(optimizer).__name__)
 
     def start(self, optimizer: Any, *, clipped_grads: bool = False) -> None:
         """Start ``optimizer``'s pipelined update (its closure has run); ``clipped_grads``: its gradients
@@ -324,3 +347,8 @@ def split_rest_parts(ex: Executor, optimizers: list) -> None:
             by_layer.setdefault(g["layer"], []).extend(p for p in g["params"] if id(p) in rest)
         ex.set_rest_parts([ps for ps in by_layer.values() if ps])
         return
+
+
+def _signature(inner: Any) -> tuple:
+    """An optimizer's groups as its pipelined order depends on them: each group's layer and parameters."""
+    return tuple((g["layer"], tuple(map(id, g["params"]))) for g in inner.param_groups)
