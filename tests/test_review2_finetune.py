@@ -685,7 +685,6 @@ def test_lora_moves_and_holds_only_the_adapters_gradients(kind):
     assert t.host_grad_bytes < 0.5 * total * 4, (t.host_grad_bytes, trainable * 4, total * 4)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: the profile counts optimizer states for frozen weights")
 def test_the_plan_counts_no_optimizer_state_for_frozen_weights():
     """LoRA with HybridAdamW over the adapters: the plan's host bytes (masters, pinned staging, host grads,
     optimizer states) should be what the run holds, not 8 bytes of AdamW state for every frozen weight too."""
@@ -695,7 +694,6 @@ def test_the_plan_counts_no_optimizer_state_for_frozen_weights():
     assert planned <= 1.05 * t.real_host, (planned, t.real_host)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: the profile counts optimizer states for frozen weights")
 def test_a_lora_run_that_fits_host_memory_is_not_refused(monkeypatch):
     """Host memory 1.3x what the LoRA run holds (masters, staging, grads, states): the plan refuses it,
     counting AdamW states for the frozen base weights."""

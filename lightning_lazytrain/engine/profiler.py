@@ -83,18 +83,22 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     work = stats.window_work
     # Present in every window: the non-block weights and their grads, and what every block call
     # receives besides the hidden state (rotary tables, masks; kept for the re-runs).
-    total = sum(numel) + rest
     # Host: what the parameter store holds (its pinned arenas: masters and slot staging, exactly; the
-    # flat host grads) plus the optimizer states. Host activations are the schedule's (simulator).
-    host_static = executor.params.host_pinned_bytes + executor.params.host_grad_bytes + total * state_bytes_per_param
+    # flat host grads) plus the optimizer states of the weights that train (a frozen weight -- a LoRA
+    # base, a frozen block -- has no optimizer state and no update: Note: [frozen weights in the plan]).
+    # Host activations are the schedule's (simulator).
+    trained = [_trained_numel(executor, j) for j in range(L)]
+    rest_trained = _trained_numel(executor, REST)
+    host_static = (executor.params.host_pinned_bytes + executor.params.host_grad_bytes
+                   + (sum(trained) + rest_trained) * state_bytes_per_param)
     wl = Workload.from_measured(
         fwd_seconds=fwd, bwd_seconds=bwd, params=numel, param_bytes=[n * e for n in numel],
         grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
         fwd_work_bytes=[float(work.get(f"F{j}", 0)) for j in range(L)],
-        bwd_work_bytes=[float(work.get(f"B{j}", 0)) for j in range(L)], opt_seconds=[n / opt_params_per_s for n in numel],
+        bwd_work_bytes=[float(work.get(f"B{j}", 0)) for j in range(L)], opt_seconds=[n / opt_params_per_s for n in trained],
         head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e + stats.call_bytes,
         nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
-        nonblock_opt_seconds=rest / opt_params_per_s,
+        nonblock_opt_seconds=rest_trained / opt_params_per_s,
         cast_seconds=[mean("cast", j) for j in range(L)], accum_seconds=[mean("accumulate", j) for j in range(L)],
         # the non-block group in parts (Note: [non-block parts]): op indices -1, -2, ...
         nonblock_cast_seconds=sum(mean("cast", -1 - p) for p in range(len(parts))),
@@ -113,6 +117,16 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast; the executor's
     # Note: [norms only when wanted]: whether the host lane took the gradient norms
     return dataclasses.replace(wl, kept_copies=bool(executor.params.keeps_copies), host_norms=executor.take_norms)
+
+
+def _trained_numel(executor: Executor, j: int) -> int:
+    """Note: [frozen weights in the plan]
+        The elements of group ``j``'s parameters that train (``requires_grad`` when the step was
+        profiled): an optimizer holds states for those and updates those only, so the plan's host
+        bytes and optimizer seconds count them alone. A run that thaws weights later (a finetuning
+        callback) grows its optimizer states then; the plan does not foresee it."""
+    assert executor.params is not None
+    return sum(p.numel() for p in executor.params.group_parameters(j) if p.requires_grad)
 
 
 def _placed(wl: Workload, executor: Executor) -> Workload:

@@ -76,13 +76,17 @@ def price_optimizers(wl: Workload, optimizers: Iterable[HybridAdamW], groups: Ma
     def seconds(params: list[nn.Parameter], default: float) -> float:
         if not any(id(p) in bits for p in params):
             return default
-        known = [p for p in params if id(p) in bits]
-        other = sum(p.numel() for p in params if id(p) not in bits)
+        # a frozen weight gets no gradient and so no update (Note: [frozen weights in the plan] in
+        # engine/profiler.py)
+        known = [p for p in params if id(p) in bits and p.requires_grad]
+        other = sum(p.numel() for p in params if id(p) not in bits and p.requires_grad)
         return (sum(p.numel() / (rate8 if bits[id(p)] == 8 else rate32) for p in known)
                 + other / rate32)
 
     layers = tuple(replace(layer, opt_seconds=seconds(groups.get(j, []), layer.opt_seconds))
                    for j, layer in enumerate(wl.layers))
-    counted = sum(p.numel() for ps in groups.values() for p in ps if id(p) in bits) * STATE_BYTES_32
+    # the profile counted 32-bit states for the weights that train (engine/profiler.py); these optimizers'
+    # real states replace them
+    counted = sum(p.numel() for ps in groups.values() for p in ps if id(p) in bits and p.requires_grad) * STATE_BYTES_32
     return replace(wl, layers=layers, nonblock_opt_seconds=seconds(groups.get(-1, []), wl.nonblock_opt_seconds),
                    host_static_bytes=wl.host_static_bytes - counted + state_bytes).validate()
