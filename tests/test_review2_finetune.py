@@ -17,7 +17,6 @@ run that fits host memory)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import lightning as L
 import pytest
