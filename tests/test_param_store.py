@@ -280,10 +280,16 @@ def test_misuse_errors() -> None:
     with pytest.raises(RuntimeError, match="not the one staged"):
         ps.write_back_grads(1, 0)
 
-    shared = Tiny()
+    shared = Tiny()  # a module inside two blocks: its weights are the non-block group's (Note: [modules shared by blocks])
     shared.layers[1].fc = shared.layers[0].fc
-    with pytest.raises(NotImplementedError, match="shared"):
-        ParamStore(shared)
+    store = ParamStore(shared)
+    assert store.shared_across_blocks
+    assert {id(p) for p in store.group_parameters(-1)} >= {id(p) for p in shared.layers[0].fc.parameters()}
+    store.close()
+    twice = Tiny()
+    twice.layers[1] = twice.layers[0]
+    with pytest.raises(NotImplementedError, match="block 1 of the stack is block 0 again"):
+        ParamStore(twice)
 
 
 def test_hf_llama_all_blocks_bound_matches_plain_autograd() -> None:

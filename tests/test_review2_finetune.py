@@ -602,7 +602,6 @@ class SharedProjNet(PartNet):
         self.layers = nn.ModuleList(SharedProjBlock(D, shared) for _ in range(LAYERS))
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a module shared by blocks is refused even without trainable weights")
 @pytest.mark.parametrize("what", ["frozen-linear", "buffer", "gelu"])
 def test_a_frozen_module_shared_by_every_block(what):
     """A module without trainable parameters shared by all blocks (VeRA's shared random matrices, as a frozen

@@ -307,7 +307,10 @@ class TrainingCore:
         if self._micro_index == 0:  # post-accumulate-grad hooks see every micro-batch's host grads
             # (engine/user_grad_hooks.py, Note: [gradient hooks on streamed parameters])
             self._post_hooks = self.module is not None and has_post_accumulate_hooks(self.module.parameters())
-            self._full = self.fit.full_microbatches or self._post_hooks
+            # a weight shared by blocks: each micro-batch's uses summed on their own (Note: [modules shared by
+            # blocks] in engine/param_store.py)
+            self._full = self.fit.full_microbatches or self._post_hooks or bool(
+                ex.params is not None and ex.params.shared_across_blocks)
         first = self._micro_index == 0 or self._full
         last = self._full or self._last_of_step
         # Note: [updates in the backward pass]: this micro-batch's final gradients are the step's (not a

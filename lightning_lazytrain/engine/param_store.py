@@ -192,11 +192,31 @@ class ParamStore(GradWriteBack):
 
     # ---- construction ----------------------------------------------------
     def _build_groups(self) -> dict[int, ParamGroup]:
-        where: dict[int, int] = {}  # id(module) -> block index
+        # Note: [modules shared by blocks]
+        #     A module inside several blocks (VeRA's shared projections, one activation module reused) is
+        #     not one block's: its parameters join the non-block group, resident on the device and bound
+        #     for the whole step (as the embedding is), so every block that calls it reads the same copy
+        #     and their gradients add up in it as under plain autograd; its buffers live on the device
+        #     with every module's. With accumulation each micro-batch's gradients of such a weight must
+        #     be summed on their own before they join the step's (autograd sums a leaf's uses in one
+        #     backward first): ``shared_across_blocks`` makes every micro-batch write its gradients back
+        #     (TrainingCore's full micro-batches). A block that is itself another block (the same layer
+        #     twice in the stack, ALBERT's sharing) is refused.
+        blocks_of: dict[int, list[int]] = {}  # id(module) -> the blocks it is in
         for i, block in enumerate(self.blocks):
+            if id(block) in blocks_of:
+                raise NotImplementedError(
+                    f"block {i} of the stack is block {blocks_of[id(block)][0]} again (one layer used several times, "
+                    "as ALBERT shares its layer): its weights cannot stream as two blocks. Train it with "
+                    "strategy='auto'.")
             for m in block.modules():
-                if where.setdefault(id(m), i) != i:
-                    raise NotImplementedError(f"module {type(m).__name__} is shared by blocks {where[id(m)]} and {i}")
+                seen = blocks_of.setdefault(id(m), [])
+                if i not in seen:
+                    seen.append(i)
+        where = {mid: b[0] for mid, b in blocks_of.items() if len(b) == 1}  # id(module) -> block index
+        self.shared_across_blocks = any(len(b) > 1 and any(p is not None for p in m._parameters.values())
+                                        for i, block in enumerate(self.blocks) for m in block.modules()
+                                        if (b := blocks_of[id(m)]))
         owner: dict[int, int] = {}
         infos: dict[int, ParamEntry] = {}
         order: dict[int, list[ParamEntry]] = {i: [] for i in range(-1, len(self.blocks))}
