@@ -50,6 +50,7 @@ from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import CoreViews, option
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
 from lightning_lazytrain.core.autoplan import NamedOptions, count_tokens
+from lightning_lazytrain.core.batch_size import batch_elements
 from lightning_lazytrain.core.processes import distributed_ready
 from lightning_lazytrain.engine.blocks import BlockDiscoveryError, find_blocks
 from lightning_lazytrain.planner import Hardware
@@ -317,7 +318,8 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
             return module(*args, **kwargs)
         if torch.is_grad_enabled():
             if not core.in_microbatch:
-                core.begin_microbatch(lambda: count_tokens(*args, **kwargs), last=True)
+                core.begin_microbatch(lambda: count_tokens(*args, **kwargs), last=True,
+                                      elements=lambda: batch_elements(*args, **kwargs))
             return module(*args, **kwargs)  # a forward with one open already: the executor's ad-hoc pass
         if core.in_microbatch:  # no-grad forward between a forward and its backward: non-block weights are bound
             return module(*args, **kwargs)

@@ -36,6 +36,7 @@ from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_d
 from lightning_lazytrain.adapters.weight_readers import gradients_read_after_step, weights_read_after_step
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
 from lightning_lazytrain.core.autoplan import NamedOptions, count_tokens
+from lightning_lazytrain.core.batch_size import batch_elements
 from lightning_lazytrain.planner import Hardware
 
 __all__ = ["COMPUTE_DTYPES", "LazyTrainStrategy"]
@@ -367,7 +368,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         assert module is not None
         batch = args[0] if args else kwargs.get("batch")
         last = not module.automatic_optimization or lightning_internals.steps_after_this_batch(module.trainer)
-        self.core.begin_microbatch(lambda: count_tokens(batch), last=last)
+        self.core.begin_microbatch(lambda: count_tokens(batch), last=last, elements=lambda: batch_elements(batch))
         return super().training_step(*args, **kwargs)
 
     @override

@@ -157,9 +157,9 @@ class Planner:
                 if p.updates_in_backward:  # priced where the updates run (planner/schedule.py)
                     wl = dataclasses.replace(wl, updates_in_backward=True, early_parts=tuple(
                         k for k in p.early_parts if k < wl.nonblock_part_count))
-                plan = plan_from_workload(wl, hardware, policy=self.options.policy,
-                                          options=MilpOptions(conversions=self.options.conversions,
-                                                              optimizer_mode="serial" if p.serial_step else "auto"),
+                self._milp = MilpOptions(conversions=self.options.conversions,
+                                         optimizer_mode="serial" if p.serial_step else "auto")
+                plan = plan_from_workload(wl, hardware, policy=self.options.policy, options=self._milp,
                                           start=ex.schedule if reason is not None else None, profiled=ex.schedule)
                 plan.state_fraction = fraction
                 plan.timings["hardware"] = t_hw
@@ -221,6 +221,58 @@ class Planner:
     def adopt(self, plan: AutoPlan) -> None:
         """The executor runs ``plan`` now."""
         self.plan = plan
+
+    SHORT = object()  # rescale(): the current schedule stays
+
+    def rescale(self, factor: float, current: Any, *, step: int) -> Any:
+        """Micro-batches ``factor`` times what the plan covers are coming (Note: [batches larger than the
+        plan] in core/batch_size.py), on the plan's workload scaled by ``factor``: ``SHORT`` when the
+        current schedule fits the budget there (it now covers them; another policy than the MILP has no
+        other schedule: the excess is logged), else the MILP's plan for it, or None where no schedule fits
+        the estimate (the caller then runs the smallest footprint there is and profiles). One process."""
+        assert self.plan is not None
+        result = self.plan.result
+        hardware = result.hardware
+        if self.budget_bytes is not None:  # the allocator's reserve as the memory watch has it now
+            hardware = hardware.replace(gpu_memory_cap_bytes=self.memory.cap(self.budget_bytes))
+        wl = result.workload.scaled(factor)
+        try:
+            sim = simulate(current, wl, hardware)
+        except InfeasibleSchedule as err:
+            short = err
+        else:
+            self._debug(f"lazytrain: micro-batches {factor:.2f}x the planned size fit the current schedule "
+                        f"({sim.iteration_seconds:.3f} s predicted)")
+            self.plan = dataclasses.replace(self.plan, result=dataclasses.replace(result, workload=wl, sim=sim))
+            self.predicted = None
+            return self.SHORT
+        if self.options.policy != "milp":
+            log.warning("lazytrain: a micro-batch %.2fx the size the plan was made for does not fit policy=%r's "
+                        "schedule (%s); it runs on it anyway. Plan from a step with the longest batches, or use "
+                        "policy='milp'", factor, self.options.policy, short)
+            self.plan = dataclasses.replace(self.plan, result=dataclasses.replace(result, workload=wl))
+            return self.SHORT
+        t0 = time.perf_counter()
+        try:
+            plan = plan_from_workload(wl, hardware, policy="milp", options=getattr(self, "_milp", None),
+                                      start=current)
+        except InfeasibleBudget as err:
+            self._info(f"lazytrain: a micro-batch {factor:.2f}x the size the plan was made for: the current schedule "
+                       f"does not fit ({short}), nor any on the linear estimate ({err}); this step runs on the smallest "
+                       "footprint and is profiled to plan for it")
+            self.replans.append({"step": step, "reason": f"a micro-batch {factor:.2f}x the planned size",
+                                 "current_predicted_s": float("inf"), "new_predicted_s": float("nan"),
+                                 "gain": float("nan"), "switched": True, "warm_start": None})
+            return None
+        plan.timings["profile"] = 0.0
+        self.replans.append({"step": step, "reason": f"a micro-batch {factor:.2f}x the planned size",
+                             "current_predicted_s": float("inf"), "new_predicted_s": plan.result.sim.iteration_seconds,
+                             "gain": float("nan"), "switched": True, "warm_start": plan.result.solver.get("seed")})
+        self._info(f"lazytrain: a micro-batch {factor:.2f}x the size the plan was made for: the current schedule "
+                   f"does not fit ({short}); re-planned for it in {time.perf_counter() - t0:.2f} s, switching (this "
+                   "step is profiled: the plan is then made from what it measured)")
+        self.predicted = None
+        return plan
 
     def _price_optimizer_states(self, wl: Workload, hardware: Hardware, p: Profile) -> tuple[Workload, float | None]:
         """Note: [planned 8-bit slice] (optim/plan_states.py): ``HybridAdamW(eight_bit="plan")`` gets the

@@ -39,6 +39,7 @@ import torch
 
 from lightning_lazytrain.core.allocator import MemoryWatch, configure_allocator, release_cache
 from lightning_lazytrain.core.autoplan import AutoPlan
+from lightning_lazytrain.core.batch_size import BatchSizeGuard
 from lightning_lazytrain.engine.blocks import find_blocks
 from lightning_lazytrain.core.checkpoint_state import CheckpointState
 from lightning_lazytrain.core.optimizer_steps import (PipelinedSteps, hand_over_norms, hybrid_adamws, norms_wanted,
@@ -90,6 +91,8 @@ class TrainingCore:
         self._last_of_step = True
         self._t_step = 0.0
         self._outside_logged = False
+        self.batch_size = BatchSizeGuard()  # Note: [batches larger than the plan] (core/batch_size.py)
+        self._size_logged = False
         self._tokens: int | None = None  # of the first batch, which is profiled
         self._full = False  # this step's micro-batches each write all gradients back
         # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
@@ -277,15 +280,20 @@ class TrainingCore:
             ex.abort_microbatch()
             self._micro_index = 0
 
-    def begin_microbatch(self, tokens: Callable[[], int], *, last: bool) -> None:
+    def begin_microbatch(self, tokens: Callable[[], int], *, last: bool,
+                         elements: Callable[[], int] | None = None) -> None:
         """A training micro-batch begins (automatic optimization: now; manual: when the model is
         called, so optimizer steps and parameter reads before that see the host masters, as under
         ``auto``). ``tokens``: counts the batch's tokens (called for the profiled step); ``last``: the
-        optimizer steps after this micro-batch. A micro-batch left open (a forward without backward)
-        is dropped first."""
+        optimizer steps after this micro-batch; ``elements``: the batch's size (``batch_elements``: a
+        batch larger than the plan covers is planned for first, Note: [batches larger than the plan]).
+        A micro-batch left open (a forward without backward) is dropped first."""
         ex = self._ex()
         ex.disarm()
         self.abort_microbatch()  # the previous step returned None, or ran a forward without backward
+        size = elements() if elements is not None else 0
+        if size:
+            self._guard_size(ex, size, tokens)
         if self.plan is None and self._tokens is None:  # Note: [profiled first step]
             if self._micro_index == 0 and self._steps_ended >= self._profile_warmup():
                 self._tokens = tokens()
@@ -293,8 +301,48 @@ class TrainingCore:
                 release_cache(ex.device)  # the profile's reserved bytes are its own, not an earlier cache's
         elif self.planner.replan_reason is not None and self._micro_index == 0 and not ex.profiling:
             ex.profiling = True  # this step is the new profile (see replan.py)
+        elif ex.profiling and self._micro_index > 0 and self._tokens is not None:
+            self._tokens = max(self._tokens, tokens())  # the plan is for the step's largest micro-batch
+        if ex.profiling and size:
+            self.batch_size.profiling(size)
         self._last_of_step = last
         self._open()
+
+    def _guard_size(self, ex: Executor, elements: int, tokens: Callable[[], int]) -> None:
+        """Note: [batches larger than the plan] (core/batch_size.py)."""
+        guard = self.batch_size
+        if ex.profiling or self.plan is None:
+            return
+        factor = guard.factor(elements, first=self._micro_index == 0)
+        if guard.mid_step():
+            log.warning("lazytrain: a micro-batch larger than the plan covers came after the first of its "
+                        "optimizer step: it runs on the current schedule (a schedule switches between steps only); "
+                        "the next step is planned for it")
+        if factor is None:
+            return
+        if self.layout.is_distributed:
+            if not self._size_logged:
+                self._size_logged = True
+                log.warning("lazytrain: a micro-batch %.2fx the size the plan was made for; with several processes "
+                            "the plan is not re-made for it ahead (each rank's batches differ). Profile with the "
+                            "longest batches (sort or pad them to one length)", factor)
+            guard.cover(factor)
+            return
+        plan = self.planner.rescale(factor, ex.schedule, step=self._steps_ended)
+        guard.cover(factor)
+        if plan is self.planner.SHORT:
+            return
+        # the current schedule does not fit the scaled estimate: this step runs on the estimate's plan (or,
+        # where the estimate fits no schedule, the smallest footprint there is) and is profiled; the plan
+        # is then made from what it measured (the estimate is linear in the batch, the step is not)
+        self.steps.finish()  # the schedule switches after the updates in flight
+        if plan is not None:
+            self._switch(ex, plan)
+        else:
+            self._run_on(ex, min_memory(len(ex.stack)))
+        self.planner.replan_reason = None
+        ex.profiling = True
+        self._tokens = tokens()
 
     def _profile_warmup(self) -> int:
         """Steps run on the provisional schedule before the profiled one (core/replan.py, Note:
@@ -440,8 +488,23 @@ class TrainingCore:
                                             if p in stats.early_complete_parts) if self._updates_in_backward() else (),
                           serial_step=self._step_waits() is not None)
         plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
+        # the plan covers the profiled step's largest micro-batch; a kept schedule, what it covered too
+        covered = self.batch_size.covered
+        self.batch_size.planned()
         if plan is None:  # a re-plan that keeps the current schedule
+            self.batch_size.covered = max(covered, self.batch_size.covered)
             return
+        self._switch(ex, plan)
+
+    def _run_on(self, ex: Executor, schedule: Any) -> None:
+        """The executor runs ``schedule`` (no plan of the planner's; between optimizer steps)."""
+        ex.set_schedule(schedule)
+        release_cache(ex.device)
+        ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(
+            ex, self.optimizers, in_backward=self.fit.updates_in_backward) else None)
+
+    def _switch(self, ex: Executor, plan: Any) -> None:
+        """The executor runs ``plan`` from now on (between optimizer steps)."""
         nvme = int(plan.result.sim.nvme_bytes)
         if nvme:
             check_nvme_dir(self.options.nvme_dir, nvme)  # before the first real step

@@ -638,7 +638,7 @@ class Executor:
         sent: list[PendingGrads] = []
         self._store_call(j, call, routed)
         ctx.routed_keys = self._shared.share(routed)
-        self.stats.boundary_bytes[j] = self._nbytes(x)
+        _most(self.stats.boundary_bytes, j, self._nbytes(x))
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "offload":
                 src = x if op.index == j else self._pending_offload.pop(op.index)
@@ -707,11 +707,11 @@ class Executor:
         ctx.output, ctx.n_outputs = spec, len(outs)
         out = outs[0]
         if partial:
-            self.stats.partial_bytes[j] = self._partial[j].nbytes
+            _most(self.stats.partial_bytes, j, self._partial[j].nbytes)
         elif keep:
-            self.stats.internal_bytes[j] = self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x)
+            _most(self.stats.internal_bytes, j, self.tracker.by_owner.get(f"internals{j}", 0) + self._nbytes(x))
         if j == L - 1:
-            self.stats.boundary_bytes[L] = self._nbytes(out)
+            _most(self.stats.boundary_bytes, L, self._nbytes(out))
             self._settle_offloads(L)
             self._window("H")
             self._issue_transfers("H")
@@ -854,11 +854,14 @@ class Executor:
                     _, outs = self._run_block(t, xg, call, rin, first=False)
                 ctx.check_outputs(outs)
                 if mode is not None:
-                    self.stats.partial_bytes[t] = 0 if mode.mutated else mode.nbytes  # 0: never partially kept
-                    self.stats.partial_recompute_bytes[t] = hooks.bytes - hooks.overlap
-                    self.stats.partial_seconds[t] = mode.elementwise_seconds
+                    if mode.mutated or self.stats.partial_bytes.get(t, -1) == 0:
+                        self.stats.partial_bytes[t] = 0  # never partially kept
+                    else:
+                        _most(self.stats.partial_bytes, t, mode.nbytes)
+                    _most(self.stats.partial_recompute_bytes, t, hooks.bytes - hooks.overlap)
+                    _most(self.stats.partial_seconds, t, mode.elementwise_seconds)
                 self.tracker.add(f"internals{t}", hooks.bytes)
-                self.stats.internal_bytes[t] = hooks.bytes + self._nbytes(x)
+                _most(self.stats.internal_bytes, t, hooks.bytes + self._nbytes(x))
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
                 outs, all_grads = self._shared.with_running(ctx, rin, outs, list(grads))
                 with self.trace.timed(name, "backward", t):
@@ -1143,3 +1146,9 @@ class Executor:
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
+
+def _most(figures: dict, key: Any, value: float) -> None:
+    """A step's figure of ``key``: the largest of its micro-batches' (a profiled step with accumulation
+    plans for its largest micro-batch, whichever comes first: Note: [batches larger than the plan] in
+    core/batch_size.py)."""
+    figures[key] = max(figures.get(key, value), value)

@@ -300,6 +300,22 @@ class Workload:
                                "ranks and ranks_per_node must be >= 1, ranks a multiple of ranks_per_node")
         return self
 
+    def scaled(self, factor: float) -> Workload:
+        """The same run on micro-batches ``factor`` times as large (more tokens): activation bytes,
+        working sets and compute seconds scale by ``factor``; weights, gradients, optimizer, host
+        lane and static bytes do not (the engine's Note: [batches larger than the plan], in
+        core/batch_size.py: a first-order model, linear in the tokens)."""
+        f = float(factor)
+        layers = tuple(replace(w, fwd_seconds=w.fwd_seconds * f, bwd_seconds=w.bwd_seconds * f,
+                               internal_bytes=w.internal_bytes * f, fwd_work_bytes=w.fwd_work_bytes * f,
+                               bwd_work_bytes=w.bwd_work_bytes * f, partial_bytes=w.partial_bytes * f,
+                               partial_seconds=w.partial_seconds * f,
+                               partial_recompute_bytes=w.partial_recompute_bytes * f)
+                       for w in self.layers)
+        return replace(self, layers=layers, boundary_bytes=tuple(b * f for b in self.boundary_bytes),
+                       head_seconds=self.head_seconds * f, head_work_bytes=self.head_work_bytes * f,
+                       tokens=max(1, int(round(self.tokens * f)))).validate()
+
     def to_json(self) -> dict:
         return asdict(self)
 
