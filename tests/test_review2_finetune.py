@@ -669,18 +669,27 @@ def test_a_head_only_fine_tune_moves_no_block_gradient(kind):
     assert probe.bytes["d2h"] <= head_bytes + 1024, (probe.bytes["d2h"], full.bytes["d2h"])
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: frozen weights get host gradient buffers and D2H")
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
-def test_lora_moves_and_holds_only_the_adapters_gradients(kind):
-    """LoRA: 785 of 5441 parameters train. The gradient bytes copied to the host per step and the host
-    gradient buffers should follow the trainable parameters, not the frozen base."""
+def test_lora_moves_only_the_adapters_gradients(kind):
+    """LoRA: 785 of 5441 parameters train. The gradient bytes copied to the host per step follow the
+    trainable parameters, not the frozen base (Note: [only what trained crosses] in engine/grad_writeback.py:
+    21,764 B a step before, the whole blocks)."""
     t = Traffic()
     module = LoRANet("hybrid")
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     total = sum(p.numel() for p in module.parameters())
     fit(lazy(kind), module, steps=2, callbacks=[t])
     assert t.bytes["d2h"] < 0.5 * total * 4, (t.bytes["d2h"], trainable * 4, total * 4)
-    assert t.host_grad_bytes < 0.5 * total * 4, (t.host_grad_bytes, trainable * 4, total * 4)
+
+
+@pytest.mark.xfail(strict=True, reason="OPEN: the host gradient buffers are allocated for every parameter, "
+                   "frozen ones too (engine/param_store.py); pinned on CUDA")
+def test_lora_holds_host_gradient_buffers_for_the_adapters_only():
+    t = Traffic()
+    module = LoRANet("hybrid")
+    total = sum(p.numel() for p in module.parameters())
+    fit(lazy("serial"), module, steps=2, callbacks=[t])
+    assert t.host_grad_bytes < 0.5 * total * 4, (t.host_grad_bytes, total * 4)
 
 
 def test_the_plan_counts_no_optimizer_state_for_frozen_weights():
@@ -702,3 +711,13 @@ def test_a_lora_run_that_fits_host_memory_is_not_refused(monkeypatch):
     monkeypatch.setattr(autoplan, "_host_memory_bytes", lambda: 1.3 * t.real_host)
     got = fit(LazyTrainStrategy(), LoRANet("hybrid"), steps=2)
     assert_same(got, fit("auto", LoRANet("hybrid"), steps=2))
+
+
+def test_the_plan_prices_the_adapters_gradient_copies_only():
+    """The profile's gradient bytes per block are the trainable prefix's (engine/profiler.py: ``grad_extent``),
+    so the plan prices the link as the engine uses it (Note: [only what trained crosses])."""
+    t = Traffic()
+    fit(LazyTrainStrategy(), LoRANet("hybrid"), steps=2, callbacks=[t])
+    wl = t.plan.result.workload
+    assert all(0 < layer.grad_bytes < 0.5 * layer.param_bytes for layer in wl.layers), [
+        (layer.grad_bytes, layer.param_bytes) for layer in wl.layers]

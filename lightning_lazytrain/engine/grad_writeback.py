@@ -23,6 +23,14 @@ previous backward's gradients came a second time (stepped again after ``zero_gra
 gradient reached keeps it whatever its ``requires_grad`` is when the copy lands: one frozen between
 the micro-batches of a step keeps what reached it while it required one, as ``.grad`` does under plain
 autograd (``tests/test_gradients_sent_once.py``).
+
+Note: [only what trained crosses] A gradient copy moves the group's range up to the end of the last
+parameter a gradient reached, not the whole group: in a fine-tune whose blocks are mostly frozen (LoRA:
+small adapters beside frozen base weights) the frozen weights' zeros do not cross the link. The store
+lays each block's trainable parameters out first (param_store.py, ``_build_groups``), so that prefix is
+the adapters. What lies beyond the copy is no gradient: the host adds only the parameters a gradient
+reached, and where an ad-hoc pass's gradients join a landing buffer its uncopied tail is zeroed first.
+The plan prices the same bytes (engine/profiler.py: ``ParamStore.grad_extent``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from torch import nn
 from lightning_lazytrain.engine.copy_engine import CopyHandle
 from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot
 
+_ALIGN = 64  # param_store.ALIGN: every parameter starts at a multiple of it, every group ends at one
+
 __all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
 
 REST: Final[int] = -1  # group id of the non-block parameters (param_store.py)
@@ -54,6 +64,7 @@ class PendingGrads:
     touched: frozenset = frozenset()  # ids of the _Params that received a gradient
     part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
     direct: bool = False  # landed in the host gradient itself (Note: [direct landing])
+    end: int | None = None  # the copy's end in the group (Note: [only what trained crosses]); None: the range's
     # or, when that is known only once the copy is in (a sharded group: the union over the ranks,
     # shard_grads.py), a function giving it, called after ``handle`` is done
     resolve: Callable[[], frozenset] | None = None
@@ -199,14 +210,18 @@ class GradWriteBack:
         if direct:
             landed = g.grad
             self.direct_landings += 1
-        # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
-        # of this slot's previous D2H.
-        h = self.engine.d2h(landed[lo:hi], grads[lo:hi], after=[s.prior_accumulated] if s.prior_accumulated else [],
-                            tag=f"grad:{index}", via=via)
-        s.sending = h
         touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
         s.touched -= touched  # Note: [gradients sent once]
-        return PendingGrads(layer, s, h, touched, part, direct=direct)
+        # Note: [only what trained crosses]: up to the end of the last parameter a gradient reached (its
+        # alignment padding included: a group's end is aligned)
+        last = max((i.offset + i.numel for i in infos if id(i) in touched), default=lo)
+        end = max(lo, min(hi, -(-last // _ALIGN) * _ALIGN))
+        # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
+        # of this slot's previous D2H.
+        h = self.engine.d2h(landed[lo:end], grads[lo:end], after=[s.prior_accumulated] if s.prior_accumulated else [],
+                            tag=f"grad:{index}", via=via)
+        s.sending = h
+        return PendingGrads(layer, s, h, touched, part, direct=direct, end=end)
 
     def _lands_directly(self, g: ParamGroup, infos: Iterable, widened: bool) -> bool:
         """Note: [direct landing]: the copy arrives in the gradients' dtype and their range is empty."""
@@ -249,7 +264,10 @@ class GradWriteBack:
         assert s.grads is not None
         with torch.no_grad():
             s.grads[: g.numel].zero_()
-            return s.grad_host[: self._host_numel(g)].clone(), pending.touched_ids()
+            taken = s.grad_host[: self._host_numel(g)].clone()
+            if pending.end is not None:
+                taken[pending.end:].zero_()  # not copied (Note: [only what trained crosses]): no gradient
+            return taken, pending.touched_ids()
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
                      extra: tuple[torch.Tensor, frozenset] | None = None, wait: bool = True,
@@ -285,6 +303,8 @@ class GradWriteBack:
             touched = pending.touched_ids() | (extra[1] if extra is not None else frozenset())
             landed = (g.grad if pending.direct else s.grad_host)[:n]
             if extra is not None:
+                if pending.end is not None and pending.end < hi:  # not copied (Note: [only what trained
+                    landed[pending.end:hi].zero_()  # crosses]): no gradient; a direct range may hold an old one
                 self._join_extra(landed, extra[0])
             if pending.direct:  # Note: [direct landing]: the range holds the gradient already
                 self._adopt_landed(g, self._range(layer, pending.part)[2], touched)
@@ -297,7 +317,8 @@ class GradWriteBack:
                     param_norms.clear()
                     param_norms.update(norms)
 
-        nbytes = g.grad[lo:hi].nbytes if pending.direct else 2 * s.grad_host[lo:hi].nbytes + 3 * g.grad[lo:hi].nbytes
+        top = hi if pending.end is None else min(hi, pending.end)  # the bytes the copy moved
+        nbytes = g.grad[lo:top].nbytes if pending.direct else 2 * s.grad_host[lo:top].nbytes + 3 * g.grad[lo:top].nbytes
         s.accumulated = g.accumulating = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
                                                           nbytes=nbytes)
         # the hook sees the step's last accumulation with or without norms (None: not taken this step,

@@ -241,6 +241,9 @@ class ParamStore(GradWriteBack):
                 order[gid].append(info)
         groups = {}
         for gid, params in order.items():
+            if gid != REST:  # trainable first (stable): a gradient copy moves that prefix only (Note: [only
+                # what trained crosses] in grad_writeback.py); the non-block group keeps module order (its parts)
+                params.sort(key=lambda info: not info.param.requires_grad)
             off = 0
             for info in params:
                 info.offset = off
@@ -405,6 +408,12 @@ class ParamStore(GradWriteBack):
 
     def group_numel(self, layer: int) -> int:
         return self._group(layer).numel
+
+    def grad_extent(self, layer: int) -> int:
+        """Elements a gradient copy of group ``layer`` moves when every parameter that requires grad now gets
+        one: up to the aligned end of the last of them (Note: [only what trained crosses] in grad_writeback.py)."""
+        last = max((i.offset + i.numel for i in self._group(layer).params if i.param.requires_grad), default=0)
+        return min(self._group(layer).numel, -(-last // ALIGN) * ALIGN)
 
     def group_parameters(self, layer: int) -> list[nn.Parameter]:
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""

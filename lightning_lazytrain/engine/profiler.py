@@ -93,11 +93,13 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
                    + (sum(trained) + rest_trained) * state_bytes_per_param)
     wl = Workload.from_measured(
         fwd_seconds=fwd, bwd_seconds=bwd, params=numel, param_bytes=[n * e for n in numel],
-        grad_bytes=[n * e for n in numel], boundary_bytes=boundary, internal_bytes=internal,
+        # the gradient copies move what trains (Note: [only what trained crosses] in grad_writeback.py)
+        grad_bytes=[executor.params.grad_extent(j) * e for j in range(L)], boundary_bytes=boundary,
+        internal_bytes=internal,
         fwd_work_bytes=[float(work.get(f"F{j}", 0)) for j in range(L)],
         bwd_work_bytes=[float(work.get(f"B{j}", 0)) for j in range(L)], opt_seconds=[n / opt_params_per_s for n in trained],
         head_seconds=head, head_work_bytes=float(work.get("H", 0)), nonblock_params=rest, nonblock_gpu_bytes=2.0 * rest * e + stats.call_bytes,
-        nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(rest * e),
+        nonblock_param_bytes=float(rest * e), nonblock_grad_bytes=float(executor.params.grad_extent(REST) * e),
         nonblock_opt_seconds=rest_trained / opt_params_per_s,
         cast_seconds=[mean("cast", j) for j in range(L)], accum_seconds=[mean("accumulate", j) for j in range(L)],
         # the non-block group in parts (Note: [non-block parts]): op indices -1, -2, ...
