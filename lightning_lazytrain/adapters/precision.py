@@ -64,30 +64,32 @@ class _CoreRouting:
         return result
 
 
-# Note: [the plugin's checkpoint key]
-#     Lightning stores a precision plugin's state (16-mixed's GradScaler: its scale and growth tracker) in
-#     the checkpoint under the plugin class's ``__qualname__`` and reads it back under the same key. The
-#     subclasses below answer to their base class's name, so a checkpoint holds the scaler under
-#     "MixedPrecision" whichever strategy wrote it, and a run resumed under the other strategy keeps it
-#     (under a name of their own each side would find no state and start the scale over).
-
-
 class LazyTrainPrecision(_CoreRouting, Precision):
     """``Precision`` (32-true)."""
-
-    __qualname__ = Precision.__qualname__  # Note: [the plugin's checkpoint key]
 
 
 class LazyTrainMixedPrecision(_CoreRouting, MixedPrecision):
     """``MixedPrecision`` (bf16-mixed, 16-mixed: autocast over fp32 weights, a loss scaler for 16-mixed)."""
 
-    __qualname__ = MixedPrecision.__qualname__  # Note: [the plugin's checkpoint key]
-
 
 class LazyTrainHalfPrecision(_CoreRouting, HalfPrecision):
     """``HalfPrecision`` (bf16-true, 16-true)."""
 
-    __qualname__ = HalfPrecision.__qualname__  # Note: [the plugin's checkpoint key]
+
+def checkpoint_key(plugin: Any, checkpoint: dict, *, saving: bool) -> None:
+    """Note: [the plugin's checkpoint key]
+        Lightning stores a precision plugin's state (16-mixed's GradScaler: its scale and growth tracker)
+        under the plugin class's ``__qualname__`` and reads it back under the same key. A checkpoint holds
+        it under the base class's name ("MixedPrecision") whichever strategy wrote it: the strategy renames
+        the key when it saves (``saving``) and back when it loads, so a run resumed under the other strategy
+        keeps the scale (under a name of its own each side would find no state and start the scale over)."""
+    if not isinstance(plugin, _CoreRouting):
+        return
+    base = next(c for c in type(plugin).__mro__ if c.__module__.startswith("lightning.")).__qualname__
+    ours = type(plugin).__qualname__
+    old, new = (ours, base) if saving else (base, ours)
+    if old in checkpoint and new not in checkpoint:
+        checkpoint[new] = checkpoint.pop(old)
 
 
 def lazytrain_precision(plugin: Precision | None, core: Any) -> Precision:

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import CoreViews, option
-from lightning_lazytrain.adapters.precision import is_lazytrain_precision, lazytrain_precision
+from lightning_lazytrain.adapters.precision import checkpoint_key, is_lazytrain_precision, lazytrain_precision
 from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_dir
 from lightning_lazytrain.adapters.weight_readers import gradients_read_after_step, weights_read_after_step
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
@@ -464,6 +464,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
                            "whose HybridAdamW(updates_in_backward=True) updates began and its optimizer step, so the "
                            "weights hold that step half done; resume from the last checkpoint written before")
             return
+        checkpoint_key(self.precision_plugin, checkpoint, saving=True)  # Note: [the plugin's checkpoint key]
         full = self.core.checkpoints.save(checkpoint, filepath, storage_options, self.lightning_module,
                                           self.optimizers)
         if full is not None and self.is_global_zero:
@@ -474,7 +475,9 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         """A sharded directory (any world size, one process included) or a single file (every rank
         reads it through ``checkpoint_io``)."""
         loaded = self.core.checkpoints.load(checkpoint_path, weights_only)
-        return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        loaded = loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint_key(self.precision_plugin, loaded, saving=False)  # Note: [the plugin's checkpoint key]
+        return loaded
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

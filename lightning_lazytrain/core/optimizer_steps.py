@@ -267,6 +267,8 @@ def _layer_plan(ex: Executor, inner: Any) -> tuple[list, dict, list, list] | Non
     if any(len(g) != 1 for g in blocks) or len({next(iter(g)) for g in blocks}) != len(blocks):
         return None
     block_layer = {j: next(iter(groups[j])) for j in range(blocks_n)}
+    if groups[REST] & set(block_layer.values()):  # a layer holding a block's and non-block weights (a module
+        return None  # shared by blocks grouped with one of them): its update waits for both
     first = [layer for layer in inner.layers if layer in groups[REST]]
     rest = [layer for layer in inner.layers if layer not in first and layer not in block_layer.values()]
     parts = len(ex.params.rest_parts)
@@ -283,6 +285,10 @@ def _early_parts(ex: Executor, eager: list[tuple[Any, list]]) -> frozenset[int]:
     parts = len(ex.params.rest_parts)
     rest = {id(q) for q in ex.params.group_parameters(REST)}
     ok = set(range(1, parts))
+    for k in range(1, parts):  # a module shared by blocks gets gradients from every block's backward (Note:
+        # [modules shared by blocks] in engine/param_store.py): its part is complete only at the end
+        if any(id(q) in ex.params.shared_ids for q in ex.params.rest_part_parameters(k)):
+            ok.discard(k)
     for inner, part_layers in eager:
         for k in range(1, parts):
             inside = {id(q) for q in ex.params.rest_part_parameters(k)}

@@ -93,6 +93,7 @@ class TrainingCore:
         self._outside_logged = False
         self.batch_size = BatchSizeGuard()  # Note: [batches larger than the plan] (core/batch_size.py)
         self._size_logged = False
+        self._size_reason: str | None = None  # the step being profiled is a larger batch's
         self._tokens: int | None = None  # of the first batch, which is profiled
         self._full = False  # this step's micro-batches each write all gradients back
         # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
@@ -343,6 +344,7 @@ class TrainingCore:
         self.planner.replan_reason = None
         ex.profiling = True
         self._tokens = tokens()
+        self._size_reason = f"a micro-batch {factor:.2f}x the size the plan was made for"
 
     def _profile_warmup(self) -> int:
         """Steps run on the provisional schedule before the profiled one (core/replan.py, Note:
@@ -487,7 +489,16 @@ class TrainingCore:
                           early_parts=tuple(p for p in self.steps.planned_early_parts(ex, self.optimizers)
                                             if p in stats.early_complete_parts) if self._updates_in_backward() else (),
                           serial_step=self._step_waits() is not None)
-        plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
+        try:
+            plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
+        except Exception:
+            if self._size_reason is not None:  # Note: [batches larger than the plan]: say which batch
+                log.error("lazytrain: planning for %s (the step just profiled) failed: a batch that large does not "
+                          "fit this budget; cap the batch length (or its size) or raise gpu_memory_budget_gb",
+                          self._size_reason)
+            raise
+        finally:
+            self._size_reason = None
         # the plan covers the profiled step's largest micro-batch; a kept schedule, what it covered too
         covered = self.batch_size.covered
         self.batch_size.planned()

@@ -214,9 +214,10 @@ class ParamStore(GradWriteBack):
                 if i not in seen:
                     seen.append(i)
         where = {mid: b[0] for mid, b in blocks_of.items() if len(b) == 1}  # id(module) -> block index
-        self.shared_across_blocks = any(len(b) > 1 and any(p is not None for p in m._parameters.values())
-                                        for i, block in enumerate(self.blocks) for m in block.modules()
-                                        if (b := blocks_of[id(m)]))
+        # the parameters of modules inside several blocks (ids)
+        self.shared_ids = {id(p) for block in self.blocks for m in block.modules() if len(blocks_of[id(m)]) > 1
+                           for p in m._parameters.values() if p is not None}
+        self.shared_across_blocks = bool(self.shared_ids)
         owner: dict[int, int] = {}
         infos: dict[int, ParamEntry] = {}
         order: dict[int, list[ParamEntry]] = {i: [] for i in range(-1, len(self.blocks))}

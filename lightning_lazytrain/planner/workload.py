@@ -151,7 +151,10 @@ class Workload:
     head_seconds: float  # embedding fwd/bwd + final norm + LM head + loss, fwd and bwd
     head_work_bytes: float  # the head window's working set: final norm, loss chunk, d(hidden), d(head weight)
     nonblock_params: int
-    nonblock_gpu_bytes: float  # resident embedding/norm/head weights + their device grads
+    nonblock_gpu_bytes: float  # resident embedding/norm/head weights + their device grads (+ call_bytes)
+    # of nonblock_gpu_bytes, the tensors every block call receives besides the hidden state (masks, rotary
+    # tables, biases; measured, 0 in an analytic workload): they grow with the batch (``scaled``)
+    call_bytes: float = 0.0
     nonblock_param_bytes: float  # their weights, sent to the device once per step (after the update)
     nonblock_grad_bytes: float  # their grads, sent to the host once per step
     nonblock_opt_seconds: float
@@ -304,7 +307,9 @@ class Workload:
         """The same run on micro-batches ``factor`` times as large (more tokens): activation bytes,
         working sets and compute seconds scale by ``factor``; weights, gradients, optimizer, host
         lane and static bytes do not (the engine's Note: [batches larger than the plan], in
-        core/batch_size.py: a first-order model, linear in the tokens)."""
+        core/batch_size.py: a first-order model, linear in the tokens) -- but the block calls' tensors
+        (``call_bytes``: an attention mask or bias grows with the square of the length) by ``factor**2``,
+        erring large."""
         f = float(factor)
         layers = tuple(replace(w, fwd_seconds=w.fwd_seconds * f, bwd_seconds=w.bwd_seconds * f,
                                internal_bytes=w.internal_bytes * f, fwd_work_bytes=w.fwd_work_bytes * f,
@@ -312,7 +317,9 @@ class Workload:
                                partial_seconds=w.partial_seconds * f,
                                partial_recompute_bytes=w.partial_recompute_bytes * f)
                        for w in self.layers)
+        calls = self.call_bytes * f * f
         return replace(self, layers=layers, boundary_bytes=tuple(b * f for b in self.boundary_bytes),
+                       nonblock_gpu_bytes=self.nonblock_gpu_bytes - self.call_bytes + calls, call_bytes=calls,
                        head_seconds=self.head_seconds * f, head_work_bytes=self.head_work_bytes * f,
                        tokens=max(1, int(round(self.tokens * f)))).validate()
 
