@@ -53,12 +53,12 @@ def weights_read_after_step(module: Any, callbacks: list) -> str | None:
     ``optimizer.step()``)."""
     found = []
     if not getattr(module, "reads_gradients_only", False):
-        found += [f"the LightningModule's {name}" for name in HOOKS if is_overridden(name, module)]
+        found += _hooks(module)
         if not module.automatic_optimization:
             found.append("manual optimization (training_step may read the weights after optimizer.step())")
     for cb in callbacks:
         if not _trusted(cb):
-            found += [f"{type(cb).__name__}.{name}" for name in HOOKS if is_overridden(name, cb, parent=Callback)]
+            found += _hooks(cb)
     if not found:
         return None
     return (f"{', '.join(found[:4])}{' ...' if len(found) > 4 else ''} may read the weights between the step and "
@@ -69,10 +69,13 @@ def gradients_read_after_step(module: Any, callbacks: list) -> str | None:
     """The hooks trusted to read no weights (``reads_gradients_only = True``) that run between a step and
     the next forward and so may read its gradients (Note: [gradients read after a clipped step] in
     optim/hybrid_adamw.py); None when there are none."""
-    found = []
-    if getattr(module, "reads_gradients_only", False):
-        found += [f"the LightningModule's {name}" for name in HOOKS if is_overridden(name, module)]
-    for cb in callbacks:
-        if getattr(cb, "reads_gradients_only", False):
-            found += [f"{type(cb).__name__}.{name}" for name in HOOKS if is_overridden(name, cb, parent=Callback)]
+    found = [hook for obj in [module, *callbacks] if getattr(obj, "reads_gradients_only", False)
+             for hook in _hooks(obj)]
     return ", ".join(found) if found else None
+
+
+def _hooks(obj: Any) -> list[str]:
+    """The ``HOOKS`` the LightningModule ``obj`` or the callback ``obj`` overrides, named for a message."""
+    if isinstance(obj, Callback):
+        return [f"{type(obj).__name__}.{name}" for name in HOOKS if is_overridden(name, obj, parent=Callback)]
+    return [f"the LightningModule's {name}" for name in HOOKS if is_overridden(name, obj)]

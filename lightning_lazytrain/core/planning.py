@@ -77,6 +77,7 @@ class Planner:
         self.budget_bytes: float | None = None
         self.replan_reason: str | None = None  # set: the next step is re-profiled
         self.predicted: float | None = None  # the current schedule's prediction after a kept re-plan
+        self._milp: MilpOptions | None = None  # the options the last plan was solved with (rescale's too)
         self._measured: Hardware | None = None
 
     # ---- the machine -----------------------------------------------------------------------------
@@ -253,25 +254,25 @@ class Planner:
             self.plan = dataclasses.replace(self.plan, result=dataclasses.replace(result, workload=wl))
             return self.SHORT
         t0 = time.perf_counter()
+        plan: AutoPlan | None
         try:
-            plan = plan_from_workload(wl, hardware, policy="milp", options=getattr(self, "_milp", None),
-                                      start=current)
+            plan = plan_from_workload(wl, hardware, policy="milp", options=self._milp, start=current)
         except InfeasibleBudget as err:
-            self._info(f"lazytrain: a micro-batch {factor:.2f}x the size the plan was made for: the current schedule "
-                       f"does not fit ({short}), nor any on the linear estimate ({err}); this step runs on the smallest "
-                       "footprint and is profiled to plan for it")
-            self.replans.append({"step": step, "reason": f"a micro-batch {factor:.2f}x the planned size",
-                                 "current_predicted_s": float("inf"), "new_predicted_s": float("nan"),
-                                 "gain": float("nan"), "switched": True, "warm_start": None})
-            return None
-        plan.timings["profile"] = 0.0
+            plan, then = None, (f", nor any on the linear estimate ({err}); this step runs on the smallest footprint "
+                                "and is profiled to plan for it")
+        else:
+            plan.timings["profile"] = 0.0
+            then = (f"; re-planned for it in {time.perf_counter() - t0:.2f} s, switching (this step is profiled: the "
+                    "plan is then made from what it measured)")
         self.replans.append({"step": step, "reason": f"a micro-batch {factor:.2f}x the planned size",
-                             "current_predicted_s": float("inf"), "new_predicted_s": plan.result.sim.iteration_seconds,
-                             "gain": float("nan"), "switched": True, "warm_start": plan.result.solver.get("seed")})
+                             "current_predicted_s": float("inf"),
+                             "new_predicted_s": plan.result.sim.iteration_seconds if plan else float("nan"),
+                             "gain": float("nan"), "switched": True,
+                             "warm_start": plan.result.solver.get("seed") if plan else None})
         self._info(f"lazytrain: a micro-batch {factor:.2f}x the size the plan was made for: the current schedule "
-                   f"does not fit ({short}); re-planned for it in {time.perf_counter() - t0:.2f} s, switching (this "
-                   "step is profiled: the plan is then made from what it measured)")
-        self.predicted = None
+                   f"does not fit ({short}){then}")
+        if plan is not None:
+            self.predicted = None
         return plan
 
     def _price_optimizer_states(self, wl: Workload, hardware: Hardware, p: Profile) -> tuple[Workload, float | None]:

@@ -507,10 +507,13 @@ class TrainingCore:
             return
         self._switch(ex, plan)
 
-    def _run_on(self, ex: Executor, schedule: Any) -> None:
-        """The executor runs ``schedule`` (no plan of the planner's; between optimizer steps)."""
+    def _run_on(self, ex: Executor, schedule: Any, placement: Any = None) -> None:
+        """The executor runs ``schedule`` (and ``placement``, a plan's) from now on (between optimizer steps)."""
         ex.set_schedule(schedule)
-        release_cache(ex.device)
+        if placement is not None:
+            ex.set_placement(**placement.groups(len(ex.stack)))  # Note: [conversion placement]
+        release_cache(ex.device)  # the old schedule's cached segments (Note: [the budget is what the allocator reserves])
+        # the schedule decides: serial or pipelined optimizer (Note: [pipelined step])
         ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(
             ex, self.optimizers, in_backward=self.fit.updates_in_backward) else None)
 
@@ -521,14 +524,9 @@ class TrainingCore:
             check_nvme_dir(self.options.nvme_dir, nvme)  # before the first real step
             ex.nvme_required_bytes = nvme
         t0 = time.perf_counter()
-        ex.set_schedule(plan.schedule)
-        ex.set_placement(**plan.result.placement.groups(len(ex.stack)))  # Note: [conversion placement]
-        release_cache(ex.device)  # the old schedule's cached segments (Note: [the budget is what the allocator reserves])
+        self._run_on(ex, plan.schedule, plan.result.placement)
         plan.timings["executor"] = time.perf_counter() - t0
         self.planner.adopt(plan)
-        # the plan decides: serial or pipelined optimizer (Note: [pipelined step])
-        ex.set_wait_updated(self.steps.wait_updated if self.steps.configure(
-            ex, self.optimizers, in_backward=self.fit.updates_in_backward) else None)
         from lightning_lazytrain.planner.report import format_table
 
         self._info(f"lazytrain plan ({plan.result.status}; profile {plan.timings['profile']:.2f} s, "

@@ -45,9 +45,7 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
-from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot
-
-_ALIGN = 64  # param_store.ALIGN: every parameter starts at a multiple of it, every group ends at one
+from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot, aligned_end
 
 __all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
 
@@ -214,8 +212,7 @@ class GradWriteBack:
         s.touched -= touched  # Note: [gradients sent once]
         # Note: [only what trained crosses]: up to the end of the last parameter a gradient reached (its
         # alignment padding included: a group's end is aligned)
-        last = max((i.offset + i.numel for i in infos if id(i) in touched), default=lo)
-        end = max(lo, min(hi, -(-last // _ALIGN) * _ALIGN))
+        end = max(lo, min(hi, aligned_end((i for i in infos if id(i) in touched), lo)))
         # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
         # of this slot's previous D2H.
         h = self.engine.d2h(landed[lo:end], grads[lo:end], after=[s.prior_accumulated] if s.prior_accumulated else [],

@@ -4,14 +4,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
 
-__all__ = ["ParamEntry", "ParamGroup", "Slot"]
+__all__ = ["ALIGN", "ParamEntry", "ParamGroup", "Slot", "aligned_end"]
+
+# Every parameter starts at a multiple of ALIGN elements of its group's packed buffer, and every group
+# ends at one (param_store.py explains why).
+ALIGN: Final[int] = 64
 
 
 @dataclass(eq=False)
@@ -64,3 +70,10 @@ class Slot:
     bound: bool = False
     wrappers: list[tuple[ParamEntry, nn.Parameter]] = field(default_factory=list)
     touched: set = field(default_factory=set)  # ids of the ParamEntries a gradient reached since the bind
+
+
+def aligned_end(infos: Iterable[ParamEntry], start: int = 0) -> int:
+    """The end of the last of ``infos`` in their group's buffer, rounded up to ``ALIGN`` (its padding
+    included); ``start`` when there are none."""
+    last = max((i.offset + i.numel for i in infos), default=start)
+    return -(-last // ALIGN) * ALIGN

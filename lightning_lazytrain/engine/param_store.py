@@ -95,7 +95,7 @@ from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
-from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot
+from lightning_lazytrain.engine.param_groups import ALIGN, ParamEntry, ParamGroup, Slot, aligned_end
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
 # ``fn(store, layer, accumulated_handle, param_norms, sq_norm)``: see ParamStore.set_final_grads_hook
@@ -108,9 +108,8 @@ __all__ = ["REST", "ParamStore", "PendingGrads", "sq_sum", "upcast_parameters"]
 VIA_NUMEL: Final[int] = 1 << 24
 
 # Every parameter starts at a multiple of ALIGN elements of its packed buffer (256 B in fp32, 128 B
-# in bf16), as a tensor of its own would: CPU GEMM and reduction kernels round differently on
-# misaligned operands, and the streamed training must compute what plain autograd computes.
-ALIGN: Final[int] = 64
+# in bf16; param_groups.ALIGN), as a tensor of its own would: CPU GEMM and reduction kernels round
+# differently on misaligned operands, and the streamed training must compute what plain autograd computes.
 
 
 class ParamStore(GradWriteBack):
@@ -413,8 +412,8 @@ class ParamStore(GradWriteBack):
     def grad_extent(self, layer: int) -> int:
         """Elements a gradient copy of group ``layer`` moves when every parameter that requires grad now gets
         one: up to the aligned end of the last of them (Note: [only what trained crosses] in grad_writeback.py)."""
-        last = max((i.offset + i.numel for i in self._group(layer).params if i.param.requires_grad), default=0)
-        return min(self._group(layer).numel, -(-last // ALIGN) * ALIGN)
+        g = self._group(layer)
+        return min(g.numel, aligned_end(i for i in g.params if i.param.requires_grad))
 
     def group_parameters(self, layer: int) -> list[nn.Parameter]:
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
