@@ -134,15 +134,22 @@ def check(got, want, g_got, g_want):
     assert_same(got, want)
 
 
+def fit_like_auto(strategy, make, *, extra=lambda: [], **kw):
+    """Fit ``make()`` under ``strategy`` and under auto (each with fresh ``extra()`` callbacks and a
+    ``Grads``) and ``check`` them; returns both fits and lazytrain's gradients."""
+    g_got, g_want = Grads(), Grads()
+    got = fit(strategy, make(), callbacks=[*extra(), g_got], **kw)
+    want = fit("auto", make(), callbacks=[*extra(), g_want], **kw)
+    check(got, want, g_got, g_want)
+    return got, want, g_got
+
+
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
 @pytest.mark.parametrize("opt, accum, clip", [
     ("hybrid", 1, None), ("hybrid", 2, 0.05), ("hybrid-flat", 2, None), ("adamw", 1, 0.05), ("adamw", 2, None)])
 def test_lora_blocks_match_auto(kind, opt, accum, clip):
     kw = {"accum": accum, "gradient_clip_val": clip, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), LoRANet(opt), callbacks=[g_got], **kw)
-    want = fit("auto", LoRANet(opt), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    got, _, g_got = fit_like_auto(lazy(kind), lambda: LoRANet(opt), **kw)
     # the frozen base weights did not move, the adapters did
     init = LoRANet(opt).state_dict()
     sd = got[1]
@@ -157,10 +164,7 @@ def test_lora_blocks_match_auto(kind, opt, accum, clip):
 def test_lora_hybrid_given_the_frozen_weights_too(kind):
     """HybridAdamW handed every parameter (frozen included): frozen ones have no grad and are skipped."""
     kw = {"accum": 2, "gradient_clip_val": 0.05, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), LoRANet("hybrid", trainable_only=False), callbacks=[g_got], **kw)
-    want = fit("auto", LoRANet("hybrid", trainable_only=False), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind), lambda: LoRANet("hybrid", trainable_only=False), **kw)
 
 
 # ---- LoRA under bf16-true with fp32 masters ---------------------------------------------------------------------
@@ -253,10 +257,7 @@ class PartNet(L.LightningModule):
     (2, True, "hybrid", 1), (2, False, "hybrid", 2), (3, True, "adamw", 2), (1, False, "adamw", 1)])
 def test_first_blocks_frozen_match_auto(kind, frozen_blocks, frozen_emb, opt, accum):
     kw = {"accum": accum, "gradient_clip_val": 0.05, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), PartNet(frozen_blocks, frozen_emb, opt), callbacks=[g_got], **kw)
-    want = fit("auto", PartNet(frozen_blocks, frozen_emb, opt), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind), lambda: PartNet(frozen_blocks, frozen_emb, opt), **kw)
 
 
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
@@ -265,10 +266,7 @@ def test_no_block_parameter_requires_grad(kind, frozen_emb, opt):
     """Every block frozen; only the head (and, with ``frozen_emb=False``, the embedding below the frozen
     blocks: its gradient goes through them) trains."""
     kw = {"accum": 2, "gradient_clip_val": 0.05, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), PartNet(LAYERS, frozen_emb, opt), callbacks=[g_got], **kw)
-    want = fit("auto", PartNet(LAYERS, frozen_emb, opt), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind), lambda: PartNet(LAYERS, frozen_emb, opt), **kw)
 
 
 # ---- Lightning's BaseFinetuning ---------------------------------------------------------------------------------
@@ -294,11 +292,8 @@ def test_base_finetuning_thaws_a_block_at_epoch_1(kind, opt, accum, clip):
     per_epoch = 2 * accum  # two steps per epoch, epochs 0..1
     batches = data(per_epoch)
     kw = {"accum": accum, "gradient_clip_val": clip, "steps": -1, "max_epochs": 2, "batches": batches}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), PartNet(0, False, opt), callbacks=[ThawBlock(), g_got], **kw)
-    want = fit("auto", PartNet(0, False, opt), callbacks=[ThawBlock(), g_want], **kw)
+    got, want, _ = fit_like_auto(lazy(kind), lambda: PartNet(0, False, opt), extra=lambda: [ThawBlock()], **kw)
     assert len(want[2].optimizers[0].param_groups) == len(got[2].optimizers[0].param_groups) == 2
-    check(got, want, g_got, g_want)
     # block 1 trained in epoch 1 only, block 0 never
     init = PartNet(0, False, opt).state_dict()
     assert torch.equal(got[1]["layers.0.lin.weight"], init["layers.0.lin.weight"])
@@ -347,10 +342,7 @@ def tokens(n, seed=3):
 @pytest.mark.parametrize("opt, accum, clip", [("hybrid", 1, 0.5), ("adamw", 2, None)])
 def test_hf_llama_lora_matches_auto(kind, opt, accum, clip):
     kw = {"accum": accum, "gradient_clip_val": clip, "steps": 3, "batches": tokens(3 * accum)}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind, HF_LAYERS), HFLoRA(opt), callbacks=[g_got], **kw)
-    want = fit("auto", HFLoRA(opt), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    _, _, g_got = fit_like_auto(lazy(kind, HF_LAYERS), lambda: HFLoRA(opt), **kw)
     assert sum(v is not None for v in g_got.seen[0].values()) == 4 * HF_LAYERS
 
 
@@ -398,10 +390,7 @@ def test_planned_schedules_with_frozen_weights(policy, make, tmp_path):
 
     policy = mixed_plan(tmp_path / "plan.json") if policy == "mixed" else policy
     kw = {"accum": 2, "gradient_clip_val": 0.05, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(LazyTrainStrategy(policy=policy), make(), callbacks=[g_got], **kw)
-    want = fit("auto", make(), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(LazyTrainStrategy(policy=policy), make, **kw)
 
 
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
@@ -415,10 +404,7 @@ def test_lora_blocks_records_the_pipelined_step(kind):
 @pytest.mark.parametrize("opt", ["hybrid", "adamw"])
 def test_lora_bf16_mixed_matches_auto(kind, opt):
     kw = {"accum": 2, "gradient_clip_val": 0.05, "steps": 3, "precision": "bf16-mixed"}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), LoRANet(opt), callbacks=[g_got], **kw)
-    want = fit("auto", LoRANet(opt), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind), lambda: LoRANet(opt), **kw)
 
 
 class DropLoRALinear(LoRALinear):
@@ -444,10 +430,7 @@ class DropLoRANet(LoRANet):
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
 def test_lora_dropout_matches_auto(kind):
     kw = {"accum": 2, "gradient_clip_val": 0.05, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), DropLoRANet(), callbacks=[g_got], **kw)
-    want = fit("auto", DropLoRANet(), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind), DropLoRANet, **kw)
 
 
 class MidFrozenNet(PartNet):
@@ -461,10 +444,7 @@ class MidFrozenNet(PartNet):
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
 def test_a_frozen_block_in_the_middle(kind):
     kw = {"accum": 2, "gradient_clip_val": 0.05, "steps": 3}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), MidFrozenNet(), callbacks=[g_got], **kw)
-    want = fit("auto", MidFrozenNet(), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind), MidFrozenNet, **kw)
 
 
 class HybridMasterLoRANet(MasterLoRANet):
@@ -497,10 +477,7 @@ class HFLoRACkpt(HFLoRA):
 @pytest.mark.parametrize("kind", ["serial", "pipelined"])
 def test_hf_llama_lora_gradient_checkpointing(kind):
     kw = {"accum": 1, "steps": 3, "batches": tokens(3)}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind, HF_LAYERS), HFLoRACkpt(), callbacks=[g_got], **kw)
-    want = fit("auto", HFLoRACkpt(), callbacks=[g_want], **kw)
-    check(got, want, g_got, g_want)
+    fit_like_auto(lazy(kind, HF_LAYERS), HFLoRACkpt, **kw)
 
 
 # ---- BaseFinetuning on a LoRA model whose HybridAdamW pipelines (one group per block) ----------------------------
@@ -521,12 +498,9 @@ class ThawBase(BaseFinetuning):
 @pytest.mark.parametrize("accum", [1, 2])
 def test_base_finetuning_thaws_a_base_linear_of_a_lora_model(kind, accum):
     kw = {"accum": accum, "gradient_clip_val": 0.05, "steps": -1, "max_epochs": 2, "batches": data(2 * accum)}
-    g_got, g_want = Grads(), Grads()
-    got = fit(lazy(kind), LoRANet("hybrid"), callbacks=[ThawBase(), g_got], **kw)
-    want = fit("auto", LoRANet("hybrid"), callbacks=[ThawBase(), g_want], **kw)
+    _, want, _ = fit_like_auto(lazy(kind), lambda: LoRANet("hybrid"), extra=lambda: [ThawBase()], **kw)
     init = LoRANet("hybrid").state_dict()
     assert not torch.equal(want[1]["layers.1.lin.base.weight"], init["layers.1.lin.base.weight"])
-    check(got, want, g_got, g_want)
 
 
 @pytest.mark.parametrize("policy", ["keep_all", "recompute_all"])
