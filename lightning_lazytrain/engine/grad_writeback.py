@@ -31,6 +31,16 @@ lays each block's trainable parameters out first (param_store.py, ``_build_group
 the adapters. What lies beyond the copy is no gradient: the host adds only the parameters a gradient
 reached, and where an ad-hoc pass's gradients join a landing buffer its uncopied tail is zeroed first.
 The plan prices the same bytes (engine/profiler.py: ``ParamStore.grad_extent``).
+
+Note: [host gradients for what trains] A group's flat host gradient (fp32 with fp32 masters, page-locked
+on CUDA) reaches as far as its trainable prefix (``_grad_capacity``): the aligned end of the last
+parameter that requires grad when the store is built, not the whole group. A frozen parameter has no
+``.grad`` under plain autograd and no view here (``_has_host_grad``). A LoRA fine-tune's blocks then hold
+host gradients for their adapters only (at 27B, ~108 GB of page-locked memory that was never written).
+Weights thawed later (``BaseFinetuning``, a ``requires_grad_`` between steps) grow their group's buffer
+when a gradient copy of it starts (``_fit_host_grads``, on the training thread): the group's host work and
+copies in flight are waited for, the buffer is reallocated at the new extent, and the ``.grad`` views in it
+move to the new one (values kept). A sharded group keeps its whole shard (engine/shard_store.py).
 """
 
 from __future__ import annotations
@@ -144,11 +154,51 @@ class GradWriteBack:
             h.remove()
         self._outside_handles = []
 
+    def _grad_capacity(self, g: ParamGroup, also: Iterable[ParamEntry] = ()) -> int:
+        """Elements of group ``g``'s host gradient: up to the aligned end of its parameters that require
+        grad and of ``also`` (Note: [host gradients for what trains]); a sharded group's whole shard."""
+        if self.sharded(g.gid):
+            return self._host_numel(g)
+        wanted = [i for i in g.params if i.param.requires_grad]
+        return min(g.numel, aligned_end([*wanted, *also]))
+
+    def _has_host_grad(self, g: ParamGroup, info: ParamEntry) -> bool:
+        """Does ``info`` have a view in its group's host gradient (Note: [host gradients for what trains])?"""
+        return self.sharded(g.gid) or info.offset + info.numel <= g.grad.numel()
+
+    def _fit_host_grads(self, g: ParamGroup, also: Iterable[ParamEntry] = ()) -> None:
+        """Grow group ``g``'s host gradient to its parameters that require grad now and ``also`` (Note: [host
+        gradients for what trains]). On the training thread: waits for the group's host work and copies."""
+        need = self._grad_capacity(g, also)
+        old = g.grad
+        if need <= old.numel():
+            return
+        if g.accumulating is not None:
+            g.accumulating.wait()
+        for s in self._slots:
+            if s.gid == g.gid and s.sending is not None:
+                s.sending.wait()
+        new = torch.zeros(need, dtype=old.dtype, pin_memory=self._pin)
+        lo, hi = old.data_ptr(), old.data_ptr() + old.nbytes
+        with torch.no_grad(), self._outside_lock:
+            new[: old.numel()].copy_(old)
+            for info in g.params:
+                cur = info.param.grad
+                if cur is not None and lo <= cur.data_ptr() < hi:
+                    info.param.grad = self._view(new, info)
+            g.grad = new
+        if g.gid not in self._grown_grads:  # an arena slice stays reserved; a grown buffer before it is freed
+            self._superseded_grad_bytes += old.nbytes
+            self._grown_grads.add(g.gid)
+
     def _ensure_host_grads(self, g: ParamGroup, touched: frozenset | set = frozenset()) -> None:
         # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
         # without a host grad gets one (a zeroed view) only when a gradient reached it; the flat
         # buffer stays zero where no parameter has a grad, so norms of the flat buffer are right.
+        # A parameter beyond the host gradient (frozen: Note: [host gradients for what trains]) keeps its own.
         for info in g.params:
+            if not self._has_host_grad(g, info):
+                continue
             view = self._host_view(g.grad, info)
             with self._outside_lock:  # Note: [a master used outside its block]
                 cur = info.param.grad
@@ -195,6 +245,9 @@ class GradWriteBack:
         if s.gid != layer:
             raise RuntimeError(f"layer {layer} is not the one staged in slot {slot} (found {s.gid})")
         lo, hi, infos, index = self._range(layer, part)
+        g = self._group(layer)
+        if not self.sharded(layer):  # Note: [host gradients for what trains]: weights thawed since it was sized
+            self._fit_host_grads(g, [i for i in g.params if id(i) in s.touched])
         if not part:
             grads = self._collect_grads(s)
             s.prior_accumulated = s.accumulated
@@ -202,7 +255,6 @@ class GradWriteBack:
             # [early non-block parts] in early_parts.py)
             grads = self._collect_grads(s, infos)
         via = self._via.get("d2h") if layer in self._device_widen else None  # Note: [conversion on the device]
-        g = self._group(layer)
         landed = s.grad_host
         direct = direct and self._lands_directly(g, infos, via is not None)
         if direct:
@@ -329,6 +381,7 @@ class GradWriteBack:
     def _join_extra(self, landed: torch.Tensor, extra: torch.Tensor) -> None:
         """``landed += extra`` (an ad-hoc pass's gradients of the same weights) in the compute dtype,
         as autograd sums every use of a leaf; a widened ``landed`` holds compute-dtype values exactly."""
+        extra = extra[: landed.numel()]  # a direct landing's host gradient ends with what trains: zeros beyond
         if landed.dtype == self.compute_dtype and extra.dtype == self.compute_dtype:
             landed.add_(extra)
             return
@@ -342,6 +395,8 @@ class GradWriteBack:
         with torch.no_grad():
             receiving = []
             for info in infos:
+                if not self._has_host_grad(g, info):
+                    continue  # frozen: beyond the host gradient (Note: [host gradients for what trains])
                 view = self._host_view(g.grad, info)
                 if id(info) in touched:
                     with self._outside_lock:  # Note: [a master used outside its block]
@@ -374,9 +429,11 @@ class GradWriteBack:
         g = self._group(layer)
         if wait:
             self.wait_host()
+        with_grad = [i for i in g.params if i.param.grad is not None]
+        self._fit_host_grads(g, with_grad)  # one set on a frozen weight too (Note: [host gradients for what trains])
         with torch.no_grad():
-            self._ensure_host_grads(g, {id(i) for i in g.params if i.param.grad is not None})
-        return g.grad, [(i.param, self._host_view(g.grad, i)) for i in g.params]
+            self._ensure_host_grads(g, {id(i) for i in with_grad})
+        return g.grad, [(i.param, self._host_view(g.grad, i)) for i in g.params if self._has_host_grad(g, i)]
 
     def wait_host(self) -> None:
         """Wait for the host lane's work on every slot (casts, gradient accumulation)."""
@@ -392,7 +449,7 @@ class GradWriteBack:
             receiving = [i for i in g.params if id(i) in touched]
             self.post_hooks.landed((id(i), i.param) for i in receiving)
             if len(receiving) == len(g.params):
-                self._add(g.grad, grads)
+                self._add(g.grad, grads[: g.grad.numel()])
             else:  # only parameters a gradient reached (and that still want one) accumulate
                 for info in receiving:
                     self._add(self._host_view(g.grad, info), self._host_view(grads, info))

@@ -162,8 +162,11 @@ class ParamStore(GradWriteBack):
                                                   name="masters")
         # the host gradients: page-locked on CUDA too, so a gradient copy can land in them directly
         # (Note: [direct landing] in grad_writeback.py); their memory lives as long as the .grad views
-        self._grads_arena = HostArena.for_sizes([self._host_numel(g) * esize[g.dtype] for g in groups], pin=pin,
+        # (Note: [host gradients for what trains] in grad_writeback.py: up to the last parameter that trains)
+        self._grads_arena = HostArena.for_sizes([self._grad_capacity(g) * esize[g.dtype] for g in groups], pin=pin,
                                                 name="grads")
+        self._superseded_grad_bytes = 0  # arena slices a group's grown host gradient left behind
+        self._grown_grads: set[int] = set()  # groups whose host gradient grew (grad_writeback._fit_host_grads)
         for g in groups:
             self._pack(g, self._masters_arena)
         self._move_buffers()
@@ -304,7 +307,7 @@ class ParamStore(GradWriteBack):
     def _pack(self, g: ParamGroup, arena: HostArena) -> None:
         n = self._host_numel(g)
         g.master = arena.take(n, g.dtype)
-        g.grad = self._grads_arena.take(n, g.dtype)  # zero-filled
+        g.grad = self._grads_arena.take(self._grad_capacity(g), g.dtype)  # zero-filled
         with torch.no_grad():
             for info in g.params:
                 view = self._host_view(g.master, info)
@@ -491,7 +494,7 @@ class ParamStore(GradWriteBack):
     @property
     def host_grad_bytes(self) -> int:
         """Host bytes of the flat gradient buffers (ordinary memory, master dtype)."""
-        return sum(g.grad.nbytes for g in self._groups.values())
+        return sum(g.grad.nbytes for g in self._groups.values()) + self._superseded_grad_bytes
 
     def host_arenas(self) -> list[dict[str, Any]]:
         """Per arena: name, reserved and used bytes, how it is pinned, and what PyTorch's pinned
