@@ -311,3 +311,22 @@ def test_a_running_jobs_16_bit_host_gradients_are_all_reduced_at_their_size():
     for mine, theirs in zip(half.layers, wl.layers):
         assert mine.allreduce_bytes == host_allreduce_bytes(theirs.params * 2, 4)
     assert half.nonblock_allreduce_bytes == host_allreduce_bytes(wl.nonblock_params * 2, 4)
+
+
+def test_a_running_jobs_host_gradients_are_all_reduced_as_the_store_holds_them():
+    """``grad_elements``: a fine-tune's host gradients end at each group's last trainable parameter (param_store's
+    Note: [host gradients for what trains]), so each group's all-reduce moves those elements, not the group's."""
+    from lightning_lazytrain.planner.errors import InvalidInput
+    from lightning_lazytrain.planner.multi import host_allreduce_bytes, measured_rank_workload
+
+    wl, _, _ = _multi_instance(0, "replicate")
+    wl = replace(wl, data_parallel="none", ranks=1, ranks_per_node=1)
+    counts = [layer.params // (3 + j) for j, layer in enumerate(wl.layers)]
+    lora = measured_rank_workload(wl, 4, 4, 2e9, grad_elements=counts, nonblock_grad_elements=64)
+    full = measured_rank_workload(wl, 4, 4, 2e9)
+    for mine, n, whole in zip(lora.layers, counts, full.layers):
+        assert mine.allreduce_bytes == host_allreduce_bytes(n * 4, 4) < whole.allreduce_bytes
+        assert mine.allreduce_seconds < whole.allreduce_seconds
+    assert lora.nonblock_allreduce_bytes == host_allreduce_bytes(64 * 4, 4)
+    with pytest.raises(InvalidInput, match="grad_elements"):
+        measured_rank_workload(wl, 4, 4, 2e9, grad_elements=counts[:-1])

@@ -373,4 +373,8 @@ def rank_workload(wl: Workload, layout: ProcessLayout, p: Profile) -> Workload:
     params = p.executor.params
     assert params is not None
     host_grad = params.grad_flat(REST).element_size()  # the host gradients' dtype (the masters')
-    return measured_rank_workload(wl, layout.world_size, per_node, bandwidth, mode, grad_element_bytes=host_grad)
+    # the flat host gradients as all-reduced: up to each group's last trainable parameter (Note: [host
+    # gradients for what trains] in engine/grad_writeback.py)
+    return measured_rank_workload(wl, layout.world_size, per_node, bandwidth, mode, grad_element_bytes=host_grad,
+                                  grad_elements=[params.grad_flat(j).numel() for j in range(params.num_layers)],
+                                  nonblock_grad_elements=params.grad_flat(REST).numel())

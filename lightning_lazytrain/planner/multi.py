@@ -177,12 +177,16 @@ def rank_workload(wl: Workload, hw: Hardware, mode: str) -> Workload:
 
 
 def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, host_collective_bytes_per_s: float,
-                           mode: str = "replicate", grad_element_bytes: float = HOST_GRAD_BYTES) -> Workload:
+                           mode: str = "replicate", grad_element_bytes: float = HOST_GRAD_BYTES,
+                           grad_elements: list[int] | None = None, nonblock_grad_elements: int | None = None
+                           ) -> Workload:
     """One rank's workload of a running ``replicate``/``replicate_overlap`` job, from the workload that
     rank measured (its host-lane and optimizer times were taken while every rank of its node worked,
     so they are not rescaled as ``rank_workload`` rescales a one-GPU workload): every group gets its
     host all-reduce (``host_allreduce_bytes`` of its host gradient, ``grad_element_bytes`` per element:
-    the masters' dtype, 2 with 16-bit masters; at the measured bandwidth)."""
+    the masters' dtype, 2 with 16-bit masters; at the measured bandwidth). ``grad_elements`` /
+    ``nonblock_grad_elements``: each group's host gradient as the store holds it (up to its last trainable
+    parameter: param_store's Note: [host gradients for what trains]); default: every parameter."""
     if mode not in ("replicate", "replicate_overlap"):
         raise InvalidInput("mode", mode, "a running job averages host gradients: 'replicate' or 'replicate_overlap'")
     if world_size <= 1:
@@ -190,11 +194,15 @@ def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, h
     if host_collective_bytes_per_s <= 0:
         raise InvalidInput("host_collective_bytes_per_s", host_collective_bytes_per_s, "must be > 0")
 
+    if grad_elements is not None and len(grad_elements) != len(wl.layers):
+        raise InvalidInput("grad_elements", grad_elements, f"one count per layer ({len(wl.layers)})")
+    elements = grad_elements if grad_elements is not None else [layer.params for layer in wl.layers]
     layers = []
-    for layer in wl.layers:
-        sec, nbytes = _host_allreduce(layer.params, world_size, host_collective_bytes_per_s, grad_element_bytes)
+    for layer, n in zip(wl.layers, elements):
+        sec, nbytes = _host_allreduce(n, world_size, host_collective_bytes_per_s, grad_element_bytes)
         layers.append(replace(layer, allreduce_seconds=sec, allreduce_bytes=nbytes))
-    sec, nbytes = _host_allreduce(wl.nonblock_params, world_size, host_collective_bytes_per_s, grad_element_bytes)
+    rest = wl.nonblock_params if nonblock_grad_elements is None else nonblock_grad_elements
+    sec, nbytes = _host_allreduce(rest, world_size, host_collective_bytes_per_s, grad_element_bytes)
     return replace(wl, layers=tuple(layers), data_parallel=mode, ranks=world_size, ranks_per_node=ranks_per_node,
                    nonblock_allreduce_seconds=sec, nonblock_allreduce_bytes=nbytes,
                    name=f"{wl.name}/{mode}x{world_size}").validate()
