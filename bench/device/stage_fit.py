@@ -44,7 +44,8 @@ end, synchronised; FSDP2: ``optimizer.step`` + ``zero_grad``), GPU busy fraction
 ``max_memory_reserved`` over the timed steps. lazytrain also: the plan's predicted step seconds and
 peak, measured / predicted, busy seconds per lane of the last timed step
 (``strategy.last_stats.segments``) and as predicted, achieved GB/s per lane, the HybridAdamW update's
-own host seconds per step (overlapped with the GPU when pipelined), the plan's schedule and re-plans.
+own host seconds per step (overlapped with the GPU when pipelined), the plan's schedule and re-plans, and
+the plan timed against its baselines (``races``: on CUDA by default, before the timed steps).
 
 Ratios: lazytrain's tokens/s over each peer's. Targets (reported, never a
 failure): b32 >= 0.8x auto, >= 2x FSDP2 offload, GPU busy >= 0.8; b8 >= 0.35x auto, >= 1.5x FSDP2
@@ -803,8 +804,15 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     spec = ONE_B_FIELDS if cuda else TINY_FIELDS
     dtype = torch.bfloat16 if cuda else torch.float32
     precision = "bf16-true" if cuda else "32-true"
-    # lead: the profiled step (on CUDA after one warm-up step: core/replan.py, Note: [profile warm-up])
-    clock = Clock(a.device, 2 if cuda else 1, a.warmup, a.timed)
+    # lead: the profiled step (on CUDA after one warm-up step: core/replan.py, Note: [profile warm-up]), then
+    # on CUDA the plan timed against its baselines (core/plan_race.py, Note: [the plan checked by measurement]:
+    # on by default there) and the winner's first step: the timed steps are the schedule the run keeps
+    from lightning_lazytrain.core.plan_race import PlanRace
+    from lightning_lazytrain.core.replan import ReplanOptions
+
+    defaults = ReplanOptions()
+    race = PlanRace.length(defaults.patience, defaults.race_candidates) + 1 if defaults.races(a.device) else 0
+    clock = Clock(a.device, (2 if cuda else 1) + race, a.warmup, a.timed)
     data = token_batches(clock.total, a.batch, a.seq, spec["vocab"])
     in_backward = not a.updates_at_step
     # the strategy streams from the host
@@ -905,6 +913,11 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     res["backward_updates_left_at_step"] = getattr(opt, "backward_updates_left_at_step", None)
     res["eight_bit_chosen"] = repr(getattr(opt, "eight_bit", None))  # the plan's choice (e.g. 'none', a fraction)
     res["replans"] = list(getattr(trainer.strategy, "replans", []) or [])
+    res["races"] = list(getattr(trainer.strategy, "races", []) or [])  # the plan against its baselines, measured
+    for r in res["races"]:
+        say("lazytrain: plan timed against its baselines: " + ", ".join(
+            f"{e['name']} {e['median_s']:.3f} s (predicted {e['predicted_s']:.3f})" for e in r["entries"]
+            if e["median_s"] is not None) + f"; kept {r['kept']}")
     if res["replans"]:
         say(f"lazytrain: {len(res['replans'])} re-plan(s) during the run")
     if cuda and res.get("max_memory_reserved_gb") is not None:

@@ -37,6 +37,11 @@ class CoreViews:
         return self.core.replans
 
     @property
+    def races(self) -> list[dict[str, Any]]:
+        """Each timing of a plan against its baselines (Note: [the plan checked by measurement])."""
+        return self.core.races
+
+    @property
     def last_stats(self) -> Any:
         return self.core.last_stats
 

@@ -18,6 +18,7 @@ from lightning_lazytrain.core.allocator import MemoryWatch
 from lightning_lazytrain.core.autoplan import (AutoPlan, given_hardware, host_job_seconds, measure_hardware,
                                                plan_from_workload)
 from lightning_lazytrain.core.options import CoreOptions, ProcessLayout
+from lightning_lazytrain.core.plan_race import PlanRace, RaceEntry
 from lightning_lazytrain.core.processes import broadcast_object
 from lightning_lazytrain.core.replan import DriftMonitor, measured_link_rates
 from lightning_lazytrain.engine.executor import Executor, StepStats
@@ -71,6 +72,7 @@ class Planner:
         self._info, self._debug = info, debug
         self.plan: AutoPlan | None = None
         self.replans: list[dict[str, Any]] = []  # what each re-plan found and did
+        self.races: list[dict[str, Any]] = []  # what each race measured and kept (core/plan_race.py)
         self.drift = DriftMonitor(options.replan)
         # the allocator's reserve against the budget (allocator.py, Note: [the budget is what the allocator reserves])
         self.memory = MemoryWatch()
@@ -222,6 +224,46 @@ class Planner:
     def adopt(self, plan: AutoPlan) -> None:
         """The executor runs ``plan`` now."""
         self.plan = plan
+
+    def race(self, plan: AutoPlan, device: torch.device, layout: ProcessLayout) -> PlanRace | None:
+        """Note: [the plan checked by measurement] (core/plan_race.py): the race for ``plan`` just adopted, or
+        None (off, not the MILP's plan, or no baseline fits the budget within the margin). Every rank
+        builds the same race from the same plan; rank 0's clock decides (``TrainingCore``)."""
+        o = self.options.replan
+        if self.options.policy != "milp" or not o.races(device.type):
+            return None
+        result = plan.result
+        mine = result.sim.iteration_seconds
+        challengers = []
+        for name, schedule in result.baseline_schedules.items():
+            if dataclasses.replace(schedule, policy="") == dataclasses.replace(result.schedule, policy=""):
+                continue  # the plan is this baseline
+            try:
+                sim = simulate(schedule, result.workload, result.hardware)
+            except InfeasibleSchedule:
+                continue  # does not fit the budget
+            if sim.iteration_seconds <= mine * (1.0 + o.race_margin):
+                challengers.append(RaceEntry(name, schedule, sim.iteration_seconds, plan=dataclasses.replace(
+                    plan, result=dataclasses.replace(result, schedule=schedule, sim=sim))))
+        if not challengers:
+            return None
+        challengers = sorted(challengers, key=lambda e: e.predicted_s)[:o.race_candidates]
+        self._debug(f"lazytrain: timing the plan against {', '.join(e.name for e in challengers)} "
+                    f"({o.patience} steps each; Note: [the plan checked by measurement])")
+        return PlanRace([RaceEntry("plan", result.schedule, mine, plan=plan), *challengers], steps=o.patience,
+                        min_gain=o.min_gain)
+
+    def raced(self, race: PlanRace, step: int) -> None:
+        """A race is decided: its winner's plan is the plan (predictions, the drift baseline, the memory
+        watch's peak); logged and kept in ``races``."""
+        assert race.winner is not None
+        self.plan = race.winner.plan
+        self.predicted = None
+        self.drift.reset()
+        self.races.append({"step": step, **race.record()})
+        kept_plan = race.winner is race.entries[0]
+        (self._debug if kept_plan else self._info)(
+            f"lazytrain: the plan timed against the baselines it was compared with at step {step}: {race.summary()}")
 
     SHORT = object()  # rescale(): the current schedule stays
 

@@ -67,7 +67,12 @@ class ReplanOptions:
     back-off]); 0 turns the back-off off. ``profile_check``: a first baseline beyond this factor from 1
     either way re-profiles, once per run (Note: [profile check]); 0 turns the check off.
     ``profile_warmup``: steps before the first profiled one (Note: [profile warm-up]; None: 1 on CUDA,
-    0 elsewhere). It applies with ``enabled=False`` too (it is about the first plan, not re-plans)."""
+    0 elsewhere). It applies with ``enabled=False`` too (it is about the first plan, not re-plans).
+    ``race``: time each plan against the baselines it was compared with and keep the fastest (Note: [the
+    plan checked by measurement] in core/plan_race.py; None: on with CUDA, off elsewhere), ``patience``
+    steps each; ``race_margin``: challengers predicted within a factor ``1 + race_margin`` of the plan;
+    ``race_candidates``: at most this many of them (the fastest predicted); a challenger is kept when its
+    median step beats the plan's by ``min_gain``."""
 
     enabled: bool = True
     threshold: float = 0.25
@@ -77,6 +82,9 @@ class ReplanOptions:
     backoff: float = 1.0
     profile_check: float = 3.0
     profile_warmup: int | None = None
+    race: bool | None = None
+    race_margin: float = 0.5
+    race_candidates: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold:
@@ -97,6 +105,20 @@ class ReplanOptions:
         if isinstance(self.profile_check, bool) or not (isinstance(self.profile_check, (int, float)) and
                                                         (self.profile_check == 0 or self.profile_check > 1)):
             raise ValueError(f"replan profile_check={self.profile_check!r}: must be a factor > 1 (e.g. 3) or 0 (off)")
+
+        if self.race is not None and not isinstance(self.race, bool):
+            raise ValueError(f"replan race={self.race!r}: must be True, False or None (on with CUDA)")
+        if isinstance(self.race_margin, bool) or not (isinstance(self.race_margin, (int, float))
+                                                      and 0 <= self.race_margin <= 10):
+            raise ValueError(f"replan race_margin={self.race_margin!r}: must be a number in [0, 10] (0.5: challengers "
+                             "predicted up to 1.5x the plan's step)")
+        if isinstance(self.race_candidates, bool) or not (isinstance(self.race_candidates, int)
+                                                          and self.race_candidates >= 1):
+            raise ValueError(f"replan race_candidates={self.race_candidates!r}: must be an integer >= 1")
+
+    def races(self, device_type: str) -> bool:
+        """Is the plan checked by measurement on this device (Note: [the plan checked by measurement])?"""
+        return device_type == "cuda" if self.race is None else self.race
 
     @classmethod
     def parse(cls, value: Any) -> ReplanOptions:

@@ -45,7 +45,9 @@ from lightning_lazytrain.core.checkpoint_state import CheckpointState
 from lightning_lazytrain.core.optimizer_steps import (PipelinedSteps, hand_over_norms, hybrid_adamws, norms_wanted,
                                                       split_rest_parts)
 from lightning_lazytrain.core.options import CoreOptions, FitSettings, ProcessLayout
+from lightning_lazytrain.core.plan_race import PlanRace
 from lightning_lazytrain.core.planning import Planner, Profile
+from lightning_lazytrain.core.processes import broadcast_object
 from lightning_lazytrain.core.shard_norms import clip_sharded, whole_grad_norms
 from lightning_lazytrain.engine.copy_engine import LinkSpec
 from lightning_lazytrain.engine.executor import Executor, StepStats
@@ -104,6 +106,7 @@ class TrainingCore:
         self._shard_bytes_per_s: float | None = None  # a sharded store's in-line collectives
         self._loss_hooks: list = []
         self._inference = contextlib.ExitStack()
+        self.race: PlanRace | None = None  # Note: [the plan checked by measurement] (core/plan_race.py)
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -115,6 +118,11 @@ class TrainingCore:
     def replans(self) -> list[dict[str, Any]]:
         """What each re-plan found and did."""
         return self.planner.replans
+
+    @property
+    def races(self) -> list[dict[str, Any]]:
+        """What each timing of a plan against its baselines measured and kept (core/plan_race.py)."""
+        return self.planner.races
 
     def hardware(self) -> Hardware:
         """The machine a plan is made for, as the options shape it (see ``Planner.hardware``)."""
@@ -337,6 +345,7 @@ class TrainingCore:
         # where the estimate fits no schedule, the smallest footprint there is) and is profiled; the plan
         # is then made from what it measured (the estimate is linear in the batch, the step is not)
         self.steps.finish()  # the schedule switches after the updates in flight
+        self.race = None  # the plan for this batch is timed once it is made from its profile
         if plan is not None:
             self._switch(ex, plan)
         else:
@@ -429,12 +438,36 @@ class TrainingCore:
         self._metrics_taken = False
         self._steps_ended += 1
         if not profiled:  # a profiled step ran another schedule, with timing on
-            self.planner.watch_drift(self.layout, self.metrics.get("lazytrain/step_seconds", float("nan")))
+            if not self._race_step(ex):  # no drift is watched while the plan is timed
+                self.planner.watch_drift(self.layout, self.metrics.get("lazytrain/step_seconds", float("nan")))
             if not stats.evaluated_mid_step:  # the allocator's peak would be the evaluation's too
                 self.planner.watch_memory(self.layout, stats)
         if not self.automatic:
             self._open()  # later forwards of this training step are passes with grad
         return stats
+
+    def _race_step(self, ex: Executor) -> bool:
+        """Note: [the plan checked by measurement] (core/plan_race.py): a step of the race, if one runs
+        (rank 0's clock decides for all); switches the schedule where the race says. True while it runs."""
+        race = self.race
+        if race is None:
+            return False
+        choice = None
+        if self.layout.is_global_zero:
+            entry = race.abandon() if self.planner.replan_reason is not None else race.step_ended(time.perf_counter())
+            choice = None if entry is None else race.entries.index(entry)
+        if self.layout.is_distributed:  # the other ranks follow rank 0's clock
+            choice, race.current, won = broadcast_object((choice, race.current, race.winner_index))
+            race.winner = None if won is None else race.entries[won]
+        if choice is not None:
+            self.steps.finish()  # the schedule switches after the updates in flight
+            entry = race.entries[choice]
+            self._run_on(ex, entry.schedule, entry.plan.result.placement)
+            self.planner.predicted = entry.predicted_s
+        if race.done:
+            self.race = None
+            self.planner.raced(race, self._steps_ended)
+        return True
 
     def _sync_gradients(self, ex: Executor, stats: StepStats) -> None:
         sync = self.grad_sync
@@ -480,6 +513,10 @@ class TrainingCore:
         """Plan from the profiled step and switch the executor to the plan, before the step's optimizer
         update (an impossible budget raises here). Full micro-batches (each writes all of its
         gradients back: the executor's step is the micro-batch) are planned one by one."""
+        if self.race is not None:  # a re-profile ends the race on the plan (Note: [the plan checked by measurement])
+            back, self.race = self.race.abandon(), None
+            if back is not None:
+                self._run_on(ex, back.schedule, back.plan.result.placement)
         profile = Profile(ex, stats, tokens=self._tokens or 1, grad_accum=1 if self._full else self.fit.grad_accum,
                           micro_batches=micro_batches, t_step=self._t_step, hybrids=hybrid_adamws(self.optimizers),
                           grad_sync=self.grad_sync, shard_store=self.shard_store(),
@@ -506,6 +543,9 @@ class TrainingCore:
             self.batch_size.covered = max(covered, self.batch_size.covered)
             return
         self._switch(ex, plan)
+        self.race = self.planner.race(plan, self.device, self.layout)
+        if self.race is not None:
+            self.race.step_ended(time.perf_counter())  # the clock starts at the step that adopted the plan
 
     def _run_on(self, ex: Executor, schedule: Any, placement: Any = None) -> None:
         """The executor runs ``schedule`` (and ``placement``, a plan's) from now on (between optimizer steps)."""
@@ -610,6 +650,8 @@ class TrainingCore:
             ex.disarm()
             self.abort_microbatch()  # a forward without backward (manual optimization)
             self._inference.enter_context(ex.inference())
+            if self.race is not None:  # an evaluation's step is not timed (Note: [the plan checked by measurement])
+                self.race.taint()
             if ex.evaluating_mid_step:  # its time is not the step's (step_seconds, the drift watch)
                 t0 = time.perf_counter()
                 self._inference.callback(lambda: setattr(self, "_t_step", self._t_step + time.perf_counter() - t0))
@@ -648,6 +690,7 @@ class TrainingCore:
             hooks.remove()
         self._loss_hooks = []
         self.planner.reset()
+        self.race = None
         self._tokens = None
         self._micro_index = 0
         self._steps_ended = self._incomplete_profiles = 0  # a next fit warms up and profiles again
