@@ -89,6 +89,9 @@ class Executor:
         # one process) sets this False (core/optimizer_steps.py ``norms_wanted``): the step's stats then
         # hold no norms, and the plan prices none (``Workload.host_norms``).
         self.take_norms = True
+        # ids of the weights an optimizer holds (the training core sets them each step): Note: [blocks no
+        # gradient reaches]
+        self.optimized_ids: frozenset[int] = frozenset()
         self.tracker = DeviceTracker()
         self.stats = StepStats()
         self._orig: dict[int, Callable] = {}
@@ -437,6 +440,7 @@ class Executor:
         self._recomputed: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
         self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
+        self._unreachable: set[int] = set()  # ... of which no gradient can reach (Note: [blocks no gradient reaches])
         self._serial += 1
         self._b_next = len(self.stack) - 1  # the next backward window (Note: [unreached blocks])
         self._backprops: dict[int, int] = {}  # block -> backwards run in this micro-batch (planned, ad hoc)
@@ -568,9 +572,33 @@ class Executor:
                 "with another strategy")
         self._forwarded.add(j)
         node = BlockContext(j)  # Note: [the block node] (block_fn.py)
-        outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
+        if not adhoc and not self._reachable(j, x, routed):  # Note: [blocks no gradient reaches]
+            self._unreachable.add(j)
+            with torch.no_grad():  # as inside the node's forward; its output requires no grad, as under autograd
+                outs = self.forward_window(node, call, x, routed)
+        else:
+            outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
         spec = node.take_output()
         return spec.build(outs[0], outs[1:1 + len(spec.routed)])
+
+    # Note: [blocks no gradient reaches] A block whose input requires no grad (nor any tensor routed into it:
+    # BlockCall.pack routes those) and none of whose weights does -- a frozen first part of the stack, a
+    # frozen embedding below it; every block of a head-only fine-tune -- gets no backward under plain
+    # autograd: its output requires no grad, and the backward stops above it. Its planned pass then runs
+    # without the node (the anchor would make autograd call the node's backward): the forward window as
+    # planned, under no_grad, and at the micro-batch's end its backward window passes as an unreached
+    # one's does (``_pass_backward_window``: the planned transfers, no compute), without counting it as
+    # unreached. A frozen block's backward and re-runs cost nothing, and the profiled step measures no
+    # backward for it, so the plan prices none. A weight shared by blocks keeps every block on the node,
+    # and so does a frozen weight an optimizer holds (``optimized_ids``, set by the training core): it is
+    # frozen for this pass only (``toggle_optimizer``: a GAN's generator during its critic's step), and a
+    # profile of such a pass would price no backward for blocks that run one in the other passes.
+    def _reachable(self, j: int, x: torch.Tensor, routed: list) -> bool:
+        """Can a gradient reach block ``j``'s forward on ``x`` (Note: [blocks no gradient reaches])?"""
+        assert self.params is not None
+        if x.requires_grad or routed or self.params.shared_across_blocks:
+            return True
+        return any(p.requires_grad or id(p) in self.optimized_ids for p in self.params.group_parameters(j))
 
     def _run_block(self, j: int, x: torch.Tensor, call: BlockCall, routed: list, *, first: bool,
                    rerun: bool = True) -> tuple[BlockOutput, list[torch.Tensor]]:
@@ -924,7 +952,7 @@ class Executor:
             self.tracker.drop(f"resident{t}")
             self.tracker.add(f"resident{t}", self.params.slot_bytes(t, slot))
         self._b_next = t - 1
-        if t in self._forwarded:
+        if t in self._forwarded and t not in self._unreachable:
             self.stats.unreached.add(t)
 
     def _check_live(self, ctx: BlockContext) -> None:

@@ -24,11 +24,12 @@ gradient reached keeps it whatever its ``requires_grad`` is when the copy lands:
 the micro-batches of a step keeps what reached it while it required one, as ``.grad`` does under plain
 autograd (``tests/test_gradients_sent_once.py``).
 
-Note: [only what trained crosses] A gradient copy moves the group's range up to the end of the last
-parameter a gradient reached, not the whole group: in a fine-tune whose blocks are mostly frozen (LoRA:
+Note: [only what trained crosses] A gradient copy moves the group's range from the first parameter a
+gradient reached up to the end of the last, not the whole group: in a fine-tune whose blocks are mostly frozen (LoRA:
 small adapters beside frozen base weights) the frozen weights' zeros do not cross the link. The store
 lays each block's trainable parameters out first (param_store.py, ``_build_groups``), so that prefix is
-the adapters. What lies beyond the copy is no gradient: the host adds only the parameters a gradient
+the adapters; the non-block group keeps module order (its parts are runs of it), so a frozen embedding
+before a trained head stays out from the front. What lies outside the copy is no gradient: the host adds only the parameters a gradient
 reached, and where an ad-hoc pass's gradients join a landing buffer its uncopied tail is zeroed first.
 The plan prices the same bytes (engine/profiler.py: ``ParamStore.grad_extent``).
 
@@ -73,6 +74,7 @@ class PendingGrads:
     part: int | None = None  # REST in parts: which (see ``ParamStore.set_rest_parts``)
     direct: bool = False  # landed in the host gradient itself (Note: [direct landing])
     end: int | None = None  # the copy's end in the group (Note: [only what trained crosses]); None: the range's
+    start: int | None = None  # ... and its start (the first parameter a gradient reached); None: the range's
     # or, when that is known only once the copy is in (a sharded group: the union over the ranks,
     # shard_grads.py), a function giving it, called after ``handle`` is done
     resolve: Callable[[], frozenset] | None = None
@@ -262,15 +264,16 @@ class GradWriteBack:
             self.direct_landings += 1
         touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
         s.touched -= touched  # Note: [gradients sent once]
-        # Note: [only what trained crosses]: up to the end of the last parameter a gradient reached (its
-        # alignment padding included: a group's end is aligned)
+        # Note: [only what trained crosses]: from the first parameter a gradient reached (offsets are aligned) up
+        # to the end of the last (its alignment padding included: a group's end is aligned)
         end = max(lo, min(hi, aligned_end((i for i in infos if id(i) in touched), lo)))
+        start = max(lo, min(end, min((i.offset for i in infos if id(i) in touched), default=end)))
         # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
         # of this slot's previous D2H.
-        h = self.engine.d2h(landed[lo:end], grads[lo:end], after=[s.prior_accumulated] if s.prior_accumulated else [],
-                            tag=f"grad:{index}", via=via)
+        h = self.engine.d2h(landed[start:end], grads[start:end],
+                            after=[s.prior_accumulated] if s.prior_accumulated else [], tag=f"grad:{index}", via=via)
         s.sending = h
-        return PendingGrads(layer, s, h, touched, part, direct=direct, end=end)
+        return PendingGrads(layer, s, h, touched, part, direct=direct, end=end, start=start)
 
     def _lands_directly(self, g: ParamGroup, infos: Iterable, widened: bool) -> bool:
         """Note: [direct landing]: the copy arrives in the gradients' dtype and their range is empty."""
@@ -316,6 +319,8 @@ class GradWriteBack:
             taken = s.grad_host[: self._host_numel(g)].clone()
             if pending.end is not None:
                 taken[pending.end:].zero_()  # not copied (Note: [only what trained crosses]): no gradient
+            if pending.start is not None:
+                taken[: pending.start].zero_()
             return taken, pending.touched_ids()
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
@@ -354,6 +359,8 @@ class GradWriteBack:
             if extra is not None:
                 if pending.end is not None and pending.end < hi:  # not copied (Note: [only what trained
                     landed[pending.end:hi].zero_()  # crosses]): no gradient; a direct range may hold an old one
+                if pending.start is not None and pending.start > lo:
+                    landed[lo:pending.start].zero_()
                 self._join_extra(landed, extra[0])
             if pending.direct:  # Note: [direct landing]: the range holds the gradient already
                 self._adopt_landed(g, self._range(layer, pending.part)[2], touched)
@@ -367,7 +374,9 @@ class GradWriteBack:
                     param_norms.update(norms)
 
         top = hi if pending.end is None else min(hi, pending.end)  # the bytes the copy moved
-        nbytes = g.grad[lo:top].nbytes if pending.direct else 2 * s.grad_host[lo:top].nbytes + 3 * g.grad[lo:top].nbytes
+        bottom = lo if pending.start is None else max(lo, pending.start)
+        nbytes = (g.grad[bottom:top].nbytes if pending.direct
+                  else 2 * s.grad_host[bottom:top].nbytes + 3 * g.grad[bottom:top].nbytes)
         s.accumulated = g.accumulating = self.engine.host(accumulate, after=[pending.handle], tag=f"accum:{index}",
                                                           nbytes=nbytes)
         # the hook sees the step's last accumulation with or without norms (None: not taken this step,

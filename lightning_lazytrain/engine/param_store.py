@@ -414,9 +414,12 @@ class ParamStore(GradWriteBack):
 
     def grad_extent(self, layer: int) -> int:
         """Elements a gradient copy of group ``layer`` moves when every parameter that requires grad now gets
-        one: up to the aligned end of the last of them (Note: [only what trained crosses] in grad_writeback.py)."""
+        one: from the first of them up to the aligned end of the last (Note: [only what trained crosses] in
+        grad_writeback.py)."""
         g = self._group(layer)
-        return min(g.numel, aligned_end(i for i in g.params if i.param.requires_grad))
+        trained = [i for i in g.params if i.param.requires_grad]
+        end = min(g.numel, aligned_end(trained))
+        return end - min((i.offset for i in trained), default=end)  # from the first of them (offsets are aligned)
 
     def group_parameters(self, layer: int) -> list[nn.Parameter]:
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
