@@ -94,3 +94,19 @@ def test_frozen_weights_an_optimizer_holds_keep_their_blocks_backward():
     fit(lazy("serial"), HeldFrozen(2, True), steps=2, callbacks=[seg])
     for step in seg.compute:
         assert {j for k, j in step if k == "backward"} == set(range(LAYERS))
+
+
+class Internals(lightning.Callback):
+    reads_gradients_only = True
+
+    def on_before_optimizer_step(self, trainer, *args):
+        self.internal = dict(trainer.strategy.executor.stats.internal_bytes)
+
+
+def test_a_frozen_block_keeps_no_internals_under_keep_all():
+    """keep_all keeps every block's internals for its backward; a block no gradient reaches has none to
+    keep (its forward builds no graph)."""
+    seen = Internals()
+    fit_like_auto(lazy("pipelined"), lambda: PartNet(2, True, "hybrid"), steps=2)
+    fit(lazy("pipelined"), PartNet(2, True, "hybrid"), steps=2, callbacks=[seen])
+    assert set(seen.internal) == {2, 3}, seen.internal

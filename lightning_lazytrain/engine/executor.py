@@ -674,6 +674,8 @@ class Executor:
                     self.acts.offload(op.index, src.detach(), s.homes[op.index])
                 self.tracker.add(f"offload{op.index}", self._nbytes(src))
             elif op.lane == "d2h" and op.kind == "offload_internals":
+                if op.index in self._unreachable:  # it kept none (Note: [blocks no gradient reaches])
+                    continue
                 with self._host_side():
                     self._internals[op.index].offload(self.acts)
             elif op.lane == "h2d" and op.kind == "weights":
@@ -694,8 +696,10 @@ class Executor:
         elif home in ("cpu", "nvme") and s.offload_window[j] > j:
             self._pending_offload[j] = x.detach()
         slot = self.slot_of(j)
-        partial = s.partial_keep[j]
-        keep = s.keep_internals[j] or partial
+        # a block no gradient reaches keeps no internals: no backward will read them (Note: [blocks no
+        # gradient reaches]); the profile then measures none for it
+        partial = s.partial_keep[j] and j not in self._unreachable
+        keep = (s.keep_internals[j] or partial) and j not in self._unreachable
         if keep:
             self._finish_grads(slot=slot)  # bind with grads zeroes the slot's grad buffer
         state = self._states[j] = ForwardState.capture(self.device)
@@ -1032,6 +1036,8 @@ class Executor:
                 self.acts.prefetch(op.index)
                 self.tracker.add(f"reload{op.index}", self.acts.nbytes(op.index))
             elif op.lane == "h2d" and op.kind == "reload_internals":
+                if op.index in self._unreachable:  # it kept none (Note: [blocks no gradient reaches])
+                    continue
                 moving = self._internals[op.index]
                 moving.reload(self.acts)
                 self.tracker.add(f"internals{op.index}", moving.nbytes)
