@@ -110,3 +110,25 @@ def test_a_frozen_block_keeps_no_internals_under_keep_all():
     fit_like_auto(lazy("pipelined"), lambda: PartNet(2, True, "hybrid"), steps=2)
     fit(lazy("pipelined"), PartNet(2, True, "hybrid"), steps=2, callbacks=[seen])
     assert set(seen.internal) == {2, 3}, seen.internal
+
+
+class Fetches(lightning.Callback):
+    reads_gradients_only = True
+
+    def on_before_optimizer_step(self, trainer, *args):
+        self.fetches: dict[int, int] = {}
+        for s in trainer.strategy.executor.stats.segments:
+            if s.lane == "h2d" and s.kind == "weights":
+                self.fetches[s.index] = self.fetches.get(s.index, 0) + 1
+
+
+@pytest.mark.parametrize("frozen", [2, LAYERS])
+def test_a_frozen_block_is_not_fetched_again_for_the_backward(frozen):
+    """recompute_all, one micro-batch: a trained block's weights cross twice a step (its forward, then its
+    backward; the top block keeps its slot), a frozen block's once, except block 0's (its slot serves the
+    next micro-batch's forward). Bit-equal to auto."""
+    seen = Fetches()
+    fit_like_auto(lazy("serial"), lambda: PartNet(frozen, True, "hybrid"), steps=2)
+    fit(lazy("serial"), PartNet(frozen, True, "hybrid"), steps=2, callbacks=[seen])
+    assert all(seen.fetches[u] == 1 for u in range(1, frozen) if u < LAYERS - 1), seen.fetches
+    assert all(seen.fetches[u] == 2 for u in range(max(frozen, 1), LAYERS - 1)), seen.fetches

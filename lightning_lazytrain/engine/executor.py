@@ -588,8 +588,10 @@ class Executor:
     # without the node (the anchor would make autograd call the node's backward): the forward window as
     # planned, under no_grad, and at the micro-batch's end its backward window passes as an unreached
     # one's does (``_pass_backward_window``: the planned transfers, no compute), without counting it as
-    # unreached. A frozen block's backward and re-runs cost nothing, and the profiled step measures no
-    # backward for it, so the plan prices none. A weight shared by blocks keeps every block on the node,
+    # unreached. A frozen block's backward and re-runs cost nothing, its weights are not fetched again
+    # for the backward (but layer 0's, which the next micro-batch's F0 reads from its slot), and the
+    # profiled step measures no backward for it, so the plan prices none (it still prices those fetches:
+    # an over-estimate). A weight shared by blocks keeps every block on the node,
     # and so does a frozen weight an optimizer holds (``optimized_ids``, set by the training core): it is
     # frozen for this pass only (``toggle_optimizer``: a GAN's generator during its critic's step), and a
     # profile of such a pass would price no backward for blocks that run one in the other passes.
@@ -599,6 +601,12 @@ class Executor:
         if x.requires_grad or routed or self.params.shared_across_blocks:
             return True
         return any(p.requires_grad or id(p) in self.optimized_ids for p in self.params.group_parameters(j))
+
+    def _fetched_for_backward(self, u: int) -> bool:
+        """Does a backward window fetch layer ``u``'s weights? Not for a block no gradient reaches (Note:
+        [blocks no gradient reaches]: its backward window passes without compute), except layer 0, whose
+        slot serves the next micro-batch's F0."""
+        return u == 0 or u not in self._unreachable
 
     def _run_block(self, j: int, x: torch.Tensor, call: BlockCall, routed: list, *, first: bool,
                    rerun: bool = True) -> tuple[BlockOutput, list[torch.Tensor]]:
@@ -852,8 +860,8 @@ class Executor:
         self._issue_transfers(name, defer_weights=spare)
         if block is not None:
             self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
-            if spare is not None and any(op.kind == "weights" and op.index == spare
-                                         for op in self._windows[name].ops):
+            if spare is not None and self._fetched_for_backward(spare) and any(
+                    op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
                 self._stage(spare)
         slot = self.slot_of(t)
         self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
@@ -936,7 +944,8 @@ class Executor:
         self._issue_transfers(name, defer_weights=spare)
         if block is not None:
             self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
-            if spare is not None and any(op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
+            if spare is not None and self._fetched_for_backward(spare) and any(
+                    op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
                 self._stage(spare)
         self._finish_grads(slot=self.slot_of(t))  # as a real window's bind: the slot's next send waits for it
         ctx = self._ctxs.pop(t, None)
@@ -1026,11 +1035,13 @@ class Executor:
         assert self.params is not None and self.acts is not None
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "grads":
+                if not self._fetched_for_backward(op.index) and op.index not in self.resident_slot:
+                    continue  # no gradient, and its slot holds another layer now (not fetched again)
                 self._pending_grads.append(self.params.send_grads(op.index, self.slot_of(op.index)))
                 if op.index in self.resident_slot:
                     self._retiring.append(op.index)
             elif op.lane == "h2d" and op.kind == "weights":
-                if op.index != defer_weights:
+                if op.index != defer_weights and self._fetched_for_backward(op.index):
                     self._stage(op.index)
             elif op.lane == "h2d" and op.kind == "reload":
                 self.acts.prefetch(op.index)
