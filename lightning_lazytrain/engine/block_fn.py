@@ -98,6 +98,9 @@ class BlockContext:
     # it may reference the block's non-tensor outputs, e.g. a KV cache)
     output: BlockOutput | None = None
     backpropagated: bool = False  # its backward ran (a second one: retain_graph, refused by name)
+    # outputs of a forward window that already ran, for the node to return instead of running it (Note:
+    # [blocks no gradient reaches] in executor.py: a block that read a trainable tensor it does not own)
+    precomputed: list[torch.Tensor] | None = None
 
     def check_outputs(self, outs: Sequence[torch.Tensor]) -> None:
         """A re-run must produce the node's outputs again, as many as the forward did."""
@@ -144,8 +147,11 @@ class BlockFunction(torch.autograd.Function):
     def forward(fctx: Any, runner: BlockRunner, ctx: BlockContext, call: BlockCall, adhoc: bool, x: torch.Tensor,
                 anchor: torch.Tensor, *routed: torch.Tensor) -> tuple:
         fctx.runner, fctx.block = runner, ctx
-        ctx.routed_keys = [None] * len(routed)  # the planned pass sets them (Note: [one gradient per shared input])
         fctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
+        if ctx.precomputed is not None:  # the window ran already (Note: [blocks no gradient reaches])
+            outs, ctx.precomputed = ctx.precomputed, None
+            return tuple(outs)
+        ctx.routed_keys = [None] * len(routed)  # the planned pass sets them (Note: [one gradient per shared input])
         if adhoc:
             return runner.adhoc_forward(ctx, call, x, list(routed))
         return runner.forward_window(ctx, call, x, list(routed))
@@ -159,6 +165,26 @@ class BlockFunction(torch.autograd.Function):
             grad_in, grad_routed = fctx.runner.backward_window(ctx, grads)
         ctx.kept = None
         return (None, None, None, None, grad_in, None, *grad_routed)
+
+
+class TrainableReads(torch.overrides.TorchFunctionMode):
+    """Inside a block's forward run without its node (Note: [blocks no gradient reaches] in executor.py):
+    the first tensor that requires grad an operation reads (``seen``). There the block's input, routed
+    tensors and bound weights require none, so such a tensor is one the block does not own: a parameter of
+    another module captured by the block's code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: torch.Tensor | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.seen is None:
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self.seen = t
+                    break
+        return func(*args, **kwargs)
 
 
 def run_block(forward: Callable[..., Any], block: nn.Module, where: str, x: torch.Tensor, call: BlockCall,

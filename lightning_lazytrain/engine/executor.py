@@ -46,7 +46,8 @@ from torch import nn
 from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.block_fn import (AdhocPass, BlockContext, BlockFunction, CountingHooks, Grads,
-                                                KeptGraph, SharedInputs, WeightTokenHooks, backprop, run_block)
+                                                 KeptGraph, SharedInputs, TrainableReads, WeightTokenHooks, backprop,
+                                                 run_block)
 from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardState, UnsupportedBlockPattern, rerun_call
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
@@ -92,6 +93,8 @@ class Executor:
         # ids of the weights an optimizer holds (the training core sets them each step): Note: [blocks no
         # gradient reaches]
         self.optimized_ids: frozenset[int] = frozenset()
+        self._reads_trainable: set[int] = set()  # blocks seen reading a trainable tensor they do not own
+        self._reads: TrainableReads | None = None  # watching the forward of a block run without its node
         self.tracker = DeviceTracker()
         self.stats = StepStats()
         self._orig: dict[int, Callable] = {}
@@ -574,8 +577,17 @@ class Executor:
         node = BlockContext(j)  # Note: [the block node] (block_fn.py)
         if not adhoc and not self._reachable(j, x, routed):  # Note: [blocks no gradient reaches]
             self._unreachable.add(j)
-            with torch.no_grad():  # as inside the node's forward; its output requires no grad, as under autograd
-                outs = self.forward_window(node, call, x, routed)
+            reads = self._reads = TrainableReads()  # around the block's own forward (forward_window)
+            try:
+                with torch.no_grad():  # as inside the node's forward; its output requires no grad, as under autograd
+                    outs = self.forward_window(node, call, x, routed)
+            finally:
+                self._reads = None
+            if reads.seen is not None:  # it read a trainable tensor it does not own: the node over what ran
+                self._unreachable.discard(j)
+                self._reads_trainable.add(j)
+                node.precomputed = list(outs)
+                outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
         else:
             outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
         spec = node.take_output()
@@ -594,11 +606,15 @@ class Executor:
     # an over-estimate). A weight shared by blocks keeps every block on the node,
     # and so does a frozen weight an optimizer holds (``optimized_ids``, set by the training core): it is
     # frozen for this pass only (``toggle_optimizer``: a GAN's generator during its critic's step), and a
-    # profile of such a pass would price no backward for blocks that run one in the other passes.
+    # profile of such a pass would price no backward for blocks that run one in the other passes. A block
+    # whose code reads a trainable tensor it does not own (a parameter of the model captured by the block)
+    # is caught as it runs (``TrainableReads``): the node is then made over the window that ran (its
+    # outputs, ``BlockContext.precomputed``), so its backward re-runs the block as for any block that kept
+    # no internals and the tensor gets its gradient; the block keeps its node for the rest of the run.
     def _reachable(self, j: int, x: torch.Tensor, routed: list) -> bool:
         """Can a gradient reach block ``j``'s forward on ``x`` (Note: [blocks no gradient reaches])?"""
         assert self.params is not None
-        if x.requires_grad or routed or self.params.shared_across_blocks:
+        if x.requires_grad or routed or self.params.shared_across_blocks or j in self._reads_trainable:
             return True
         return any(p.requires_grad or id(p) in self.optimized_ids for p in self.params.group_parameters(j))
 
@@ -743,7 +759,8 @@ class Executor:
                 del roots
                 outs = [t.detach() for t in outs[:n_struct]] + outs[n_struct:]
             else:
-                spec, outs = self._run_block(j, x, call, routed, first=True)
+                with self._reads if self._reads is not None else contextlib.nullcontext():
+                    spec, outs = self._run_block(j, x, call, routed, first=True)
         ctx.output, ctx.n_outputs = spec, len(outs)
         out = outs[0]
         if partial:
