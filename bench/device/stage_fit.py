@@ -45,7 +45,7 @@ end, synchronised; FSDP2: ``optimizer.step`` + ``zero_grad``), GPU busy fraction
 peak, measured / predicted, busy seconds per lane of the last timed step
 (``strategy.last_stats.segments``) and as predicted, achieved GB/s per lane, the HybridAdamW update's
 own host seconds per step (overlapped with the GPU when pipelined), the plan's schedule and re-plans, and
-the plan timed against its baselines (``races``: on CUDA by default, before the timed steps).
+the plan timed against its baselines (``races``; with ``--race`` only, before the timed steps).
 
 Ratios: lazytrain's tokens/s over each peer's. Targets (reported, never a
 failure): b32 >= 0.8x auto, >= 2x FSDP2 offload, GPU busy >= 0.8; b8 >= 0.35x auto, >= 1.5x FSDP2
@@ -152,6 +152,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="lazytrain's HybridAdamW updates every layer after the backward (pipelined under the next "
                          "forward) instead of each block during the backward (updates_in_backward=True, the default: "
                          "no clip and no non-finite skip, as the peers' AdamW)")
+    ap.add_argument("--race", action="store_true",
+                    help="lazytrain times its plan against its baselines before the timed steps (core/plan_race.py; "
+                         "on by default on CUDA in real use: off here by default, the throughput stage compares the "
+                         "MILP plan with MegaTrain's schedule, and the race's 13 extra steps would take the fit's "
+                         "device time)")
     ap.add_argument("--no-prebuild", action="store_true",
                     help="build DeepSpeed's CPU Adam in its own variant instead of in the background during auto")
 
@@ -376,6 +381,8 @@ def body(st: Stage, args: argparse.Namespace) -> None:
             extra.append("--no-peer-checkpointing")
         if args.updates_at_step:
             extra.append("--updates-at-step")
+        if getattr(args, "race", False):
+            extra.append("--race")
         say(f"fit: {variant} {label} started (timeout {timeout:.0f} s)")
         job = Job(child_cmd("variant", out, *extra), out, timeout, env)
         if build is not None:
@@ -805,13 +812,13 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
     dtype = torch.bfloat16 if cuda else torch.float32
     precision = "bf16-true" if cuda else "32-true"
     # lead: the profiled step (on CUDA after one warm-up step: core/replan.py, Note: [profile warm-up]), then
-    # on CUDA the plan timed against its baselines (core/plan_race.py, Note: [the plan checked by measurement]:
-    # on by default there) and the winner's first step: the timed steps are the schedule the run keeps
+    # with --race the plan timed against its baselines (core/plan_race.py, Note: [the plan checked by
+    # measurement]) and the winner's first step: the timed steps are the schedule the run keeps
     from lightning_lazytrain.core.plan_race import PlanRace
     from lightning_lazytrain.core.replan import ReplanOptions
 
-    defaults = ReplanOptions()
-    race = PlanRace.length(defaults.patience, defaults.race_candidates) + 1 if defaults.races(a.device) else 0
+    replan = ReplanOptions(race=bool(a.race))
+    race = PlanRace.length(replan.patience, replan.race_candidates) + 1 if a.race else 0
     clock = Clock(a.device, (2 if cuda else 1) + race, a.warmup, a.timed)
     data = token_batches(clock.total, a.batch, a.seq, spec["vocab"])
     in_backward = not a.updates_at_step
@@ -838,8 +845,11 @@ def run_lazytrain(a: argparse.Namespace, res: dict, save: Callable[..., None]) -
                      + (", updates_in_backward=True, skip_nonfinite=False" if in_backward else "")
                      + "), lr 3e-4 constant, weight decay 0.1 (matrices), no clip (as the peers)",
         "model": "CausalLMModule(LlamaLM), chunked loss (4096 tokens)", "torch_threads": torch.get_num_threads(),
-        "other": "policy='milp', replan=True, keep_compute_copy='auto' (defaults)"}
-    strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=res["cap_gb"], fp32_masters=fp32_masters)
+        "other": "policy='milp', replan=True, keep_compute_copy='auto' (defaults)"
+                 + ("; the plan timed against its baselines first (--race)" if a.race else
+                    "; replan race=False (the plan's measured check off: --race turns it on)")}
+    strategy = LazyTrainStrategy(hardware="measure", gpu_memory_budget_gb=res["cap_gb"], fp32_masters=fp32_masters,
+                                 replan=replan)
     if cuda:
         from lightning_lazytrain.engine.live_bytes import max_memory_allocated, reset_cuda_peak
 
@@ -1185,6 +1195,7 @@ def child_main(kind: str, argv: list[str]) -> int:
     ap.add_argument("--cap-gb", type=float, default=None)
     ap.add_argument("--no-peer-checkpointing", action="store_true")
     ap.add_argument("--updates-at-step", action="store_true")
+    ap.add_argument("--race", action="store_true")
     a = ap.parse_args(argv)
     a.workdir.mkdir(parents=True, exist_ok=True)
     res: dict = {"status": "running", "phase": "start", "variant": a.variant, "batch": [a.batch, a.seq]}
