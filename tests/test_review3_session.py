@@ -192,16 +192,7 @@ def test_longer_batch_under_manual_optimization():
     assert all(p <= rec.budget for p in rec.peaks if p is not None), (rec.peaks, rec.budget)
 
 
-# ---- groups added mid-run with updates in the backward -------------------------------------------------------
 from test_review2_finetune import InBwLoRANet, ThawBase, plan_in_backward  # noqa: E402
-
-
-@pytest.mark.parametrize("accum", [1, 2])
-def test_group_added_mid_run_with_updates_in_backward(accum):
-    kw = {"accum": accum, "steps": -1, "max_epochs": 2, "batches": data(2 * accum)}
-    got = fit(LazyTrainStrategy(policy=plan_in_backward()), InBwLoRANet(), callbacks=[ThawBase()], **kw)
-    want = fit("auto", InBwLoRANet(), callbacks=[ThawBase()], **kw)
-    assert_same(got, want)
 
 
 # ---- a shared module's weights in a non-block part that completes early (updates in the backward) ------------
@@ -253,12 +244,13 @@ def test_base_finetuning_thaws_the_embedding(plan, accum):
     assert_same(got, want)
 
 
+# ---- groups added mid-run with updates in the backward: a block's base Linear, or the embedding ----------------
+@pytest.mark.parametrize("thaw", [ThawBase, ThawEmb], ids=["block-base", "embedding"])
 @pytest.mark.parametrize("accum", [1, 2])
-def test_base_finetuning_thaws_the_embedding_with_updates_in_backward(accum):
-    from test_review2_finetune import InBwLoRANet
+def test_group_added_mid_run_with_updates_in_backward(thaw, accum):
     kw = {"accum": accum, "steps": -1, "max_epochs": 2, "batches": data(2 * accum)}
-    got = fit(LazyTrainStrategy(policy=plan_in_backward()), InBwLoRANet(), callbacks=[ThawEmb()], **kw)
-    want = fit("auto", InBwLoRANet(), callbacks=[ThawEmb()], **kw)
+    got = fit(LazyTrainStrategy(policy=plan_in_backward()), InBwLoRANet(), callbacks=[thaw()], **kw)
+    want = fit("auto", InBwLoRANet(), callbacks=[thaw()], **kw)
     assert_same(got, want)
 
 

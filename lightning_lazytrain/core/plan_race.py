@@ -42,7 +42,7 @@ class RaceEntry:
     name: str
     schedule: Any
     predicted_s: float
-    plan: Any = None  # the AutoPlan this entry runs when kept (core/planning.py ``Planner.race_plan``)
+    plan: Any = None  # the AutoPlan this entry runs when kept (core/planning.py ``Planner.race``)
     times: list[float] = field(default_factory=list)
 
     @property

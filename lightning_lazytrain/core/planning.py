@@ -225,7 +225,7 @@ class Planner:
         """The executor runs ``plan`` now."""
         self.plan = plan
 
-    def race(self, plan: AutoPlan, device: torch.device, layout: ProcessLayout) -> PlanRace | None:
+    def race(self, plan: AutoPlan, device: torch.device) -> PlanRace | None:
         """Note: [the plan checked by measurement] (core/plan_race.py): the race for ``plan`` just adopted, or
         None (off, not the MILP's plan, or no baseline fits the budget within the margin). Every rank
         builds the same race from the same plan; rank 0's clock decides (``TrainingCore``)."""

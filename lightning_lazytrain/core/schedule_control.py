@@ -171,7 +171,7 @@ class ScheduleControl:
             self.batch_size.covered = max(covered, self.batch_size.covered)
             return
         self._switch(ex, plan)
-        self.race = self.planner.race(plan, self.device, self.layout)
+        self.race = self.planner.race(plan, self.device)
         if self.race is not None:
             self.race.step_ended(time.perf_counter())  # the clock starts at the step that adopted the plan
 

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
-from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot, aligned_end
+from lightning_lazytrain.engine.param_groups import ParamEntry, ParamGroup, Slot, aligned_end, aligned_span
 
 __all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
 
@@ -82,6 +82,14 @@ class PendingGrads:
     def touched_ids(self) -> frozenset:
         """``touched`` (after ``handle`` is done when ``resolve`` is set)."""
         return self.resolve() if self.resolve is not None else self.touched
+
+    def clear_uncopied(self, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """Zero ``buf[lo:hi]`` outside the span the copy moved (Note: [only what trained crosses]): no gradient
+        there, though a landing buffer may hold an old one."""
+        if self.end is not None and self.end < hi:
+            buf[self.end:hi].zero_()
+        if self.start is not None and self.start > lo:
+            buf[lo:self.start].zero_()
 
 
 class GradWriteBack:
@@ -266,8 +274,7 @@ class GradWriteBack:
         s.touched -= touched  # Note: [gradients sent once]
         # Note: [only what trained crosses]: from the first parameter a gradient reached (offsets are aligned) up
         # to the end of the last (its alignment padding included: a group's end is aligned)
-        end = max(lo, min(hi, aligned_end((i for i in infos if id(i) in touched), lo)))
-        start = max(lo, min(end, min((i.offset for i in infos if id(i) in touched), default=end)))
+        start, end = aligned_span((i for i in infos if id(i) in touched), lo, hi)
         # Note: [grad write-back ordering]; the landing buffer may still be read by the host work
         # of this slot's previous D2H.
         h = self.engine.d2h(landed[start:end], grads[start:end],
@@ -317,10 +324,7 @@ class GradWriteBack:
         with torch.no_grad():
             s.grads[: g.numel].zero_()
             taken = s.grad_host[: self._host_numel(g)].clone()
-            if pending.end is not None:
-                taken[pending.end:].zero_()  # not copied (Note: [only what trained crosses]): no gradient
-            if pending.start is not None:
-                taken[: pending.start].zero_()
+            pending.clear_uncopied(taken, 0, taken.numel())
             return taken, pending.touched_ids()
 
     def finish_grads(self, pending: PendingGrads, *, norm: bool = True, final: bool | None = None,
@@ -357,10 +361,7 @@ class GradWriteBack:
             touched = pending.touched_ids() | (extra[1] if extra is not None else frozenset())
             landed = (g.grad if pending.direct else s.grad_host)[:n]
             if extra is not None:
-                if pending.end is not None and pending.end < hi:  # not copied (Note: [only what trained
-                    landed[pending.end:hi].zero_()  # crosses]): no gradient; a direct range may hold an old one
-                if pending.start is not None and pending.start > lo:
-                    landed[lo:pending.start].zero_()
+                pending.clear_uncopied(landed, lo, hi)
                 self._join_extra(landed, extra[0])
             if pending.direct:  # Note: [direct landing]: the range holds the gradient already
                 self._adopt_landed(g, self._range(layer, pending.part)[2], touched)

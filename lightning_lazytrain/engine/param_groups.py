@@ -77,3 +77,11 @@ def aligned_end(infos: Iterable[ParamEntry], start: int = 0) -> int:
     included); ``start`` when there are none."""
     last = max((i.offset + i.numel for i in infos), default=start)
     return -(-last // ALIGN) * ALIGN
+
+
+def aligned_span(infos: Iterable[ParamEntry], lo: int, hi: int) -> tuple[int, int]:
+    """``(start, end)`` of ``infos`` within ``[lo, hi)`` of their group's buffer: from the first one's offset
+    (offsets are aligned) to the aligned end of the last; ``(lo, lo)`` when there are none."""
+    infos = list(infos)
+    end = max(lo, min(hi, aligned_end(infos, lo)))
+    return max(lo, min(end, min((i.offset for i in infos), default=end))), end

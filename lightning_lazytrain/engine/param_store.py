@@ -95,7 +95,7 @@ from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
-from lightning_lazytrain.engine.param_groups import ALIGN, ParamEntry, ParamGroup, Slot, aligned_end
+from lightning_lazytrain.engine.param_groups import ALIGN, ParamEntry, ParamGroup, Slot, aligned_span
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
 
 # ``fn(store, layer, accumulated_handle, param_norms, sq_norm)``: see ParamStore.set_final_grads_hook
@@ -417,9 +417,8 @@ class ParamStore(GradWriteBack):
         one: from the first of them up to the aligned end of the last (Note: [only what trained crosses] in
         grad_writeback.py)."""
         g = self._group(layer)
-        trained = [i for i in g.params if i.param.requires_grad]
-        end = min(g.numel, aligned_end(trained))
-        return end - min((i.offset for i in trained), default=end)  # from the first of them (offsets are aligned)
+        start, end = aligned_span((i for i in g.params if i.param.requires_grad), 0, g.numel)
+        return end - start
 
     def group_parameters(self, layer: int) -> list[nn.Parameter]:
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
