@@ -2,7 +2,7 @@
 
 Note: [batches larger than the plan]
     The plan is made from one profiled step: its activation bytes and compute times are that step's
-    micro-batches' (the largest of them: ``engine/executor.py``'s ``_most``). Under dynamic padding a
+    micro-batches' (the largest of them: ``engine/forward_windows.py``'s ``_most``). Under dynamic padding a
     later batch may be longer, and its activations larger than the plan holds on the device: the
     budget would silently not hold (the memory watch sees it on CUDA only, and only after the step).
 

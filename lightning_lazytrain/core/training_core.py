@@ -20,7 +20,7 @@ Note: [profiled first step]
     warm-up]): it runs under a provisional schedule (``min_memory`` on CUDA, ``recompute_all`` on the
     CPU) with timing on, and the plan is made from it before its optimizer step, so no user code runs
     an extra time. A step whose backward left blocks of its planned pass
-    without a gradient (Note: [unreached blocks] in engine/executor.py) is no profile: the next step
+    without a gradient (Note: [unreached blocks] in engine/backward_windows.py) is no profile: the next step
     is, three times at most, after which the run goes on, exactly, on the provisional schedule.
 """
 

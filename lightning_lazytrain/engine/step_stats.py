@@ -50,7 +50,7 @@ class StepStats:
     partial_bytes: dict[int, int] = field(default_factory=dict)
     partial_recompute_bytes: dict[int, int] = field(default_factory=dict)
     partial_seconds: dict[int, float] = field(default_factory=dict)
-    # Note: [unreached blocks] (executor.py): blocks whose planned forward ran with grad but got no
+    # Note: [unreached blocks] (backward_windows.py): blocks whose planned forward ran with grad but got no
     # gradient (its output detached or dropped): their backward windows moved data, computed nothing.
     # Such a step is not a profile (its backward times are missing).
     unreached: set[int] = field(default_factory=set)
