@@ -502,6 +502,8 @@ class Executor(ForwardWindows, BackwardWindows):
         if self._forwarded:  # Note: [unreached blocks]: windows the backward did not reach
             for t in range(self._b_next, -1, -1):
                 self._pass_backward_window(t, rerun=False)
+        # the step's blocks no gradient reached in any of its micro-batches (the profile's no_backward)
+        self.stats.no_backward = set(self._unreachable) if first else self.stats.no_backward & self._unreachable
         self._finish_grads()
         self._retire_residents()
         if not last:
@@ -605,8 +607,9 @@ class Executor(ForwardWindows, BackwardWindows):
     # one's does (``_pass_backward_window``: the planned transfers, no compute), without counting it as
     # unreached. A frozen block's backward and re-runs cost nothing, its weights are not fetched again
     # for the backward (but layer 0's, which the next micro-batch's F0 reads from its slot), and the
-    # profiled step measures no backward for it, so the plan prices none (it still prices those fetches:
-    # an over-estimate). A weight shared by blocks keeps every block on the node,
+    # profiled step records it (``StepStats.no_backward``): the plan prices its B windows as they run,
+    # no compute, no re-run and no second fetch (Note: [layers without a backward] in planner/workload.py).
+    # A weight shared by blocks keeps every block on the node,
     # and so does a frozen weight an optimizer holds (``optimized_ids``, set by the training core): it is
     # frozen for this pass only (``toggle_optimizer``: a GAN's generator during its critic's step), and a
     # profile of such a pass would price no backward for blocks that run one in the other passes. A block

@@ -119,7 +119,9 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
                                      call_bytes=float(stats.call_bytes)), executor)
     # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast; the executor's
     # Note: [norms only when wanted]: whether the host lane took the gradient norms
-    return dataclasses.replace(wl, kept_copies=bool(executor.params.keeps_copies), host_norms=executor.take_norms)
+    # Note: [layers without a backward] (planner/workload.py): the blocks no gradient reached
+    return dataclasses.replace(wl, kept_copies=bool(executor.params.keeps_copies), host_norms=executor.take_norms,
+                               no_backward=tuple(sorted(stats.no_backward)))
 
 
 def _trained_numel(executor: Executor, j: int) -> int:

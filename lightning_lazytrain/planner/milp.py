@@ -124,6 +124,10 @@ class ScheduleModel:
         self.gth = [l.gather_seconds if shard else 0.0 for l in wl.layers] + [0.0]
         self.rs = [l.reduce_seconds if shard else 0.0 for l in wl.layers] + [0.0]
         self.ar = [l.allreduce_seconds if overlap else 0.0 for l in wl.layers] + [0.0]  # in B; replicate: in T
+        # a resident layer's device buffers: its weights and, if it runs a backward, its gradient buffer (the
+        # whole group's; Note: [layers without a backward] in workload.py)
+        self.resident_grads = [l.grad_buffer_bytes if wl.backward_runs(j) else 0.0 for j, l in enumerate(wl.layers)]
+        self.resident_bytes = [l.param_bytes + g for l, g in zip(wl.layers, self.resident_grads)]
         m = self.m = pyo.ConcreteModel("lazytrain_schedule")
         self.edges = [(s, e) for s in range(L) for e in range(s + 1, min(L, s + self.E) + 1)]
         self.inner = list(range(1, L))
@@ -227,7 +231,7 @@ class ScheduleModel:
         if not self.use_nvme:
             m.any_nvme.fix(0)
         for j in range(L):
-            if not self.opt.keep_internals:
+            if not self.opt.keep_internals or not self.wl.backward_runs(j):  # Note: [layers without a backward]
                 m.k[j].fix(0)
             if not self.opt.resident_weights:
                 m.r[j].fix(0)
@@ -286,7 +290,7 @@ class ScheduleModel:
             expr += A[i] * m.g[i]
             expr += A[i] * sum(self.off(i, ww) for ww in range(w, self.L))
         for j in range(w + 1):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
+            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + self.resident_bytes[j] * m.r[j]
         if w + 1 < self.L:  # a resident layer's buffer exists from its fetch, one window early
             expr += lay[w + 1].param_bytes * m.r[w + 1]
         return expr - self.internals.away_forward(w) + self.partial.held(w)
@@ -297,24 +301,27 @@ class ScheduleModel:
         for i in range(L):
             expr += A[i] * m.g[i] + A[i] * self.rel(i, L)
         for j in range(L):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
+            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + self.resident_bytes[j] * m.r[j]
         return expr - self.internals.away_backward(L) + self.partial.held(L)
 
     def gpu_bytes_backward(self, u: int):
-        m, A, lay, L = self.m, self.A, self.lay, self.L
-        expr = self.wl.static_gpu_bytes + lay[u].bwd_work_bytes + (lay[u].internal_bytes - A[u]) * (1 - m.k[u])
-        expr += self.partial.recompute_bytes(u)
+        m, A, lay, L, runs = self.m, self.A, self.lay, self.L, self.wl.backward_runs
+        expr = self.wl.static_gpu_bytes
+        if runs(u):  # Note: [layers without a backward]: no backward work, no recompute
+            expr += lay[u].bwd_work_bytes + (lay[u].internal_bytes - A[u]) * (1 - m.k[u])
+            expr += self.partial.recompute_bytes(u)
         for i in range(u + 1):
             expr += A[i] * m.g[i]
             expr += A[i] * sum(self.rel(i, t) for t in range(u, L + 1))
-        for (s, e) in self.edges:
-            if s <= u < e and u > s:
+        for (s, e) in self.edges:  # the re-run boundaries of a block, if it was re-run
+            if s <= u < e and u > s and runs(e - 1):
                 expr += sum(A[i] for i in range(s + 1, u + 1)) * m.x[s, e]
         for j in range(u + 1):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j]
+            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + self.resident_bytes[j] * m.r[j]
         if u + 1 < L:  # a resident layer's gradients until their D2H, one window after its backward
-            expr += lay[u + 1].grad_bytes * m.r[u + 1]
-        expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
+            expr += self.resident_grads[u + 1] * m.r[u + 1]
+        if runs(u):
+            expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
         return expr - self.internals.away_backward(u) + self.partial.held(u)
 
     def fits(self, nbytes, capacity: float):
@@ -338,7 +345,7 @@ class ScheduleModel:
         budget = self.hw.gpu_memory_cap_bytes - self.wl.static_gpu_bytes - working
         self.add(self.fits(sum(A[i] * m.g[i] for i in range(L + 1))
                            + sum((lay[j].internal_bytes - A[j]) * m.k[j]
-                                 + (lay[j].param_bytes + lay[j].grad_bytes) * m.r[j] for j in range(L)), budget))
+                                 + self.resident_bytes[j] * m.r[j] for j in range(L)), budget))
 
     def _create_window_times(self) -> None:
         m, A, lay, L, hw, wl = self.m, self.A, self.lay, self.L, self.hw, self.wl
@@ -379,58 +386,66 @@ class ScheduleModel:
                     if rs[0] and gth[1]:  # the all-gather of layer 1 queues behind the reduce-scatter
                         exprs.append(rs[0] + gth[1])
                 bound(m.tF[j], f"tF[{j}]", exprs + hull)
+        # H fetches layer L-1 again, but not one without a backward (Note: [layers without a backward])
+        top = 1.0 if L == 1 or wl.backward_runs(L - 1) else 0.0
         if self.dp == "none":
-            h2d_h = (lay[L - 1].param_bytes * lay[L - 1].param_widen * (1 - m.r[L - 1])
+            h2d_h = (top * lay[L - 1].param_bytes * lay[L - 1].param_widen * (1 - m.r[L - 1])
                      + sum(A[i] * self.rel(i, L) for i in self.inner)) / h2d
         else:
-            h2d_h = self.p_s[L - 1] * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner) / h2d
+            h2d_h = top * self.p_s[L - 1] * (1 - m.r[L - 1]) + sum(A[i] * self.rel(i, L) for i in self.inner) / h2d
         h2d_h += self.internals.h2d_seconds(L, h2d)  # behind the boundary reloads
-        recast = wl.recast_seconds(L - 1)  # H's fetch of layer L-1 is its second in the micro-batch
+        recast = top * wl.recast_seconds(L - 1)  # H's fetch of layer L-1 is its second in the micro-batch
         if recast:
             h2d_h += recast * (1 - m.r[L - 1])  # the fetch, and the reloads behind it, wait for its cast
         nvw_h = sum(A[i] * self.off(i, L - 1, ("n",)) for i in self.inner) / nvw
         nvr_h = sum(A[i] * self.rel(i, L - 1, ("n",)) for i in self.inner) / nvr
         h_rows = [wl.head_seconds, h2d_h, nvw_h, nvr_h]
-        if gth[L - 1]:  # shard: cast -> fetch -> all-gather of layer L-1
+        if gth[L - 1] and top:  # shard: cast -> fetch -> all-gather of layer L-1
             h_rows.append((recast + self.p_s[L - 1] + gth[L - 1]) * (1 - m.r[L - 1]))
         bound(m.tH, "tH", h_rows + self.internals.hull_rows(wl.head_seconds, "B", L, h2d))
+        runs = wl.backward_runs
         for u in range(L):
-            blocks = self.block_into(u + 1)
+            # Note: [layers without a backward]: B{u} of such a layer computes and re-runs nothing
+            blocks = self.block_into(u + 1) if runs(u) else []
             # after the block's re-runs; a partial keep's elementwise recompute replaces the local one
-            tail = lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u]) + self.partial.recompute_seconds(u)
+            tail = (lay[u].bwd_seconds + lay[u].fwd_seconds * (1 - m.k[u]) + self.partial.recompute_seconds(u)
+                    if runs(u) else 0.0)
             compute = tail + sum(m.x[s, e] * sum(lay[j].fwd_seconds for j in range(s, u)) for (s, e) in blocks)
             reloads = sum(A[i] * self.rel(i, u) for i in self.inner) / h2d + self.internals.h2d_seconds(u, h2d)
             grads = self.g_s[u + 1] if u + 1 < L else 0.0
             if rs[u + 1]:  # shard: the gradient D2H waits for the reduce-scatter, first on the collective lane
                 grads = rs[u + 1] + grads
+            # ... of a layer without a backward only where it is resident (Schedule.windows)
+            sent = 1 if u + 1 >= L or runs(u + 1) else m.r[u + 1]
+            grads, acc_u, ar_u = grads * sent, acc[u + 1] * sent, ar[u + 1] * sent
             nvr_b = sum(A[i] * self.rel(i, u - 1, ("n",)) for i in self.inner) / nvr if u >= 1 else 0.0
             # updates in the backward: layer u+1's update follows its accumulate in the last micro-batch's
             # B{u} (its own window variable tBL with accumulation; tB is then the other micro-batches')
-            upd = lay[u + 1].opt_seconds * self.bwd if self.in_backward and u + 1 < L else 0.0
+            upd = lay[u + 1].opt_seconds * self.bwd if self.in_backward and u + 1 < L and runs(u + 1) else 0.0
             # and the early non-block parts at the end of the last micro-batch's first B window
             early = self._early_rows if u == L - 1 else (lambda cast_end: [])
             windows = ([(m.tB[u], f"tB[{u}]", 0.0, False), (m.tBL[u], f"tBL[{u}]", upd, True)] if hasattr(m, "tBL")
                        else [(m.tB[u], f"tB[{u}]", upd, True)])
             if u == 0:  # no prefetch, no block
                 for var, name, up, last in windows:
-                    rows = [compute, reloads, grads + acc[u + 1] + up, nvr_b] + (early(0.0) if last else [])
+                    rows = [compute, reloads, grads + acc_u + up, nvr_b] + (early(0.0) if last else [])
                     if ar[u + 1]:  # replicate_overlap: the host all-reduce after the accumulate
-                        rows.append(grads + acc[u + 1] + ar[u + 1])
+                        rows.append(grads + acc_u + ar_u)
                     bound(var, name, rows)
                 continue
             fetched, cast_end, gathered = self._b_chains(u, h2d)
             for var, name, up, last in windows:
-                exprs = [compute, fetched + reloads, grads + acc[u + 1] + up, nvr_b] + gathered
+                exprs = [compute, fetched + reloads, grads + acc_u + up, nvr_b] + gathered
                 if last:
                     exprs += early(cast_end)
                 for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
                     # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
                     exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
                 if acc[u + 1]:
-                    exprs.append(cast_end + acc[u + 1] + up)  # the accumulate queues behind the window's casts
+                    exprs.append(cast_end + acc_u + up)  # the accumulate queues behind the window's casts
                 if ar[u + 1]:
-                    exprs += [grads + acc[u + 1] + ar[u + 1], cast_end + acc[u + 1] + ar[u + 1]]
-                bound(var, name, exprs + self.internals.hull_rows(lay[u].bwd_seconds, "B", u, h2d))
+                    exprs += [grads + acc_u + ar_u, cast_end + acc_u + ar_u]
+                bound(var, name, exprs + self.internals.hull_rows(lay[u].bwd_seconds if runs(u) else 0.0, "B", u, h2d))
         bound(m.tT, "tT", self._t_window())
 
     def _early_rows(self, cast_end) -> list:
@@ -485,6 +500,8 @@ class ScheduleModel:
                 ready = coll
             run_end = max(run_end, ready) + lay[j].fwd_seconds
             runs[j] = run_end
+        if u - 1 != 0 and not self.wl.backward_runs(u - 1):  # no prefetch (Note: [layers without a backward])
+            return cast_end, fetch_end, run_end, cast_end, fetch_end, coll if self.dp == "shard" else fetch_end
         pre_cast = max(cast_end, run_end) + self.wl.recast_seconds(u - 1)
         pre_fetch = max(fetch_end, pre_cast) + self.p_s[u - 1]
         pre_gather = max(coll, pre_fetch) + gth[u - 1] if self.dp == "shard" else pre_fetch
@@ -499,13 +516,15 @@ class ScheduleModel:
         At most one block ends at ``u + 1`` and it forces ``r[u-1] = 0``, so the sums below are
         exact (each coefficient is >= 0, and only nonzero ones are added)."""
         m = self.m
-        c, p = self.wl.recast_seconds(u - 1), self.p_s[u - 1]
+        # Note: [layers without a backward]: no prefetch of such a layer (but layer 0), no block ending in B{u}
+        refetch = u - 1 == 0 or self.wl.backward_runs(u - 1)
+        c, p = (self.wl.recast_seconds(u - 1), self.p_s[u - 1]) if refetch else (0.0, 0.0)
         fetched = (c + p) * (1 - m.r[u - 1]) if c + p else 0
         cast_end = c * (1 - m.r[u - 1]) if c else 0
         # shard: the prefetch's all-gather ends at max(its fetch, the reduce-scatter) + gather: two rows
-        g, rs = self.gth[u - 1], self.rs[u + 1]
+        g, rs = self.gth[u - 1] if refetch else 0.0, self.rs[u + 1]
         gathered = [] if self.dp != "shard" else [(c + p + g) * (1 - m.r[u - 1]), (rs + g) * (1 - m.r[u - 1])]
-        for (s, e) in self.block_into(u + 1):
+        for (s, e) in (self.block_into(u + 1) if self.wl.backward_runs(u) else []):
             _, _, _, pre_cast, pre_fetch, pre_gather = self.block_chain(s, u, h2d)
             if pre_fetch - c - p:
                 fetched += m.x[s, e] * (pre_fetch - c - p)
@@ -581,8 +600,10 @@ class ScheduleModel:
 
     # ---- seeding and extraction ----------------------------------------------------------
     def seed_from(self, s: Schedule) -> None:
-        """Set every variable from a schedule so HiGHS starts with an incumbent."""
+        """Set every variable from a schedule so HiGHS starts with an incumbent (a layer without a backward
+        keeps nothing in the model: the engine ignores such a decision, so the seed drops it)."""
         pyo, m, L = self.pyo, self.m, self.L
+        s = _without_internals(s, self.wl.no_backward)
         for var in (m.x, m.g, m.c, m.n, m.k, m.r, m.o, m.q):
             for idx in var:
                 if not var[idx].fixed:
@@ -652,3 +673,15 @@ class ScheduleModel:
         if len(self.modes) == 1:
             return self.modes[0]
         return "pipelined" if self.m.pipe.value is not None and self.m.pipe.value > 0.5 else "serial"
+
+
+def _without_internals(s: Schedule, layers: tuple[int, ...]) -> Schedule:
+    """``s`` with ``layers`` keeping no internals (fully, partially or moved): Note: [layers without a
+    backward] -- what the engine runs for them whatever the schedule says."""
+    if not layers:
+        return s
+    drop = lambda values, off: tuple(off if j in layers else v for j, v in enumerate(values))  # noqa: E731
+    return dataclasses.replace(s, keep_internals=drop(s.keep_internals, False),
+                               partial_keep=drop(s.partial_keep, False),
+                               internals_offload_window=drop(s.internals_offload_window, None),
+                               internals_reload_window=drop(s.internals_reload_window, None))

@@ -49,7 +49,7 @@ class InternalsOffload:
             for j in range(L):
                 offs = range(j + 1, min(L - 1, j + opt.internals_offload_horizon) + 1)
                 rels = sorted(set(range(j + 1, min(L, j + opt.internals_reload_slack) + 1)) | {L})
-                if not offs or self.nbytes[j] <= 0:
+                if not offs or self.nbytes[j] <= 0 or not model.wl.backward_runs(j):  # it keeps none
                     continue
                 layers.append(j)
                 off_idx += [(j, w) for w in offs]

@@ -36,7 +36,7 @@ class PartialKeep:
         self.model, self.m, self.L = model, m, L
         self.nbytes = [layer.partial_bytes for layer in model.lay]
         self.enabled = opt.partial_keep and opt.keep_internals and opt.window_memory
-        self.layers = [j for j in range(L) if self.enabled and self.nbytes[j] > 0]
+        self.layers = [j for j in range(L) if self.enabled and self.nbytes[j] > 0 and model.wl.backward_runs(j)]
         m.p = pyo.Var(self.layers, domain=pyo.Binary)
         for j in self.layers:
             model.add(m.p[j] + m.k[j] <= m.g[j])

@@ -330,7 +330,7 @@ class Schedule:
 
     def windows(self, *, first_microbatch: bool = True, last_microbatch: bool = True,
                 nonblock_parts: int = 1, updates_in_backward: bool = False,
-                early_parts: tuple[int, ...] = ()) -> list[Window]:
+                early_parts: tuple[int, ...] = (), no_backward: tuple[int, ...] = ()) -> list[Window]:
         """Every window's ops in issue order; the executor follows this list, the simulator times it.
 
         ``first_microbatch``: the pipelined optimizer runs in this micro-batch's forward windows.
@@ -360,8 +360,18 @@ class Schedule:
         non-block group are written back, accumulated and updated at the end of the last micro-batch's
         first B window (their gradients are complete before the blocks' backward: Note: [early non-block
         parts] in engine/early_parts.py); T only casts and fetches them.
+
+        ``no_backward`` (``Workload.no_backward``; the simulator passes it, the executor does not: it
+        decides at run time): the layers no gradient reaches (Note: [layers without a backward]). Their
+        B windows hold no compute (no backward, no local or partial recompute, no re-run of a block
+        ending there) and no fetch of their weights (but layer 0's: its slot serves the next
+        micro-batch's F0); their gradient D2H (with its accumulate) is left out unless they are
+        resident, and their internals are neither kept nor moved.
         """
         L = self.num_layers
+        nb = frozenset(no_backward)
+        refetch = lambda j: j == 0 or j not in nb  # noqa: E731 - a backward-side window fetches layer j
+        moves = lambda j: j not in nb  # noqa: E731 - layer j's internals are kept (and may move)
         pipelined = self.optimizer == "pipelined"
         in_backward = pipelined and updates_in_backward and self.data_parallel == "none"
         sh = self.data_parallel == "shard"
@@ -378,7 +388,7 @@ class Schedule:
                 if self.homes[i] == "nvme" and self.offload_window[i] == j - 1:
                     ops.append(Op("nvme_write", "offload", i))
             for k in range(L):
-                if self.internals_offload_window[k] == j:
+                if self.internals_offload_window[k] == j and moves(k):
                     ops.append(Op("d2h", "offload_internals", k))
             if j + 1 < L:
                 if pipelined and first_microbatch and not in_backward and j + 1 not in self.serial_layers:
@@ -392,22 +402,23 @@ class Schedule:
         for i in range(L + 1):
             if self.homes[i] == "nvme" and self.offload_window[i] == L - 1:
                 ops.append(Op("nvme_write", "offload", i))
-        if self.backward_prefetch and not self.resident_weights[L - 1]:
+        if self.backward_prefetch and not self.resident_weights[L - 1] and refetch(L - 1):
             _fetch(ops, "weights", L - 1, gather=sh)
-        ops += self._reload_ops(L)
+        ops += self._reload_ops(L, nb)
         out.append(Window("H", tuple(ops)))
         for t in range(L - 1, -1, -1):
             ops = []
             grads = []
-            if sh and t + 1 < L:  # the reduce-scatter of layer t+1 goes first: its backward just ended
+            sends = t + 1 < L and (t + 1 not in nb or self.resident_weights[t + 1])  # layer t+1's grads
+            if sh and sends:  # the reduce-scatter of layer t+1 goes first: its backward just ended
                 grads.append(_grads(ops, t + 1, reduce=True))
-            fetch_here = not self.backward_prefetch and not self.resident_weights[t]
+            fetch_here = not self.backward_prefetch and not self.resident_weights[t] and refetch(t)
             dep = _fetch(ops, "weights", t, gather=sh) if fetch_here else -1
-            block = self.block_ending_at(t + 1)
+            block = self.block_ending_at(t + 1) if t not in nb else None
             rerun: dict[int, int] = {}  # layer -> position of its recompute
             if block is not None:
                 # Each re-run waits for its own weights. The engine streams the block through two
-                # buffers (Note: [recompute double buffer] in engine/executor.py): layer j's fetch
+                # buffers (Note: [recompute double buffer] in engine/backward_windows.py): layer j's fetch
                 # reuses layer j-2's buffer, so it is issued once that layer's recompute is done
                 # (its cast waits for it); layer t-1's prefetch reuses the spare buffer, issued
                 # once the whole block is re-run.
@@ -415,18 +426,19 @@ class Schedule:
                     fetch = _fetch(ops, "recompute_weights", j, after=rerun.get(j - 2, -1), gather=sh)
                     ops.append(Op("compute", "recompute", j, after=fetch))
                     rerun[j] = len(ops) - 1
-            if self.partial_keep[t]:
-                ops.append(Op("compute", "partial_recompute", t, after=dep))
-            elif not self.keep_internals[t]:
-                ops.append(Op("compute", "local_recompute", t, after=dep))
-            ops.append(Op("compute", "backward", t, after=dep))
-            if t + 1 < L and not sh:
+            if t not in nb:  # else no compute: the window passes (Note: [layers without a backward])
+                if self.partial_keep[t]:
+                    ops.append(Op("compute", "partial_recompute", t, after=dep))
+                elif not self.keep_internals[t]:
+                    ops.append(Op("compute", "local_recompute", t, after=dep))
+                ops.append(Op("compute", "backward", t, after=dep))
+            if sends and not sh:
                 grads.append(_grads(ops, t + 1))
-            if self.backward_prefetch and t >= 1 and not self.resident_weights[t - 1]:
+            if self.backward_prefetch and t >= 1 and not self.resident_weights[t - 1] and refetch(t - 1):
                 _fetch(ops, "weights", t - 1, after=rerun.get(t - 1, -1), gather=sh)
-            ops += self._reload_ops(t)
+            ops += self._reload_ops(t, nb)
             _accumulate(ops, grads, allreduce=overlap)
-            if in_backward and last_microbatch and t + 1 < L:  # after layer t+1's (last) accumulate
+            if in_backward and last_microbatch and t + 1 < L and t + 1 not in nb:  # after its (last) accumulate
                 ops.append(Op("cpu", "optimizer", t + 1, after=len(ops) - 1))
             if in_backward and last_microbatch and t == L - 1:  # the early parts, after the window's other ops
                 for p in early_parts:
@@ -485,7 +497,7 @@ class Schedule:
         _fetch(ops, "weights", 0, after=pos[0], gather=sh)
         return ops
 
-    def _reload_ops(self, t: int) -> list[Op]:
+    def _reload_ops(self, t: int, no_backward: frozenset[int] = frozenset()) -> list[Op]:
         ops = []
         for i in range(self.num_layers + 1):
             home = self.homes[i]
@@ -494,7 +506,7 @@ class Schedule:
             if home == "nvme" and self.reload_window[i] == t - 1:
                 ops.append(Op("nvme_read", "reload", i))
         for j in range(self.num_layers):
-            if self.internals_reload_window[j] == t:
+            if self.internals_reload_window[j] == t and j not in no_backward:
                 ops.append(Op("h2d", "reload_internals", j))
         return ops
 

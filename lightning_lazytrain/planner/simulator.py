@@ -145,6 +145,7 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
     """
     L, A, layers = s.num_layers, wl.boundary_bytes, wl.layers
     nxt = s.next_materialised()
+    runs = wl.backward_runs  # Note: [layers without a backward]: such a layer keeps and re-runs nothing
     out: list[tuple[int, int, float, str]] = []
     for i, home in enumerate(s.homes):
         produced = max(i - 1, 0)  # boundary i is written by F{i-1} (boundary 0 by the embedding in F0)
@@ -156,8 +157,16 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
             out.append((2 * L - s.reload_window[i], consumed, A[i], f"boundary {i} reloaded"))
         else:
             out.append((produced, i, A[i], f"boundary {i} (forward)"))
-            out.append((2 * L - (nxt[i] - 1), consumed, A[i], f"boundary {i} (recomputed)"))
+            if runs(nxt[i] - 1):  # the block ending at nxt[i] is re-run in B{nxt[i] - 1}
+                out.append((2 * L - (nxt[i] - 1), consumed, A[i], f"boundary {i} (recomputed)"))
     for j, layer in enumerate(layers):
+        if not runs(j):  # its forward's work and its resident weights; no internals, no backward, no grads
+            out.append((j, j, layer.fwd_work_bytes, f"layer {j} forward work"))
+            if s.resident_weights[j]:
+                out.append((j - 1 if j else 0, 2 * L - j, layer.param_bytes, f"layer {j} resident weights"))
+                if j == 0:
+                    out.append((2 * L + 1, 2 * L + 1, layer.param_bytes, "layer 0 resident weights (T)"))
+            continue
         off, rel = s.internals_offload_window[j], s.internals_reload_window[j]
         if s.keep_internals[j] and off is not None:  # on the host from the end of F{off} to B{rel}
             out.append((j, off, layer.internal_bytes - A[j], f"layer {j} kept internals before offload"))
@@ -170,7 +179,7 @@ def _lifetimes(s: Schedule, wl: Workload) -> list[tuple[int, int, float, str]]:
             # Its own buffer from the fetch (in F{j-1}; layer 0's in T) to B{j}; its gradients from
             # F{j} until their D2H in the next window (B{j-1}; layer 0's in T) is done.
             out.append((j - 1 if j else 0, 2 * L - j, layer.param_bytes, f"layer {j} resident weights"))
-            out.append((j, 2 * L - j + 1, layer.grad_bytes, f"layer {j} resident gradients"))
+            out.append((j, 2 * L - j + 1, layer.grad_buffer_bytes, f"layer {j} resident gradients"))
             if j == 0:
                 out.append((2 * L + 1, 2 * L + 1, layer.param_bytes, "layer 0 resident weights (T)"))
         out.append((j, j, layer.fwd_work_bytes, f"layer {j} forward work"))
@@ -243,7 +252,8 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
         for w, window in enumerate(s.windows(first_microbatch=k == 0, last_microbatch=k == g - 1,
                                              nonblock_parts=wl.nonblock_part_count,
                                              updates_in_backward=s.updates_in_backward and wl.updates_in_backward,
-                                             early_parts=wl.backward_parts(s.updates_in_backward))):
+                                             early_parts=wl.backward_parts(s.updates_in_backward),
+                                             no_backward=wl.no_backward)):
             end, busy = _run_window(window, now, wl, hw, timeline, lane_bytes)
             if k == 0 or window.name == "T":
                 window_seconds[window.name] = end - now
@@ -252,14 +262,15 @@ def simulate(schedule: Schedule, workload: Workload, hardware: Hardware, *, chec
             exposed += (end - now) - busy
             now = end
     reruns = {j: 0 for j in range(s.num_layers)}
+    runs = wl.backward_runs  # Note: [layers without a backward]
     for start, end in s.recompute_blocks:
         for j in range(start, end - 1):
-            reruns[j] += g
+            reruns[j] += g if runs(end - 1) else 0
     for j in range(s.num_layers):  # a partial keep's elementwise recompute is not a re-run of the layer
-        reruns[j] += 0 if s.keep_internals[j] or s.partial_keep[j] else g
+        reruns[j] += 0 if s.keep_internals[j] or s.partial_keep[j] or not runs(j) else g
     reruns = {j: n for j, n in reruns.items() if n}
     recompute = sum(n * wl.layers[j].fwd_seconds for j, n in reruns.items())
-    recompute += g * sum(wl.layers[j].partial_seconds for j in s.partial_layers)
+    recompute += g * sum(wl.layers[j].partial_seconds for j in s.partial_layers if runs(j))
     tokens = wl.tokens * g
     return SimResult(
         iteration_seconds=now,

@@ -143,6 +143,14 @@ class LayerWork:
     partial_seconds: float = 0.0
     partial_recompute_bytes: float = 0.0
 
+    @property
+    def grad_buffer_bytes(self) -> float:
+        """Device bytes of the gradient buffer a backward of this layer binds: the whole group in the compute
+        dtype, whatever trains (engine/param_store.py allocates it so), or ``grad_bytes`` where those are
+        more (an analytic workload with wider gradients). A fine-tune's gradient copy moves less
+        (``grad_bytes``: what trains), its slot holds this."""
+        return max(self.grad_bytes, self.param_bytes)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:
@@ -212,6 +220,15 @@ class Workload:
     # the host lane takes every gradient's norm at a step's last copy (engine/executor.py, Note: [norms
     # only when wanted]): False for a run that uses none (no clip, no non-finite skip, one process)
     host_norms: bool = True
+    # Note: [layers without a backward] the layers no gradient reaches in the profiled step (ascending; in
+    # practice a prefix of the stack: a frozen first part under a frozen embedding, or every layer of a
+    # head-only fine-tune; engine/executor.py, Note: [blocks no gradient reaches]). The engine runs their
+    # forward and no backward: their B windows compute nothing, fetch no weights (but layer 0's, which the
+    # next micro-batch's F0 reads), send no gradients and keep no internals, and no block ending at one of
+    # them is re-run (a block ending above them still re-runs them: the layer above needs its input).
+    # ``Schedule.windows(no_backward=...)`` leaves those ops out; the simulator and the MILP price that.
+    # Empty in an analytic workload (every layer trains).
+    no_backward: tuple[int, ...] = ()
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -236,6 +253,10 @@ class Workload:
         the group in parts; else none."""
         return self.early_parts if in_backward and self.updates_in_backward and self.nonblock_part_count > 1 else ()
 
+    def backward_runs(self, j: int) -> bool:
+        """Does layer ``j`` run a backward (Note: [layers without a backward])?"""
+        return j not in self.no_backward
+
     def recast_seconds(self, j: int) -> float:
         """Host-lane seconds of the cast before a fetch of layer ``j`` in the H or a B window (its
         weights were fetched in this micro-batch's forward already): 0 with ``kept_copies``."""
@@ -252,8 +273,9 @@ class Workload:
     @property
     def weight_buffer_bytes(self) -> float:
         """Two device slots sized to the largest layer (double buffering), each holding the layer's
-        compute weights and the gradients its backward writes before they go to the host."""
-        return 2 * (self.max_param_bytes + self.max_grad_bytes)
+        compute weights and the gradient buffer its backward writes before they go to the host (the whole
+        group's: ``LayerWork.grad_buffer_bytes``, also where only part of it trains)."""
+        return 2 * (self.max_param_bytes + max(layer.grad_buffer_bytes for layer in self.layers))
 
     @property
     def static_gpu_bytes(self) -> float:
@@ -295,6 +317,10 @@ class Workload:
             raise InvalidInput("workload.early_parts", self.early_parts,
                                f"need distinct part indices 1..{len(self.nonblock_parts) - 1} of nonblock_parts "
                                "(part 0 is always written back in T)")
+        if list(self.no_backward) != sorted(set(self.no_backward)) or \
+                any(not 0 <= j < len(self.layers) for j in self.no_backward):
+            raise InvalidInput("workload.no_backward", self.no_backward,
+                               f"need distinct ascending layer indices in 0..{len(self.layers) - 1}")
         from .schedule import DATA_PARALLEL
         if self.data_parallel not in DATA_PARALLEL:
             raise InvalidInput("workload.data_parallel", self.data_parallel, f"must be one of {DATA_PARALLEL}")
@@ -333,6 +359,7 @@ class Workload:
         data["boundary_bytes"] = tuple(data["boundary_bytes"])
         data["nonblock_parts"] = tuple(data.get("nonblock_parts", ()))
         data["early_parts"] = tuple(data.get("early_parts", ()))
+        data["no_backward"] = tuple(data.get("no_backward", ()))
         data["device_conversions"] = tuple(data.get("device_conversions", ()))
         return cls(**data).validate()
 
