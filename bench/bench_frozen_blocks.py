@@ -5,6 +5,9 @@ A stack of ``--layers`` MLP blocks (hidden ``--d``) under a frozen embedding, tr
 fully trainable (the baseline), then with the first ``k`` blocks frozen for each ``k`` in ``--frozen`` (all:
 a head-only fine-tune). Per variant, the last step's H2D and D2H bytes, its block backward and re-run
 segments, and the median step seconds of the last half of the steps, each as a ratio to the baseline's.
+With ``--policy milp`` also the plan's predicted step against the measured one, and the same schedule priced
+as if every block ran its backward (how the plan priced a frozen prefix before Note: [layers without a
+backward], planner/workload.py).
 Note: [blocks no gradient reaches] (engine/executor.py): a frozen first part of the stack runs its forward
 only, keeps no internals and is not fetched again for the backward.
 
@@ -16,11 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import lightning as L
 import torch
 from torch import nn
 
+from lightning_lazytrain.planner import simulate
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
 
@@ -63,8 +68,9 @@ class Watch(L.Callback):
                      "backward": kinds.get("backward", 0),
                      "reruns": kinds.get("local_recompute", 0) + kinds.get("recompute", 0)}
 
-    def on_train_batch_end(self, *args) -> None:
+    def on_train_batch_end(self, trainer, *args) -> None:
         self.ends.append(time.perf_counter())
+        self.plan = trainer.strategy.core.plan  # policy="milp": the plan from the profiled first step
 
 
 def run(a: argparse.Namespace, frozen: int) -> dict:
@@ -75,7 +81,15 @@ def run(a: argparse.Namespace, frozen: int) -> dict:
                         enable_model_summary=False, callbacks=[watch])
     trainer.fit(Net(a.layers, a.d, frozen), torch.utils.data.DataLoader(data, batch_size=None))
     steps = [b - e for e, b in zip(watch.ends, watch.ends[1:])][len(watch.ends) // 2:]
-    return {**watch.last, "step_s": statistics.median(steps)}
+    out = {**watch.last, "step_s": statistics.median(steps)}
+    plan = getattr(watch, "plan", None)
+    if plan is not None:  # the plan's step, and the same schedule priced as if every block ran its backward
+        r = plan.result
+        out["predicted_s"] = r.sim.iteration_seconds
+        out["as_if_trained_s"] = simulate(r.schedule, replace(r.workload, no_backward=()), r.hardware,
+                                          check=False).iteration_seconds
+        out["policy"] = r.schedule.policy
+    return out
 
 
 def main() -> None:
@@ -92,10 +106,19 @@ def main() -> None:
     print(f"{a.layers} blocks, d={a.d}, batch {a.batch}, policy {a.policy}, torch {torch.__version__}; per step "
           "(last step's bytes and segments, median step seconds of the last half), ratio to full training")
     print(f"{'frozen':>8} {'H2D B':>12} {'D2H B':>12} {'backward':>9} {'re-runs':>8} {'step s':>9}")
-    for k, r in [(0, base)] + [(k, run(a, k)) for k in counts]:
+    rows = [(0, base)] + [(k, run(a, k)) for k in counts]
+    for k, r in rows:
         ratio = lambda key: r[key] / base[key] if base[key] else float("nan")  # noqa: E731
         print(f"{k:>8} {r['h2d']:>12.0f} {r['d2h']:>12.0f} {r['backward']:>9d} {r['reruns']:>8d} {r['step_s']:>9.4f}"
               + ("" if k == 0 else f"   x{ratio('h2d'):.2f} H2D, x{ratio('d2h'):.2f} D2H, x{ratio('step_s'):.2f} step"))
+    if "predicted_s" in base:  # Note: [layers without a backward] (planner/workload.py)
+        print("the plan's step (the profile's workload on the plan's hardware) against the measured median step:")
+        print(f"{'frozen':>8} {'schedule':>16} {'measured s':>11} {'predicted s':>12} {'pred/meas':>10} "
+              f"{'priced as trained s':>20} {'pred/meas':>10}")
+        for k, r in rows:
+            print(f"{k:>8} {r['policy']:>16} {r['step_s']:>11.4f} {r['predicted_s']:>12.4f} "
+                  f"{r['predicted_s'] / r['step_s']:>10.2f} {r['as_if_trained_s']:>20.4f} "
+                  f"{r['as_if_trained_s'] / r['step_s']:>10.2f}")
 
 
 if __name__ == "__main__":
