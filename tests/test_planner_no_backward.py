@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_executor import SCHEDULES, big_host, custom, plain_grads, run
 from test_executor import L as LAYERS
+from test_planner_host_lane import random_instance
 from test_planner_optimizer_mode import small_instance
 
 from lightning_lazytrain.engine.executor import Executor
@@ -30,11 +31,12 @@ from test_executor import SPEC
 TIGHT = 1e-6
 
 
-def frozen(wl: Workload, k: int) -> Workload:
+def frozen(wl: Workload, k: int, *, costs: bool = False) -> Workload:
     """``wl`` with its first ``k`` layers frozen as the profile would see them: no backward seconds, no
-    gradient bytes or host adds, no optimizer update, and listed in ``no_backward``."""
+    gradient bytes or host adds, no optimizer update, and listed in ``no_backward`` (``costs``: keep their
+    figures, so that every op the windows keep or leave out for them costs time: a stricter algebra check)."""
     layers = tuple(dataclasses.replace(x, bwd_seconds=0.0, grad_bytes=0.0, accum_seconds=0.0, opt_seconds=0.0)
-                   if j < k else x for j, x in enumerate(wl.layers))
+                   if j < k and not costs else x for j, x in enumerate(wl.layers))
     return dataclasses.replace(wl, layers=layers, no_backward=tuple(range(k))).validate()
 
 
@@ -112,6 +114,36 @@ def test_the_milp_prices_a_frozen_prefix_as_the_simulator_times_it(seed, k):
     gain = simulate(recompute_all(5), dataclasses.replace(fast, no_backward=()), fast_hw).iteration_seconds - \
         simulate(recompute_all(5), fast, fast_hw).iteration_seconds
     assert gain >= 0.5 * fast.grad_accum * sum(x.fwd_seconds for x in fast.layers[:k]), gain
+
+
+@pytest.mark.parametrize("mode", ["none", "shard", "replicate", "replicate_overlap"])
+@pytest.mark.parametrize("seed", range(2))
+def test_the_milp_times_every_schedule_as_the_simulator_with_a_frozen_prefix(mode, seed):
+    """Every schedule of the MILP's space (homes, kept and moved internals, resident layers, blocks), seeded
+    into the model: its iteration time equals the simulator's, to 1e-9, with the frozen layers' figures kept
+    (so each op the windows leave out would cost time), one rank and the data-parallel modes."""
+    import pyomo.environ as pyo
+
+    from planner_helpers import milp_space
+    from test_planner_multi import _multi_instance
+
+    from lightning_lazytrain.planner.milp import MilpOptions
+
+    k = 2 + seed  # a prefix of 2 of 3 layers, and all 3
+    if mode == "none":
+        wl, hw, nvme = random_instance(random.Random(seed), 3)
+    else:
+        wl, hw, nvme = _multi_instance(seed, mode)
+    wl = frozen(wl, k, costs=True)
+    model = ScheduleModel(wl, hw, MilpOptions())
+    n = 0
+    for s in milp_space(wl.num_layers, nvme=nvme, pipelined=None):
+        s = dataclasses.replace(s, data_parallel=wl.data_parallel)
+        model.seed_from(s)
+        sim = simulate(s, wl, hw, check=False)
+        assert pyo.value(model.iteration_time()) == pytest.approx(sim.iteration_seconds, rel=1e-9), s
+        n += 1
+    assert n > 20
 
 
 def test_no_backward_is_checked_and_kept_in_json():

@@ -522,7 +522,10 @@ class ScheduleModel:
         fetched = (c + p) * (1 - m.r[u - 1]) if c + p else 0
         cast_end = c * (1 - m.r[u - 1]) if c else 0
         # shard: the prefetch's all-gather ends at max(its fetch, the reduce-scatter) + gather: two rows
-        g, rs = self.gth[u - 1] if refetch else 0.0, self.rs[u + 1]
+        # (no reduce-scatter of layer u+1 if it has no backward: its gradients are sent only where it is
+        # resident, and then the gradient row bounds the lane; every schedule checked, test_planner_no_backward)
+        g = self.gth[u - 1] if refetch else 0.0
+        rs = self.rs[u + 1] if u + 1 >= self.L or self.wl.backward_runs(u + 1) else 0.0
         gathered = [] if self.dp != "shard" else [(c + p + g) * (1 - m.r[u - 1]), (rs + g) * (1 - m.r[u - 1])]
         for (s, e) in (self.block_into(u + 1) if self.wl.backward_runs(u) else []):
             _, _, _, pre_cast, pre_fetch, pre_gather = self.block_chain(s, u, h2d)
