@@ -121,11 +121,15 @@ def test_the_milp_prices_a_frozen_prefix_as_the_simulator_times_it(seed, k):
 def test_the_milp_times_every_schedule_as_the_simulator_with_a_frozen_prefix(mode, seed):
     """Every schedule of the MILP's space (homes, kept and moved internals, resident layers, blocks), seeded
     into the model: its iteration time equals the simulator's, to 1e-9, with the frozen layers' figures kept
-    (so each op the windows leave out would cost time), one rank and the data-parallel modes."""
+    (so each op the windows leave out would cost time), one rank and the data-parallel modes; and so do its
+    device bytes per window."""
     import pyomo.environ as pyo
 
     from planner_helpers import milp_space
+    from test_planner_internals import gpu_rows
     from test_planner_multi import _multi_instance
+
+    from lightning_lazytrain.planner.simulator import window_memory
 
     from lightning_lazytrain.planner.milp import MilpOptions
 
@@ -142,6 +146,8 @@ def test_the_milp_times_every_schedule_as_the_simulator_with_a_frozen_prefix(mod
         model.seed_from(s)
         sim = simulate(s, wl, hw, check=False)
         assert pyo.value(model.iteration_time()) == pytest.approx(sim.iteration_seconds, rel=1e-9), s
+        # and its device bytes in every window (T aside: the MILP has no row for it)
+        assert gpu_rows(model) == pytest.approx(window_memory(s, wl)[:-1], rel=1e-12), s
         n += 1
     assert n > 20
 
