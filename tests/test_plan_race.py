@@ -18,7 +18,7 @@ from lightning_lazytrain.core.plan_race import PlanRace, RaceEntry
 from lightning_lazytrain.core.replan import ReplanOptions
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
-RACE = {"race": True, "race_margin": 10.0, "patience": 2}
+RACE = {"race": True, "race_margin": 10.0, "patience": 3}  # 3 timed steps each: a median one hiccup cannot move
 
 
 def entries(n: int = 2) -> list[RaceEntry]:
