@@ -78,6 +78,8 @@ class Planner:
         self.memory = MemoryWatch()
         self.budget_bytes: float | None = None
         self.replan_reason: str | None = None  # set: the next step is re-profiled
+        self.replan_forced = False  # ... and its plan is taken whatever it gains (Note: [blocks thawed or frozen])
+        self.no_backward: tuple[int, ...] | None = None  # the blocks without a backward in the last profile
         self.predicted: float | None = None  # the current schedule's prediction after a kept re-plan
         self._milp: MilpOptions | None = None  # the options the last plan was solved with (rescale's too)
         self._measured: Hardware | None = None
@@ -126,6 +128,8 @@ class Planner:
         its failure (an impossible budget raises here, on every rank). A re-plan measures the links
         from the step's copies and compares against the current schedule on the new profile."""
         reason, self.replan_reason = self.replan_reason, None
+        forced, self.replan_forced = self.replan_forced, False
+        self.no_backward = tuple(sorted(p.stats.no_backward))
         ex = p.executor
         plan: AutoPlan | None = None
         failure: str | None = None
@@ -205,7 +209,7 @@ class Planner:
         assert current_s is not None
         new_s = plan.result.sim.iteration_seconds
         gain = 1.0 - new_s / current_s if current_s > 0 else 0.0
-        switch = gain >= self.options.replan.min_gain
+        switch = forced or gain >= self.options.replan.min_gain
         self.replans.append({"step": step, "reason": reason, "current_predicted_s": current_s,
                              "new_predicted_s": new_s, "gain": gain, "switched": switch,
                              "warm_start": plan.result.solver.get("seed")})
@@ -353,6 +357,29 @@ class Planner:
             self.replan_reason = reason
             self._debug(f"lazytrain: {reason}; re-profiling the next step to re-plan")
 
+    def watch_backward(self, layout: ProcessLayout, stats: StepStats, layers: int) -> None:
+        """Note: [blocks thawed or frozen] The plan prices the blocks that ran no backward in its profile
+        (``Workload.no_backward``, planner/workload.py: no re-runs, no second fetch, no internals for them).
+        When a planned step's set differs (a fine-tune thawed a frozen prefix, or froze one), the plan
+        prices another run: fewer re-runs and fetches than now run, and no internals where blocks now keep
+        them, so its peak may no longer hold. The next step is re-profiled and its plan taken whatever it
+        gains (``replan_forced``; for a named policy: the same schedule, priced again). Only a step whose
+        planned pass ran whole counts (a pass left without a gradient has no set to compare). Rank 0
+        decides for all, as for drift."""
+        if (self.plan is None or self.no_backward is None or not self.options.replan.enabled or self.replan_reason
+                or len(stats.boundary_bytes) != layers + 1 or stats.unreached):
+            return
+        reason = None
+        now = tuple(sorted(stats.no_backward))
+        if layout.is_global_zero and now != self.no_backward:
+            reason = (f"the blocks that run no backward changed from {list(self.no_backward)} (the plan's) to "
+                      f"{list(now)} (weights thawed or frozen)")
+        if layout.is_distributed:
+            reason = broadcast_object(reason)
+        if reason is not None:
+            self.replan_reason, self.replan_forced = reason, True
+            self._info(f"lazytrain: {reason}; re-profiling the next step to re-plan")
+
     def watch_memory(self, layout: ProcessLayout, stats: StepStats) -> None:
         """After a planned step on CUDA: the allocator's own peaks against the budget and the plan;
         a re-plan when they say so (Note: [the budget is what the allocator reserves]). Rank 0
@@ -382,6 +409,7 @@ class Planner:
         self.plan = None
         self._measured = None
         self.replan_reason, self.predicted = None, None
+        self.replan_forced, self.no_backward = False, None
         self.drift.reset()
 
 

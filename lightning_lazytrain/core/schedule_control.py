@@ -23,6 +23,7 @@ from lightning_lazytrain.core.planning import Profile
 from lightning_lazytrain.core.processes import broadcast_object
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.nvme import check_nvme_dir
+from lightning_lazytrain.engine.param_store import REST
 from lightning_lazytrain.planner import min_memory
 from lightning_lazytrain.planner.placement import conversions_note
 
@@ -49,6 +50,7 @@ class ScheduleControl:
     fit: FitSettings
     optimizers: list
     race: PlanRace | None
+    _profiled_trainable: tuple[int, ...] | None
     artifact_dir: str | None
     grad_sync: Any
     _info: Callable[[str], None]
@@ -90,6 +92,43 @@ class ScheduleControl:
         ex.profiling = True
         self._tokens = tokens()
         self._size_reason = f"a micro-batch {factor:.2f}x the size the plan was made for"
+
+    # Note: [blocks thawed or frozen] The plan is made for the weights that trained in its profiled step: which
+    # blocks run a backward at all (Workload.no_backward: none, no re-run, no second fetch, no internals for
+    # the others), what each gradient copy moves, the optimizer's states and seconds. A fine-tune that thaws
+    # weights later (BaseFinetuning, requires_grad_) or freezes some runs another step: a thawed prefix now
+    # keeps the internals its plan priced as none, and the plan's peak no longer holds. So before a step's
+    # first micro-batch the elements that train per group (or that an optimizer holds: a toggled GAN stays
+    # as it is) are compared with the profile's; on a change the step runs on the smallest footprint
+    # (min_memory), is profiled, and its plan is taken whatever it gains (``Planner.replan_forced``; a named
+    # policy: its schedule, priced again). ``Planner.watch_backward`` checks the engine's own set after
+    # each planned step, for changes this count does not see.
+    def _trainable(self, ex: Executor) -> tuple[int, ...]:
+        """Per group (the non-block one, then each block): the elements that train or an optimizer holds."""
+        assert ex.params is not None
+        held = {id(q) for o in self.optimizers for g in getattr(o, "param_groups", ()) for q in g["params"]}
+        return tuple(sum(p.numel() for p in ex.params.group_parameters(j) if p.requires_grad or id(p) in held)
+                     for j in (REST, *range(len(ex.stack))))
+
+    def _guard_trainable(self, ex: Executor, tokens: Callable[[], int]) -> None:
+        """Note: [blocks thawed or frozen]: a step whose weights that train differ from the profile's is
+        profiled, on min_memory."""
+        if (ex.profiling or self.plan is None or self._micro_index != 0 or self._profiled_trainable is None
+                or not self.options.replan.enabled):
+            return
+        now = self._trainable(ex)
+        if now == self._profiled_trainable:
+            return
+        before, self._profiled_trainable = self._profiled_trainable, None
+        changed = [("non-block" if k == 0 else f"block {k - 1}") for k, (a, b) in enumerate(zip(before, now)) if a != b]
+        self.steps.finish()  # the schedule switches after the updates in flight
+        self._run_on(ex, min_memory(len(ex.stack)))
+        self.planner.replan_reason = f"the weights that train changed in {', '.join(changed)} (thawed or frozen)"
+        self.planner.replan_forced = True
+        ex.profiling = True
+        self._tokens = tokens()
+        self._info(f"lazytrain: {self.planner.replan_reason}; this step runs on the smallest footprint and is "
+                   "profiled to re-plan")
 
     def _profile_warmup(self) -> int:
         """Steps run on the provisional schedule before the profiled one (core/replan.py, Note:
@@ -154,6 +193,7 @@ class ScheduleControl:
                           early_parts=tuple(p for p in self.steps.planned_early_parts(ex, self.optimizers)
                                             if p in stats.early_complete_parts) if self._updates_in_backward() else (),
                           serial_step=self._step_waits() is not None)
+        self._profiled_trainable = self._trainable(ex)  # Note: [blocks thawed or frozen]
         try:
             plan = self.planner.solve(profile, self.layout, step=step, device=self.device)
         except Exception:

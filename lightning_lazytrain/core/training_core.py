@@ -96,6 +96,7 @@ class TrainingCore(ScheduleControl):
         self._size_logged = False
         self._size_reason: str | None = None  # the step being profiled is a larger batch's
         self._tokens: int | None = None  # of the first batch, which is profiled
+        self._profiled_trainable: tuple[int, ...] | None = None  # Note: [blocks thawed or frozen]
         self._full = False  # this step's micro-batches each write all gradients back
         # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
         # hooks): no update in the backward for the rest of the run (Note: [updates in the backward pass])
@@ -302,6 +303,7 @@ class TrainingCore(ScheduleControl):
         size = elements() if elements is not None else 0
         if size:
             self._guard_size(ex, size, tokens)
+        self._guard_trainable(ex, tokens)  # Note: [blocks thawed or frozen] (schedule_control.py)
         if self.plan is None and self._tokens is None:  # Note: [profiled first step]
             if self._micro_index == 0 and self._steps_ended >= self._profile_warmup():
                 self._tokens = tokens()
@@ -397,6 +399,7 @@ class TrainingCore(ScheduleControl):
         self._metrics_taken = False
         self._steps_ended += 1
         if not profiled:  # a profiled step ran another schedule, with timing on
+            self.planner.watch_backward(self.layout, stats, len(ex.stack))  # Note: [blocks thawed or frozen]
             if not self._race_step(ex):  # no drift is watched while the plan is timed
                 self.planner.watch_drift(self.layout, self.metrics.get("lazytrain/step_seconds", float("nan")))
             if not stats.evaluated_mid_step:  # the allocator's peak would be the evaluation's too
@@ -539,6 +542,7 @@ class TrainingCore(ScheduleControl):
         self.planner.reset()
         self.race = None
         self._tokens = None
+        self._profiled_trainable = None
         self._micro_index = 0
         self._steps_ended = self._incomplete_profiles = 0  # a next fit warms up and profiles again
         self.metrics, self._metrics_taken = {}, True

@@ -258,7 +258,14 @@ class GradWriteBack:
         g = self._group(layer)
         if not self.sharded(layer):  # Note: [host gradients for what trains]: weights thawed since it was sized
             self._fit_host_grads(g, [i for i in g.params if id(i) in s.touched])
-        if not part:
+        if s.grads is None and not any(w.requires_grad for _, w in s.wrappers):
+            # a slot whose weights all ran frozen has no gradient buffer, and gets none for an empty copy: a
+            # resident block no gradient reached (Note: [blocks no gradient reaches] in executor.py) would
+            # otherwise hold a whole group's buffer the plan does not count until its slot goes
+            grads = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            if not part:
+                s.prior_accumulated = s.accumulated
+        elif not part:
             grads = self._collect_grads(s)
             s.prior_accumulated = s.accumulated
         else:  # part 0's collected every part's; a part written back before it collects its own (Note:
@@ -320,9 +327,9 @@ class GradWriteBack:
         if pending.direct:
             raise ValueError("take_grads() needs a copy in the landing buffer: send_grads(..., direct=False)")
         pending.handle.wait()
-        assert s.grads is not None
         with torch.no_grad():
-            s.grads[: g.numel].zero_()
+            if s.grads is not None:  # (none: a slot whose weights all ran frozen, send_grads)
+                s.grads[: g.numel].zero_()
             taken = s.grad_host[: self._host_numel(g)].clone()
             pending.clear_uncopied(taken, 0, taken.numel())
             return taken, pending.touched_ids()
