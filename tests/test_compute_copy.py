@@ -1,4 +1,4 @@
-"""Kept compute copies (engine/param_store.py, Note: [kept compute copy]): 16-bit copies of fp32
+"""Kept compute copies (engine/param_staging.py, Note: [kept compute copy]): 16-bit copies of fp32
 masters cast once per micro-batch and reused by the micro-batch's later fetches (backward, re-runs),
 bit-equal to a cast per fetch, with the host bytes the planner predicts."""
 

@@ -236,7 +236,7 @@ def test_milp_finds_the_best_enumerated_schedule_with_host_costs(seed):
     assert best * (1 - 1e-9) <= sim.iteration_seconds <= best * (1 + 1e-3) + 1e-9
 
 
-# ---- kept compute copies (engine/param_store.py, Note: [kept compute copy]) ---------------------
+# ---- kept compute copies (engine/param_staging.py, Note: [kept compute copy]) ---------------------
 @pytest.mark.parametrize("seed", range(3))
 def test_kept_copies_cast_once_per_microbatch_in_the_simulator_and_the_milp(seed):
     """With ``kept_copies`` only a layer's first fetch of a micro-batch casts (F and T windows);

@@ -65,7 +65,7 @@ def train(m: LlamaLM, tokens: torch.Tensor, schedule, shard: bool, world: int = 
 
 def bf16_grads(m: LlamaLM, tokens: torch.Tensor, shard: bool, keep: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch with bf16 compute copies: the host (fp32) gradient of every parameter
-    (``keep``: the shards' copies kept, param_store's Note: [kept compute copy])."""
+    (``keep``: the shards' copies kept, param_staging's Note: [kept compute copy])."""
     ex = Executor(m, recompute_all(4), compute_dtype=torch.bfloat16, shard_group="world" if shard else None,
                   keep_compute_copy=keep)
     try:

@@ -80,7 +80,7 @@ class Executor(ForwardWindows, BackwardWindows):
                  keep_compute_copy: bool = False) -> None:
         self.module = module
         # 16-bit compute copies of fp32 masters cast once per micro-batch and kept on the host
-        # (param_store's Note: [kept compute copy]); kept across set_schedule
+        # (param_staging's Note: [kept compute copy]); kept across set_schedule
         self.keep_compute_copy = keep_compute_copy
         self.stack = blocks if isinstance(blocks, BlockStack) else find_blocks(module, blocks)
         self.device = torch.device(device)

@@ -117,7 +117,7 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
     # what the device held after the step beyond the executor's buffers (Note: [untracked device bytes])
     wl = _placed(dataclasses.replace(wl, device_overhead_bytes=float(stats.untracked_bytes),
                                      call_bytes=float(stats.call_bytes)), executor)
-    # param_store's Note: [kept compute copy]: the H and B windows' fetches do not cast; the executor's
+    # param_staging's Note: [kept compute copy]: the H and B windows' fetches do not cast; the executor's
     # Note: [norms only when wanted]: whether the host lane took the gradient norms
     # Note: [layers without a backward] (planner/workload.py): the blocks no gradient reached
     return dataclasses.replace(wl, kept_copies=bool(executor.params.keeps_copies), host_norms=executor.take_norms,

@@ -194,7 +194,7 @@ class ShardedParamStore(ParamStore):
         n = layout.shard_numel
         src = g.master[:n]
         after = [s.free] if s.free is not None else []
-        if g.copy is not None:  # the shard's kept copy (param_store's Note: [kept compute copy])
+        if g.copy is not None:  # the shard's kept copy (param_staging's Note: [kept compute copy])
             src, cast = self._from_copy(g, layer, 0, n, layer)
             after.append(cast)
         elif s.cast is not None and g.master.dtype != s.cast.dtype:
