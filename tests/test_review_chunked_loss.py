@@ -48,11 +48,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning").setLevel(logging.ERROR)
+    """Quiet logs for this file's tests, restored after each (a level left at ERROR hid the warnings other
+    files' tests read from caplog, in whichever worker ran this file first)."""
+    loggers = [logging.getLogger(name) for name in ('lightning',)]
+    levels, verbosity = [x.level for x in loggers], transformers.logging.get_verbosity()
+    for x in loggers:
+        x.setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for x, level in zip(loggers, levels):
+            x.setLevel(level)
+        transformers.logging.set_verbosity(verbosity)
 
 
 # ---- through the strategy, against strategy="auto" --------------------------------------------------

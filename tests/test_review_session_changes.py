@@ -46,12 +46,21 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning_lazytrain").setLevel(logging.ERROR)
+    """Quiet logs for this file's tests, restored after each (a level left at ERROR hid the warnings other
+    files' tests read from caplog, in whichever worker ran this file first)."""
+    loggers = [logging.getLogger(name) for name in ('lightning', 'lightning_lazytrain')]
+    levels, verbosity = [x.level for x in loggers], transformers.logging.get_verbosity()
+    for x in loggers:
+        x.setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for x, level in zip(loggers, levels):
+            x.setLevel(level)
+        transformers.logging.set_verbosity(verbosity)
 
 
 def data(n, vocab=256, shape=(4, 33)):
