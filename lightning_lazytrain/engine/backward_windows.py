@@ -96,19 +96,7 @@ class BackwardWindows:
         self._reap_offloads()
         # The incoming output gradient is part of the backward's working set.
         self._window(name, carried=sum(self._nbytes(g) for g in grads if isinstance(g, torch.Tensor)))
-        block = s.block_ending_at(t + 1)
-        # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
-        # last user, B{t+1}, is done; only its grad buffer is still being read), so the recompute
-        # streams through it and the recompute slot alternately, and layer t-1's prefetch is issued
-        # once the recompute is done: three weight buffers, as the plan counts, and the recompute's
-        # fetches overlap its compute.
-        spare = t - 1 if block is not None and t >= 1 and (t - 1) not in self.resident_slot else None
-        self._issue_transfers(name, defer_weights=spare)
-        if block is not None:
-            self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
-            if spare is not None and self._fetched_for_backward(spare) and any(
-                    op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
-                self._stage(spare)
+        self._transfers_and_rerun(name, t, s.block_ending_at(t + 1))
         slot = self.slot_of(t)
         self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
         with self.params.bind(t, slot, grads=True):
@@ -185,14 +173,7 @@ class BackwardWindows:
         self._retire_residents()
         self._reap_offloads()
         self._window(name)
-        block = s.block_ending_at(t + 1) if rerun else None
-        spare = t - 1 if block is not None and t >= 1 and (t - 1) not in self.resident_slot else None
-        self._issue_transfers(name, defer_weights=spare)
-        if block is not None:
-            self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
-            if spare is not None and self._fetched_for_backward(spare) and any(
-                    op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
-                self._stage(spare)
+        self._transfers_and_rerun(name, t, s.block_ending_at(t + 1) if rerun else None)
         self._finish_grads(slot=self.slot_of(t))  # as a real window's bind: the slot's next send waits for it
         ctx = self._ctxs.pop(t, None)
         if ctx is not None:
@@ -275,6 +256,23 @@ class BackwardWindows:
         self._adhoc_grads[j] = grads_j  # joins layer j's planned grads before the host grad
         self._adhoc_used = True
         return xg.grad, [t.grad for t in rin]
+
+    # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
+    # last user, B{t+1}, is done; only its grad buffer is still being read), so the recompute
+    # streams through it and the recompute slot alternately, and layer t-1's prefetch is issued
+    # once the recompute is done: three weight buffers, as the plan counts, and the recompute's
+    # fetches overlap its compute.
+    def _transfers_and_rerun(self, name: str, t: int, block: tuple[int, int] | None) -> None:
+        """Window B{t}'s transfers, then the re-run of ``block`` (the recompute block ending at t + 1, or None)
+        through the spare slot of layer t-1, whose prefetch is issued after it (Note: [recompute double
+        buffer]); a planned backward window and a passed one alike."""
+        spare = t - 1 if block is not None and t >= 1 and (t - 1) not in self.resident_slot else None
+        self._issue_transfers(name, defer_weights=spare)
+        if block is not None:
+            self._recompute_block(name, block[0], t, spare=None if spare is None else self.slot_of(spare))
+            if spare is not None and self._fetched_for_backward(spare) and any(
+                    op.kind == "weights" and op.index == spare for op in self._windows[name].ops):
+                self._stage(spare)
 
     def _recompute_block(self, window: str, s: int, t: int, spare: int | None = None) -> None:
         """Re-run layers s..t-1 without grad from boundary s; keep boundaries s+1..t."""
