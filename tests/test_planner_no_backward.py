@@ -16,13 +16,11 @@ import random
 
 import pytest
 import torch
-from test_executor import SCHEDULES, big_host, custom, plain_grads, run
+from test_executor import SCHEDULES, big_host, custom, measured, plain_grads, run
 from test_executor import L as LAYERS
 from test_planner_host_lane import random_instance
 from test_planner_optimizer_mode import small_instance
 
-from lightning_lazytrain.engine.executor import Executor
-from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.models import LlamaLM
 from lightning_lazytrain.planner import InvalidInput, Workload, keep_all, megatrain, recompute_all, simulate, solve
 from lightning_lazytrain.planner.milp import ScheduleModel
@@ -176,15 +174,6 @@ def freeze(model, k):
     return m
 
 
-def profiled(model, tokens, tmp_path) -> Workload:
-    m = copy.deepcopy(model)
-    ex = Executor(m, recompute_all(LAYERS), nvme_dir=tmp_path)
-    try:
-        return measure_workload(ex, lambda: m.loss(tokens).backward(), tokens=tokens.numel())
-    finally:
-        ex.close()
-
-
 FAST = ("recompute_all", "megatrain_K2", "keep_all", "cpu_homes", "milp")
 
 
@@ -195,7 +184,7 @@ def test_the_engine_moves_and_reruns_what_the_simulator_counts_for_a_frozen_pref
                                                                                     name, k):
     model, tokens = model_and_tokens
     model = freeze(model, k)
-    wl = profiled(model, tokens, tmp_path)
+    wl = measured(model, tokens, tmp_path)
     assert wl.no_backward == tuple(range(k))
     hw = big_host(wl)
     if name == "milp":
@@ -221,7 +210,7 @@ def test_without_no_backward_the_plan_counts_fetches_the_engine_skips(model_and_
     bytes and re-runs than the engine does."""
     model, tokens = model_and_tokens
     model = freeze(model, 2)
-    wl = profiled(model, tokens, tmp_path)
+    wl = measured(model, tokens, tmp_path)
     schedule = custom(["gpu", "recompute", "gpu", "recompute", "gpu"])
     _, _, stats = run(model, schedule, tokens, tmp_path)
     right = simulate(schedule, wl, big_host(wl))
@@ -242,7 +231,7 @@ def test_a_block_that_trains_a_little_holds_its_whole_gradient_buffer_in_the_pla
     for block in model.layers:
         block.requires_grad_(False)
         block.input_layernorm.requires_grad_(True)
-    wl = profiled(model, tokens, tmp_path)
+    wl = measured(model, tokens, tmp_path)
     assert wl.no_backward == () and all(0 < x.grad_bytes < x.param_bytes / 10 for x in wl.layers)
     schedule = SCHEDULES[name]
     sim = simulate(schedule, wl, big_host(wl))

@@ -22,15 +22,15 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning
-from test_executor import SCHEDULES, big_host, custom, plain_grads, run
+from test_executor import SCHEDULES, big_host, custom, measured, plain_grads, run
 from test_executor import L as LAYERS_LLAMA
 from test_executor import SPEC
+from test_planner_no_backward import freeze
 from test_planner_optimizer_mode import small_instance
 from test_review2_finetune import LAYERS, LoRANet, PartNet, fit, fit_like_auto, lazy
 from test_review_clip_manual import data
 
 from lightning_lazytrain.engine.executor import Executor
-from lightning_lazytrain.engine.profiler import measure_workload
 from lightning_lazytrain.models import LlamaLM
 from lightning_lazytrain.planner import Workload, keep_all, recompute_all, simulate, solve
 from lightning_lazytrain.strategy import LazyTrainStrategy
@@ -88,22 +88,9 @@ def llama():
     return model, tokens
 
 
-def _freeze(model, k):
-    m = copy.deepcopy(model)
-    m.embed_tokens.requires_grad_(False)
-    for block in m.layers[:k]:
-        block.requires_grad_(False)
-    return m
-
-
 def _profile(model, tokens, tmp_path, micro=1) -> Workload:
-    m = copy.deepcopy(model)
-    ex = Executor(m, recompute_all(LAYERS_LLAMA), nvme_dir=tmp_path)
-    try:
-        return measure_workload(ex, lambda: m.loss(tokens[::micro] if micro > 1 else tokens).backward(),
-                                tokens=tokens[::micro].numel() if micro > 1 else tokens.numel())
-    finally:
-        ex.close()
+    """One micro-batch of ``micro`` profiled (test_executor's ``measured`` on its tokens)."""
+    return measured(model, tokens[::micro] if micro > 1 else tokens, tmp_path)
 
 
 RESIDENT = {
@@ -120,7 +107,7 @@ RESIDENT = {
 
 
 def _check_engine_against_sim(model, tokens, tmp_path, schedule, k, micro):
-    model = _freeze(model, k)
+    model = freeze(model, k)
     wl = _profile(model, tokens, tmp_path, micro)
     assert wl.no_backward == tuple(range(k))
     wl = dataclasses.replace(wl, grad_accum=micro)
@@ -348,7 +335,7 @@ def _real_bytes_over_plan(model, tokens, tmp_path, schedule, k, micro):
     the simulator's (beyond MEM_TOL), and the step's real peak over the predicted one."""
     from lightning_lazytrain.planner.simulator import MEM_TOL
 
-    model = _freeze(model, k)
+    model = freeze(model, k)
     wl = dataclasses.replace(_profile(model, tokens, tmp_path, micro), grad_accum=micro)
     assert wl.no_backward == tuple(range(k))
     if schedule == "milp":
@@ -394,7 +381,7 @@ def test_a_resident_layer_without_a_backward_holds_no_gradient_buffer_beyond_the
 
 def test_a_milp_plan_with_a_resident_frozen_layer_0_under_accumulation_stays_within_its_bytes(llama, tmp_path):
     model, tokens = llama
-    wl = dataclasses.replace(_profile(_freeze(model, 2), tokens, tmp_path, 2), grad_accum=2)
+    wl = dataclasses.replace(_profile(freeze(model, 2), tokens, tmp_path, 2), grad_accum=2)
     res = solve(wl, big_host(wl).replace(h2d_bytes_per_s=1e7))
     assert res.status == "optimal"
     assert res.schedule.resident_weights[0]  # the probe's premise: the plan keeps frozen layer 0 resident

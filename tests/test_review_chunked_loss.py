@@ -21,8 +21,6 @@ stated 1e-5 relative, for
 from __future__ import annotations
 
 import copy
-import logging
-import warnings
 
 import pytest
 import torch
@@ -33,6 +31,7 @@ L = pytest.importorskip("lightning")
 from lightning_lazytrain.models.hf_loss import ChunkedLoss  # noqa: E402
 from lightning_lazytrain.models.loss import chunked_lm_loss  # noqa: E402
 from lightning_lazytrain.strategy import LazyTrainStrategy  # noqa: E402
+from quiet_logs import quiet_logs  # noqa: E402
 
 V, B, S = 128, 2, 12
 LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -48,21 +47,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    """Quiet logs for this file's tests, restored after each (a level left at ERROR hid the warnings other
-    files' tests read from caplog, in whichever worker ran this file first)."""
-    loggers = [logging.getLogger(name) for name in ('lightning',)]
-    levels, verbosity = [x.level for x in loggers], transformers.logging.get_verbosity()
-    for x in loggers:
-        x.setLevel(logging.ERROR)
-    transformers.logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for x, level in zip(loggers, levels):
-            x.setLevel(level)
-        transformers.logging.set_verbosity(verbosity)
+    with quiet_logs("lightning"):
+        yield
 
 
 # ---- through the strategy, against strategy="auto" --------------------------------------------------

@@ -24,9 +24,7 @@ planned early part is sent in the backward; the MILP with the mode forced equals
 from __future__ import annotations
 
 import dataclasses
-import logging
 import random
-import warnings
 
 import pytest
 import torch
@@ -37,6 +35,7 @@ L = pytest.importorskip("lightning")
 from lightning_lazytrain.lit_module import CausalLMModule  # noqa: E402
 from lightning_lazytrain.models.hf_loss import ChunkedLoss  # noqa: E402
 from lightning_lazytrain.strategy import LazyTrainStrategy  # noqa: E402
+from quiet_logs import quiet_logs  # noqa: E402
 
 V = 128
 LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -46,21 +45,8 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    """Quiet logs for this file's tests, restored after each (a level left at ERROR hid the warnings other
-    files' tests read from caplog, in whichever worker ran this file first)."""
-    loggers = [logging.getLogger(name) for name in ('lightning', 'lightning_lazytrain')]
-    levels, verbosity = [x.level for x in loggers], transformers.logging.get_verbosity()
-    for x in loggers:
-        x.setLevel(logging.ERROR)
-    transformers.logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for x, level in zip(loggers, levels):
-            x.setLevel(level)
-        transformers.logging.set_verbosity(verbosity)
+    with quiet_logs("lightning", "lightning_lazytrain"):
+        yield
 
 
 def data(n, vocab=256, shape=(4, 33)):
