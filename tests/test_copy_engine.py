@@ -306,3 +306,38 @@ def test_compute_stamps_time_the_device_not_the_launch() -> None:
     (seg,) = trace.compute
     assert seg.end - seg.start > 0.005
     engine.close()
+
+
+def test_a_finished_job_holds_no_reference_to_its_tensors() -> None:
+    """Note: [a job's references go before its handle finishes]: once ``wait`` returns, the worker keeps
+    nothing of the job, so the waiter's last reference frees a buffer at once. A done callback that
+    sleeps keeps the worker inside the finish; before the fix the job's closure (holding the tensor)
+    was still alive then, and a pool trimmed right after a step could count a buffer it had dropped."""
+    import threading
+    import weakref
+
+    from lightning_lazytrain.engine.worker import Worker
+
+    w = Worker("test-refs")
+    try:
+        buf = torch.zeros(1024)
+        gone = threading.Event()
+        weakref.finalize(buf, gone.set)
+        started = threading.Event()
+        release = threading.Event()
+
+        def job(t: torch.Tensor = buf) -> None:
+            started.wait()
+            t.add_(1)
+
+        handle = w.submit(job, lane="h2d", nbytes=buf.numel() * 4)
+        handle.add_done_callback(lambda _h: release.wait(5.0))  # the worker stays in the finish
+        del job
+        started.set()
+        handle.wait()
+        del buf
+        assert gone.is_set(), "the worker still held the job's tensor after the waiter was woken"
+        release.set()
+    finally:
+        release.set()
+        w.close(5.0)

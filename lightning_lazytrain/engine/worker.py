@@ -174,22 +174,23 @@ class Worker:
                 return
             handle, fn, after = job
             del job
-            try:
-                if self._error is not None:
-                    handle._finish(self._error)
-                    continue
+            err: BaseException | None = self._error
+            if err is None:
                 try:
                     for dep in after:
                         dep.wait()
-                except BaseException as err:  # noqa: BLE001 - the dependency's failure, not this worker's
-                    handle._finish(err)
-                    continue
-                try:
-                    fn()
-                except BaseException as err:  # noqa: BLE001 - delivered to whoever waits
-                    self._error = err
-                    handle._finish(err)
+                except BaseException as dep_err:  # noqa: BLE001 - the dependency's failure, not this worker's
+                    err = dep_err
                 else:
-                    handle._finish()
-            finally:
-                del fn, after, handle
+                    try:
+                        fn()
+                    except BaseException as job_err:  # noqa: BLE001 - delivered to whoever waits
+                        err = self._error = job_err
+            # Note: [a job's references go before its handle finishes]: the job's function (its closure
+            # holds the copy's tensors) goes here, before the handle wakes its waiter. A waiter that then
+            # drops its own reference to a buffer frees it at once (a host arena's memory, which
+            # host_pinned_bytes counts, goes with its last slice), not whenever this thread takes its
+            # next job; an error's traceback keeps this frame, not the tensors.
+            del fn, after
+            handle._finish(err)
+            del handle, err
