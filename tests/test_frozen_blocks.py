@@ -1,4 +1,4 @@
-"""Blocks no gradient reaches (Note: [blocks no gradient reaches] in engine/executor.py).
+"""Blocks no gradient reaches (Note: [blocks no gradient reaches] in engine/block_calls.py).
 
 A frozen first part of the stack below a frozen embedding gets no backward under plain autograd. Here such
 blocks run their planned forward and no backward, no re-run and no gradient copy; the profile measures no

@@ -343,7 +343,7 @@ class TrainingCore(ScheduleControl):
             ex.take_norms = norms_wanted(self.optimizers, hand_over=self.fit.hand_over_norms, clip=self.fit.clip,
                                          several=self.grad_sync is not None or self.shard_store() is not None)
             # the weights an optimizer holds: frozen ones among them may be toggled back (toggle_optimizer),
-            # so their blocks keep their backward (engine/executor.py, Note: [blocks no gradient reaches])
+            # so their blocks keep their backward (engine/block_calls.py, Note: [blocks no gradient reaches])
             ex.optimized_ids = frozenset(id(q) for o in self.optimizers for g in getattr(o, "param_groups", ())
                                          for q in g["params"])
             store = self.shard_store()

@@ -99,7 +99,7 @@ class BlockContext:
     output: BlockOutput | None = None
     backpropagated: bool = False  # its backward ran (a second one: retain_graph, refused by name)
     # outputs of a forward window that already ran, for the node to return instead of running it (Note:
-    # [blocks no gradient reaches] in executor.py: a block that read a trainable tensor it does not own)
+    # [blocks no gradient reaches] in block_calls.py: a block that read a trainable tensor it does not own)
     precomputed: list[torch.Tensor] | None = None
 
     def check_outputs(self, outs: Sequence[torch.Tensor]) -> None:
@@ -168,7 +168,7 @@ class BlockFunction(torch.autograd.Function):
 
 
 class TrainableReads(torch.overrides.TorchFunctionMode):
-    """Inside a block's forward run without its node (Note: [blocks no gradient reaches] in executor.py):
+    """Inside a block's forward run without its node (Note: [blocks no gradient reaches] in block_calls.py):
     the first tensor that requires grad an operation reads (``seen``). There the block's input, routed
     tensors and bound weights require none, so such a tensor is one the block does not own: a parameter of
     another module captured by the block's code."""

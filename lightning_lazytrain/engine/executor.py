@@ -31,8 +31,9 @@ two slots.
 The block node's windows run in two mixins of ``Executor``: ``ForwardWindows`` (forward_windows.py:
 F{j}, H's transfers, ad-hoc forwards) and ``BackwardWindows`` (backward_windows.py: B{t}, the windows
 the backward skips or never reaches, ad-hoc backwards, block recomputes, the backward-side
-transfers). This module holds the setup, the micro-batch protocol, the block calls (``_block_call``,
-Note: [blocks no gradient reaches]), the grads' completion, device memory and boundaries.
+transfers); a block's call becomes its pass in a third, ``BlockCalls`` (block_calls.py: ``_block_call``,
+Note: [blocks no gradient reaches], evaluation's streaming). This module holds the setup, the
+micro-batch protocol, the grads' completion, device memory and boundaries.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ from torch import nn
 from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.backward_windows import BackwardWindows
-from lightning_lazytrain.engine.block_fn import BlockContext, BlockFunction, SharedInputs, TrainableReads, run_block
-from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, ForwardState, rerun_call
+from lightning_lazytrain.engine.block_calls import BlockCalls
+from lightning_lazytrain.engine.block_fn import BlockContext, SharedInputs, TrainableReads
+from lightning_lazytrain.engine.block_io import ForwardState
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.early_parts import EarlyParts
-from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT, ForwardWindows
+from lightning_lazytrain.engine.forward_windows import ForwardWindows
 from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import PartialForward
@@ -71,7 +73,7 @@ from lightning_lazytrain.planner.schedule import Schedule
 log = logging.getLogger(__name__)
 
 
-class Executor(ForwardWindows, BackwardWindows):
+class Executor(ForwardWindows, BackwardWindows, BlockCalls):
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
@@ -558,129 +560,6 @@ class Executor(ForwardWindows, BackwardWindows):
         Several processes then average the gradients after the micro-batch, not group by group as
         they complete (core/grad_sync.py, Note: [overlapped all-reduce])."""
         return self._adhoc_used or self._post_hooks
-
-    # ---- forward ---------------------------------------------------------------------------
-    def _block_call(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        if self._armed is not None:
-            self._armed_call()
-        if self._micro is None or not torch.is_grad_enabled():
-            return self._stream_only(j, x, args, kwargs)
-        call, routed = BlockCall.pack(args, kwargs)
-        # A block the planned pass already ran in this micro-batch (a second forward before the
-        # backward: manual optimization, several losses) runs ad hoc: self-contained, exact, unplanned.
-        adhoc = j in self._forwarded
-        if not adhoc and len(self._forwarded) != j:  # the planned pass streams the blocks in the stack's order
-            skipped = [i for i in range(j) if i not in self._forwarded]
-            raise RuntimeError(
-                f"strategy='lazytrain': block {j} of {self.stack.path!r} was called in a training forward after "
-                f"block(s) {sorted(self._forwarded)}, without {skipped or 'them in order'} (the model skips or "
-                "reorders blocks: LayerDrop, early exit, a custom order). "
-                "The plan streams every block in the stack's order once per forward. Fix: turn the skipping off "
-                "for training (e.g. the config's layerdrop=0), call every block in order, or train this model "
-                "with another strategy")
-        self._forwarded.add(j)
-        node = BlockContext(j)  # Note: [the block node] (block_fn.py)
-        if not adhoc and not self._reachable(j, x, routed):  # Note: [blocks no gradient reaches]
-            self._unreachable.add(j)
-            reads = self._reads = TrainableReads()  # around the block's own forward (forward_window)
-            try:
-                with torch.no_grad():  # as inside the node's forward; its output requires no grad, as under autograd
-                    outs = self.forward_window(node, call, x, routed)
-            finally:
-                self._reads = None
-            if reads.seen is not None:  # it read a trainable tensor it does not own: the node over what ran
-                self._unreachable.discard(j)
-                self._reads_trainable.add(j)
-                node.precomputed = list(outs)
-                outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
-        else:
-            outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
-        spec = node.take_output()
-        return spec.build(outs[0], outs[1:1 + len(spec.routed)])
-
-    # Note: [blocks no gradient reaches] A block whose input requires no grad (nor any tensor routed into it:
-    # BlockCall.pack routes those) and none of whose weights does -- a frozen first part of the stack, a
-    # frozen embedding below it; every block of a head-only fine-tune -- gets no backward under plain
-    # autograd: its output requires no grad, and the backward stops above it. Its planned pass then runs
-    # without the node (the anchor would make autograd call the node's backward): the forward window as
-    # planned, under no_grad, and at the micro-batch's end its backward window passes as an unreached
-    # one's does (``_pass_backward_window``: the planned transfers, no compute), without counting it as
-    # unreached. A frozen block's backward and re-runs cost nothing, its weights are not fetched again
-    # for the backward (but layer 0's, which the next micro-batch's F0 reads from its slot), and the
-    # profiled step records it (``StepStats.no_backward``): the plan prices its B windows as they run,
-    # no compute, no re-run and no second fetch (Note: [layers without a backward] in planner/workload.py).
-    # A weight shared by blocks keeps every block on the node,
-    # and so does a frozen weight an optimizer holds (``optimized_ids``, set by the training core): it is
-    # frozen for this pass only (``toggle_optimizer``: a GAN's generator during its critic's step), and a
-    # profile of such a pass would price no backward for blocks that run one in the other passes. A block
-    # whose code reads a trainable tensor it does not own (a parameter of the model captured by the block)
-    # is caught as it runs (``TrainableReads``): the node is then made over the window that ran (its
-    # outputs, ``BlockContext.precomputed``), so its backward re-runs the block as for any block that kept
-    # no internals and the tensor gets its gradient; the block keeps its node for the rest of the run.
-    def _reachable(self, j: int, x: torch.Tensor, routed: list) -> bool:
-        """Can a gradient reach block ``j``'s forward on ``x`` (Note: [blocks no gradient reaches])?"""
-        assert self.params is not None
-        if x.requires_grad or routed or self.params.shared_across_blocks or j in self._reads_trainable:
-            return True
-        return any(p.requires_grad or id(p) in self.optimized_ids for p in self.params.group_parameters(j))
-
-    def _fetched_for_backward(self, u: int) -> bool:
-        """Does a backward window fetch layer ``u``'s weights? Not for a block no gradient reaches (Note:
-        [blocks no gradient reaches]: its backward window passes without compute), except layer 0, whose
-        slot serves the next micro-batch's F0."""
-        return u == 0 or u not in self._unreachable
-
-    def _run_block(self, j: int, x: torch.Tensor, call: BlockCall, routed: list, *, first: bool,
-                   rerun: bool = True) -> tuple[BlockOutput, list[torch.Tensor]]:
-        """Block j's own forward on ``x`` (``block_fn.run_block``): its output structure and the
-        node's outputs."""
-        return run_block(self._orig[j], self.stack[j], self.stack.block_path(j), x, call, routed,
-                         first=first, rerun=rerun)
-
-    def _store_call(self, j: int, call: BlockCall, routed: list) -> None:
-        """Keep the call for re-runs: KV caches dropped, routed tensors detached."""
-        args, kwargs = rerun_call(self._signatures.get(j), *call.build(routed), j=j)
-        rcall, rrouted = BlockCall.pack(args, kwargs)
-        self._calls[j] = (rcall, [t.detach() for t in rrouted])
-        for t in (*rrouted, *rcall.leaves):
-            if isinstance(t, torch.Tensor) and t.device == self.device:
-                storage = t.untyped_storage()
-                self._call_storages[storage.data_ptr()] = storage.nbytes()
-        self.stats.call_bytes = max(self.stats.call_bytes, sum(self._call_storages.values()))
-
-    def _not_internals(self, x: torch.Tensor) -> set[int]:
-        """Storages a block's saved tensors may view that are not its internals: its input (a
-        boundary, with a home of its own) and the tensors of the micro-batch's block calls (rotary
-        tables, masks, encoder states: ``StepStats.call_bytes``, static in the plan)."""
-        return {x.untyped_storage().data_ptr(), *self._call_storages}
-
-    def _stream_only(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """Evaluation: stream the weights through the two slots, keep nothing. Inside a training
-        micro-batch (a no-grad forward in ``training_step``), or between an accumulated step's
-        micro-batches, the slots belong to the planned pass: stream through the recompute slot instead."""
-        assert self.params is not None
-        if self._micro is not None or self._between_microbatches:
-            if (self._micro is not None and self.schedule.optimizer == "pipelined" and self._micro[0]
-                    and self.wait_updated is not None):
-                self._wait_for_update(j)  # the pipelined step may still be updating layer j's masters
-            self.params.stage(j, RECOMPUTE_SLOT)
-            try:
-                with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
-                    return self._orig[j](x, *args, **kwargs)
-            finally:
-                self.params.evict(RECOMPUTE_SLOT)
-        if j == 0 or not self.params.staged(j, j % 2):
-            self.params.stage(j, j % 2)
-        if j + 1 < len(self.stack):
-            self.params.stage(j + 1, (j + 1) % 2)
-        with self.params.bind(j, j % 2, grads=False), torch.no_grad():
-            return self._orig[j](x, *args, **kwargs)
-
-    def _stage(self, j: int, slot: int | None = None) -> None:
-        # Staging writes the slot's weights only; a gradient D2H still reading the slot's grad
-        # buffer may continue (it is finished before the next bind with grads zeroes that buffer).
-        assert self.params is not None
-        self.params.stage(j, self.slot_of(j) if slot is None else slot)
 
     # ---- transfers ---------------------------------------------------------------------------
     def _evict_lazy_slots(self) -> None:

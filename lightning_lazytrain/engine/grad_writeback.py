@@ -260,7 +260,7 @@ class GradWriteBack:
             self._fit_host_grads(g, [i for i in g.params if id(i) in s.touched])
         if s.grads is None and not any(w.requires_grad for _, w in s.wrappers):
             # a slot whose weights all ran frozen has no gradient buffer, and gets none for an empty copy: a
-            # resident block no gradient reached (Note: [blocks no gradient reaches] in executor.py) would
+            # resident block no gradient reached (Note: [blocks no gradient reaches] in block_calls.py) would
             # otherwise hold a whole group's buffer the plan does not count until its slot goes
             grads = torch.empty(0, dtype=self.compute_dtype, device=self.device)
             if not part:

@@ -54,7 +54,7 @@ class StepStats:
     # gradient (its output detached or dropped): their backward windows moved data, computed nothing.
     # Such a step is not a profile (its backward times are missing).
     unreached: set[int] = field(default_factory=set)
-    # Note: [blocks no gradient reaches] (executor.py): blocks that ran their planned forward without the
+    # Note: [blocks no gradient reaches] (block_calls.py): blocks that ran their planned forward without the
     # node, in every micro-batch of the step: no backward, no re-run, no second fetch (the profile's
     # ``Workload.no_backward``, Note: [layers without a backward] in planner/workload.py)
     no_backward: set[int] = field(default_factory=set)

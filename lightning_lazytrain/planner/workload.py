@@ -222,7 +222,7 @@ class Workload:
     host_norms: bool = True
     # Note: [layers without a backward] the layers no gradient reaches in the profiled step (ascending; in
     # practice a prefix of the stack: a frozen first part under a frozen embedding, or every layer of a
-    # head-only fine-tune; engine/executor.py, Note: [blocks no gradient reaches]). The engine runs their
+    # head-only fine-tune; engine/block_calls.py, Note: [blocks no gradient reaches]). The engine runs their
     # forward and no backward: their B windows compute nothing, fetch no weights (but layer 0's, which the
     # next micro-batch's F0 reads), send no gradients and keep no internals, and no block ending at one of
     # them is re-run (a block ending above them still re-runs them: the layer above needs its input).
