@@ -471,7 +471,7 @@ class TrainingCore(ScheduleControl):
         return self.steps.finish(refuse=what)
 
     def masters_in_modules(self) -> contextlib.AbstractContextManager:
-        """Note: [a state dict mid-bind] (engine/param_store.py): the host masters in the modules while a
+        """Note: [a state dict mid-bind] (engine/param_binding.py): the host masters in the modules while a
         checkpoint reads their ``state_dict()``."""
         ex = self.executor
         return ex.params.masters_in_modules() if ex is not None and ex.params is not None else contextlib.nullcontext()

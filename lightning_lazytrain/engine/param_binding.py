@@ -1,0 +1,170 @@
+"""Binding of ``ParamStore`` (a mixin of it, param_store.py: it reads the store's groups and slots): ``bind``
+puts a staged group's compute copy into the modules that own its parameters for a while, as fresh leaf
+``nn.Parameter`` views of the slot's device buffer whose ``.grad`` are views of the slot's device gradient
+buffer; ``release`` marks a slot's last compute user (Note: [slot reuse] in param_store.py);
+``masters_in_modules`` puts the host masters back for a while (Note: [a state dict mid-bind]).
+
+Why swap ``_parameters`` entries rather than ``param.data`` or functional_call?
+    * Swapping ``param.data`` would alias master and compute copy: autograd
+      would write compute-dtype device grads into the master's ``.grad``
+      (which must stay host fp32), and the master could not be updated while
+      a block is bound.
+    * ``torch.func.functional_call`` does the same swap internally, but only
+      around one call; a context manager also works when the executor drives
+      the whole model's forward or uses hooks.
+    The wrappers' ``.grad`` are pre-set to views of a flat device grad buffer,
+    so autograd accumulates in place into it (AccumulateGrad does ``grad +=``
+    when a grad exists) and one D2H moves a block's grads. Tied parameters
+    get one wrapper installed at every site, so their grads are summed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_lazytrain.engine.grad_writeback import REST
+from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
+
+if TYPE_CHECKING:
+    from lightning_lazytrain.engine.copy_engine import CopyEngine
+    from lightning_lazytrain.engine.param_groups import Slot
+
+__all__ = ["ParamBinding"]
+
+
+class ParamBinding:
+    """The binds of ``ParamStore`` (see the module doc); the attributes are the store's."""
+
+    engine: CopyEngine
+    _slots: list[Slot]
+    post_hooks: PostAccumulateHooks
+    arrival_watch: Callable[[nn.Parameter], None] | None
+
+    # ---- binding (Note: [slot reuse]) -------------------------------------------------
+    def release(self, layer: int, slot: int | None = None) -> None:
+        """Mark the compute queued so far as the last user of the slot (Note: [slot reuse])."""
+        self._slot(layer, slot).free = self.engine.record_compute()
+
+    @contextlib.contextmanager
+    def bind(self, layer: int, slot: int | None = None, *, grads: bool | None = None,
+             follow_requires_grad: bool = False) -> Iterator[None]:
+        """Run the group's modules on the staged compute copy.
+
+        ``grads`` (default: grad mode at entry) makes the compute copy require
+        grad and zeroes the slot's device grads; grads accumulate there until
+        ``write_back_grads``. ``follow_requires_grad``: for a long bind (the
+        non-block weights, bound for a whole micro-batch), each module call
+        re-reads its masters' ``requires_grad`` (``toggle_optimizer`` changes it
+        after the bind).
+        """
+        g, s = self._group(layer), self._slot(layer, slot)
+        if s.gid != layer or s.ready is None:
+            where = "its buffer" if layer == REST else f"slot {slot}"
+            raise RuntimeError(f"layer {layer} is not staged in {where}; call stage() first")
+        if s.bound:
+            raise RuntimeError(f"slot {slot} is already bound")
+        want_grads = torch.is_grad_enabled() if grads is None else grads
+        s.ready.sync_current_stream()
+        if want_grads:
+            if s.sending is not None:  # Note: [grad write-back ordering]: zeroing waits for the last D2H
+                s.sending.sync_current_stream()
+            self._ensure_grad_buffers(s)[: g.numel].zero_()
+        s.wrappers = []
+        s.touched = set()
+        follow: dict[int, tuple[nn.Module, list]] = {}
+        for info in g.params:
+            requires = want_grads and info.param.requires_grad
+            w = nn.Parameter(self._view(s.weights, info), requires_grad=requires)
+            if requires or (want_grads and follow_requires_grad and w.is_floating_point()):
+                w.requires_grad_(True)
+                w.grad = self._view(s.grads, info)  # autograd accumulates in place here
+                # A parameter no gradient reaches keeps .grad None on the host, as under plain
+                # autograd (optimizers skip such parameters; zeros would decay them).
+                w.register_post_accumulate_grad_hook(functools.partial(self._arrived, s, id(info), info.param))
+                # the master's register_hook hooks run on the wrapper autograd accumulates into
+                # (Note: [gradient hooks on streamed parameters]); a long bind also sees later ones
+                forward_tensor_hooks(info.param, w, always=follow_requires_grad)
+                w.requires_grad_(requires)
+                if follow_requires_grad:
+                    for m, _ in info.sites:
+                        follow.setdefault(id(m), (m, []))[1].append((info.param, w))
+            s.wrappers.append((info, w))
+            for m, name in info.sites:
+                # Same mechanism as torch.func.functional_call; bypasses
+                # registration hooks that would fire per layer per step.
+                m._parameters[name] = w
+        followers = [_Follower(pairs) for _, pairs in follow.values()]
+        handles = [m.register_forward_pre_hook(f) for (m, _), f in zip(follow.values(), followers)]
+        s.bound = True
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for f in followers:  # set through the module after its last call: the master follows too
+                f()
+            for info, _ in s.wrappers:
+                for m, name in info.sites:
+                    m._parameters[name] = info.param
+            s.bound = False
+            s.free = self.engine.record_compute()
+
+    def is_bound(self, layer: int, slot: int | None = None) -> bool:
+        """Is group ``layer``'s slot bound into the modules now (REST: between a step's micro-batches too)?"""
+        return self._slot(layer, slot).bound and self._slot(layer, slot).gid == layer
+
+    @contextlib.contextmanager
+    def masters_in_modules(self) -> Iterator[None]:
+        """For a while, the host masters in the modules where a bind put compute copies.
+
+        Note: [a state dict mid-bind]
+            The non-block group is bound into the modules for a whole training micro-batch, through
+            evaluation, and between an accumulated step's micro-batches; a checkpoint written then
+            (ModelCheckpoint at validation end, ``trainer.save_checkpoint`` in ``training_step``) reads the
+            modules' ``state_dict()``, which must hold the masters -- fp32 with ``fp32_masters``, on the
+            host -- not the bound 16-bit device copies. The strategies read it inside this."""
+        swapped = []
+        for s in self._slots:
+            if s.bound:
+                for info, w in s.wrappers:
+                    for m, name in info.sites:
+                        if m._parameters.get(name) is w:
+                            m._parameters[name] = info.param
+                            swapped.append((m, name, w))
+        try:
+            yield
+        finally:
+            for m, name, w in swapped:
+                m._parameters[name] = w
+
+    def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
+        s.touched.add(key)
+        self.post_hooks.arrived(key, master)
+        if self.arrival_watch is not None and s.gid == REST:
+            self.arrival_watch(master)
+
+
+class _Follower:
+    """A long bind's ``requires_grad``, both ways (``bind(follow_requires_grad=True)``), as a forward pre-hook
+    of each module holding the pairs' compute copies and once more when the bind ends: set on a master
+    (Lightning's ``toggle_optimizer``), the compute copy follows; set on the compute copy (user code that
+    reaches the weight through the module during the step, where the module holds the copy), the master
+    follows, as under plain autograd, where the module's parameter is the master."""
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs
+        self._last = {id(w): w.requires_grad for _, w in pairs}
+
+    def __call__(self, module: nn.Module | None = None, args: Any = None) -> None:
+        for master, w in self.pairs:
+            if w.requires_grad != self._last[id(w)]:  # set through the module: the master follows
+                master.requires_grad_(w.requires_grad)
+            elif w.requires_grad != master.requires_grad:  # set on the master: the compute copy follows
+                w.requires_grad_(master.requires_grad)
+            self._last[id(w)] = w.requires_grad
