@@ -58,6 +58,7 @@ class PipelinedSteps:
         self._eager: list[tuple[Any, dict]] = []
         self.armed = False  # this micro-batch's final gradients are the step's: hand them over (arm)
         self._handed: set[int] = set()  # the blocks handed over in this micro-batch
+        self._hooked: set[int] = set()  # optimizers whose serial steps for their hooks were logged
 
     def configure(self, ex: Executor, optimizers: list, *, in_backward: str | None = None) -> bool:
         """For the executor's (new) schedule: which optimizers step pipelined, in which order; True
@@ -86,7 +87,7 @@ class PipelinedSteps:
             blocks_order = [0, *serial] + [j for j in range(1, blocks_n) if j not in serial]
             self._plans[id(inner)] = (first + [block_layer[j] for j in blocks_order] + rest, block_layer, part_layers)
             self._signatures[id(inner)] = _signature(inner)
-            if getattr(inner, "updates_in_backward", False):
+            if getattr(inner, "updates_in_backward", False) and not inner.has_step_hooks:  # Note: [step hooks]
                 self._eager.append((inner, block_layer))
         if self._eager:
             why = in_backward
@@ -180,6 +181,13 @@ class PipelinedSteps:
                 and not any(inner.updating_in_backward for inner, _ in self._eager)):
             self._regroup(optimizer)
             entry = self._plans.get(id(optimizer))
+        if entry is not None and getattr(optimizer, "has_step_hooks", False) and not optimizer.updating_in_backward:
+            # Note: [step hooks] (optim/torch_contract.py): a post-hook may edit the weights the next forward reads
+            if id(optimizer) not in self._hooked:
+                self._hooked.add(id(optimizer))
+                log.info("lazytrain: %s has step hooks (register_step_pre_hook / _post_hook): its steps run serially "
+                         "while they exist, not pipelined under the next forward", type(optimizer).__name__)
+            return None
         return None if entry is None else entry[0]
 
     def _regroup(self, optimizer: Any) -> None:

@@ -67,12 +67,31 @@ def adamw32_update(
     if clip_coef is not None:
         scale_grads_(grads, clip_coef)
     torch._foreach_add_(list(steps), 1.0)
-    if impl == "fused":
-        _fused(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay)
-    else:
-        _foreach(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                 weight_decay=weight_decay)
+    fused = [i for i in range(len(params)) if _flat_alike(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])] \
+        if impl == "fused" else []
+    if fused:
+        _fused(*_pick(fused, params, grads, exp_avgs, exp_avg_sqs, steps), lr=lr, beta1=beta1, beta2=beta2,
+               eps=eps, weight_decay=weight_decay)
+    if len(fused) < len(params):
+        rest = sorted(set(range(len(params))) - set(fused))
+        _foreach(*_pick(rest, params, grads, exp_avgs, exp_avg_sqs, steps), lr=lr, beta1=beta1, beta2=beta2,
+                 eps=eps, weight_decay=weight_decay)
+
+
+def _flat_alike(*tensors: torch.Tensor) -> bool:
+    """Note: [the fused kernel reads flat memory] torch's fused AdamW kernel walks param, grad and moments
+    as flat memory, element i of each together: only right when the four are laid out alike (same strides,
+    no gaps). A gradient laid out unlike its parameter (a ``channels_last`` weight with a contiguous
+    gradient, a transposed one) would update the wrong elements (torch's own ``fused=True`` does): such
+    tensors take the foreach ops, elementwise by index."""
+    p = tensors[0]
+    if any(t.stride() != p.stride() for t in tensors[1:]):
+        return False
+    return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
+
+
+def _pick(idx: list[int], *lists: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    return [[seq[i] for i in idx] for seq in lists]
 
 
 def _fused(

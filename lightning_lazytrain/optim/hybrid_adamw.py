@@ -54,6 +54,14 @@ from .clip import (
 )
 from .backward_updates import BackwardUpdates
 from .pipeline import LayerPipeline
+from .torch_contract import (
+    has_step_hooks,
+    names_differ,
+    refuse_unsupported,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+    step_hooks,
+)
 
 logger = logging.getLogger("lightning_lazytrain.optim")
 
@@ -191,6 +199,10 @@ class HybridAdamW(BackwardUpdates, Optimizer):
 
     # ----------------------------------------------------------------- groups, assignment, state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        refuse_unsupported(param_group, f"param group {len(self.param_groups)}")  # torch_contract.py
+        if self._ready:  # a step in flight reads the groups as they were when it began
+            self._refuse_open("add_param_group()")
+            self._wait_inflight()
         param_group.setdefault("layer", len(self.param_groups))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -378,8 +390,10 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         self.last_clip = clip  # the clip the step applied (its own max_grad_norm, or the one asked for it)
         total = self._global_norm(clip)
         decision = decide_clip(total, clip)
-        if asked and not decision.finite and total is not None:
-            decision = self._clipped_nonfinite(total, clip)
+        if not decision.finite and total is not None and (asked or not self.skip_nonfinite):
+            # a clip asked for this step, or no skip wanted: the step runs as clip_grad_norm_ then AdamW would
+            decision = (self._clipped_nonfinite(total, clip) if clip is not None else
+                        ClipDecision(grad_norm=decision.grad_norm, scale=1.0, finite=True, scale_tensor=None))
         self.last_grad_norm = decision.grad_norm
         if decision.skip:
             self.skipped_steps += 1
@@ -490,6 +504,7 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             self._opt_called = True  # type: ignore[attr-defined]
             return self._inflight
         self._wait_inflight()
+        post_hooks = step_hooks(self)  # the step hooks, as step() runs them (torch_contract.py)
         plan = self._prepare()
         skip = plan.clip.skip
         if clipped_grads and not skip and plan.clip.scale_tensor is not None:
@@ -500,6 +515,7 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             (lambda layer: None) if skip else (lambda layer: self._update_layer(layer, plan)),
             self._clear_layer_grads,
             cuda_devices=cuda_devices,
+            on_waited=post_hooks,
         )
         self._inflight = pipe.start()
         # What LRScheduler's wrapper of step() would record; it cannot see this entry point.
@@ -578,16 +594,19 @@ class HybridAdamW(BackwardUpdates, Optimizer):
         """
         self._refuse_open("load_state_dict()")
         self._wait_inflight()
+        state_dict = run_load_pre_hooks(self, state_dict)  # torch_contract.py
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         id_map: dict[Any, torch.Tensor] = {}
-        for group, saved in zip(self.param_groups, saved_groups):
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError("loaded state dict has a parameter group of a different size")
-            names, saved_names = group.get("param_names"), saved.get("param_names")
-            if names is not None and saved_names is not None and list(names) != list(saved_names):
-                raise ValueError("loaded state dict names its parameters differently (different model or order)")
+            refuse_unsupported(saved, f"the loaded state dict's param group {gi}")
+            differ = names_differ(group.get("param_names"), saved.get("param_names"))
+            if differ is not None:  # torch: names do not decide the loading; positions do
+                logger.warning("HybridAdamW.load_state_dict: param group %d was saved with other parameter names "
+                               "(first: %r here, %r saved); loaded by position, as torch does", gi, *differ)
             id_map.update(zip(saved["params"], group["params"]))
         if self.bits_pending:  # a resume: the states' bits are the checkpoint's
             saved = {id_map[pid]: saved_bits(st) for pid, st in state_dict["state"].items() if pid in id_map}
@@ -607,3 +626,10 @@ class HybridAdamW(BackwardUpdates, Optimizer):
             for key, value in saved.items():
                 if key not in ("params", "param_names", "layer"):
                     group[key] = deepcopy(value)
+        run_load_post_hooks(self)
+
+    @property
+    def has_step_hooks(self) -> bool:
+        """Does a step run hooks (``register_step_pre_hook`` / ``_post_hook``, or torch's global ones)? The
+        training core then steps serially (torch_contract.py)."""
+        return has_step_hooks(self)

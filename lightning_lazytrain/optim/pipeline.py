@@ -71,7 +71,8 @@ class LayerPipeline:
 
     ``update_layer(layer)`` does the layer's update; ``clear_grads(layer, set_to_none)`` zeroes
     its gradients (for deferred ``zero_grad``); ``on_finish()`` runs on the worker once all layers
-    are done (bookkeeping of the step), before ``wait_all`` returns.
+    are done (bookkeeping of the step), before ``wait_all`` returns; ``on_waited()`` runs once, on the
+    thread whose ``wait_all`` first sees the step complete (the step's post-hooks).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class LayerPipeline:
         cuda_devices: Sequence[torch.device] = (),
         *,
         open_ended: bool = False,
+        on_waited: Callable[[], None] | None = None,
     ) -> None:
         if len(set(order)) != len(order):
             raise ValueError("pipeline order lists a layer twice")
@@ -91,6 +93,7 @@ class LayerPipeline:
         self._update_layer = update_layer
         self._clear_grads = clear_grads
         self._on_finish = on_finish
+        self._on_waited = on_waited  # once, on the thread whose wait_all sees the step complete
         self._events = {layer: threading.Event() for layer in self.order}
         self._finished = threading.Event()
         self._lock = threading.Lock()
@@ -238,6 +241,9 @@ class LayerPipeline:
             raise TimeoutError(f"pipelined step not finished within {timeout} s")
         self._thread.join()
         self._raise_if_failed()
+        waited, self._on_waited = self._on_waited, None
+        if waited is not None:  # the step's post-hooks (torch_contract.py)
+            waited()
 
     @property
     def done(self) -> bool:
