@@ -56,6 +56,7 @@ def load_model_spec(model_name: str, overrides: Optional[Dict[str, Any]] = None)
                              f"or give a path to a model .yaml)")
     cfg = OmegaConf.load(path)
     if overrides:
+        _refuse_unknown_fields(overrides, extra=cfg.keys())
         cfg = OmegaConf.merge(cfg, OmegaConf.create(dict(overrides)))
     return to_model(cfg)
 
@@ -63,7 +64,21 @@ def load_model_spec(model_name: str, overrides: Optional[Dict[str, Any]] = None)
 def _spec_from_fields(fields: Dict[str, Any]) -> ModelSpec:
     from .config import to_model
 
+    _refuse_unknown_fields(fields)
     return to_model(dict(fields))
+
+
+def _refuse_unknown_fields(fields: Dict[str, Any], extra: Any = ()) -> None:
+    """A model override the spec does not know (``num_layerz``) would be dropped without a word: name it."""
+    import dataclasses
+    import difflib
+
+    known = [f.name for f in dataclasses.fields(ModelSpec)]
+    for key in fields:
+        if key not in known and key not in extra:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"model_overrides: unknown model field {key!r}{hint}; a model takes {', '.join(known)}")
 
 
 def _build_hf(hf_config: Any) -> nn.Module:
@@ -134,6 +149,8 @@ class CausalLMModule(LightningModule):
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps >= 0 and 0 <= min_lr_ratio <= 1, got {warmup_steps}, {min_lr_ratio}")
+        _check_optimizer_args(optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, eight_bit=eight_bit,
+                              max_grad_norm=max_grad_norm)
         hf_hparam = hf_config if isinstance(hf_config, dict) or hf_config is None else hf_config.to_dict()
         self.save_hyperparameters({"model_name": model_name, "model_overrides": model_overrides,
                                    "hf_config": hf_hparam, "optimizer": optimizer, "lr": lr,
@@ -302,3 +319,23 @@ class CausalLMModule(LightningModule):
         total = self._total_steps()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: self.lr_factor(step, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+
+def _check_optimizer_args(optimizer: str, *, lr: float, weight_decay: float, betas: Any, eps: float, eight_bit: Any,
+                          max_grad_norm: Optional[float]) -> None:
+    """The optimizer's arguments, checked when the module is made (not first in ``configure_optimizers``, inside
+    ``fit``): each error names the argument as written (``lr=-1``) and what it takes."""
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
+        if not float(value) >= 0:
+            raise ValueError(f"{name}={value}: must be a number >= 0")
+    b = list(betas)
+    if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
+        raise ValueError(f"betas={b}: must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if max_grad_norm is not None and not float(max_grad_norm) > 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm}: must be a number > 0, or null (no clip)")
+    if optimizer == "hybrid_adamw" and not callable(eight_bit):
+        fraction = isinstance(eight_bit, (int, float)) and not isinstance(eight_bit, bool) and 0 < eight_bit <= 1
+        if not (fraction or eight_bit in ("plan", "none", "all")):
+            raise ValueError(f"eight_bit={eight_bit!r}: use 'plan' (the plan picks the 8-bit slice), 'none', 'all' or "
+                             "a fraction in (0, 1] of the parameters with 8-bit states")
+

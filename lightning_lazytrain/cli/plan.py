@@ -9,7 +9,7 @@ directory ``plan.json`` (``PlanResult.to_json()`` plus the resolved config), ``t
 ``summary_row.json``. A multirun also writes one ``sweep.csv`` in the sweep directory (``SweepSummary``,
 registered under ``hydra.callbacks`` in ``conf/plan.yaml``). A config that cannot run (a key the typed schema
 does not know, ``+`` or not, checked before Hydra runs by ``config.check_command_line``; a bad value) or an
-infeasible plan: one line on stderr, exit code 2 and no output directory left behind (in a multirun the job records
+infeasible plan: one line on stderr, exit code 2 and no output directory it made left behind (cli/run_dir.py) (in a multirun the job records
 the reason in its row and the sweep goes on).
 
 Several GPUs (``hardware.gpus_per_node x hardware.nodes > 1``, e.g. ``hardware=h800x8``): one rank is planned with
@@ -25,7 +25,6 @@ memory per node, and plan.json gains ``data_parallel``. One GPU ignores both opt
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -46,6 +45,7 @@ from ..planner.multi import ClusterResult, plan_cluster, rank_hardware
 from ..planner.plan import PlanResult, cap_violations
 from ..planner.policies import BASELINES, baseline
 from ..planner.report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
+from .run_dir import RunDir, check_output_dirs
 
 GB = 1e9
 ROW_FILE = "summary_row.json"
@@ -264,20 +264,6 @@ def infeasible_row(cfg: Any, out_dir: str | Path, err: Exception, *, job: int | 
     return row
 
 
-def remove_run_dir(path: str | Path) -> None:
-    """Remove a failed run's output directory, and the parents it leaves empty up to the working directory."""
-    path = Path(path).resolve()
-    shutil.rmtree(path, ignore_errors=True)
-    cwd = Path.cwd().resolve()
-    parent = path.parent
-    while parent != cwd and cwd in parent.parents:
-        try:
-            parent.rmdir()  # only if empty
-        except OSError:
-            break
-        parent = parent.parent
-
-
 def error_line(err: PlannerError) -> str:
     """One line for a job that cannot be planned: ``infeasible (<kind>): ...`` for a plan that does not fit, the
     config's own words (keys as written, GB for the hardware keys) for a config that cannot run."""
@@ -292,13 +278,14 @@ def _task(cfg: DictConfig) -> dict:
     out_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     job = int(hc.job.num) if multirun and hc.job.get("num") is not None else None
+    run_dir = RunDir(out_dir, hc.job.name)  # what the directory held as the job began
     try:
         return plan_job(cfg, out_dir, job=job)
     except PlannerError as err:
         print(f"lazytrain-plan: {error_line(err)}", file=sys.stderr)
         if multirun:  # record the reason and let the sweep go on
             return infeasible_row(cfg, out_dir, err, job=job)
-        remove_run_dir(out_dir)  # nothing to keep: leave no output directory behind
+        run_dir.remove_created()  # nothing to keep: Note: [a failed run leaves what it found] (run_dir.py)
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(EXIT_INFEASIBLE)
@@ -354,7 +341,7 @@ def main() -> None:
     """Console script ``lazytrain-plan`` (Hydra app over conf/plan.yaml). The command line is composed and checked
     against the typed schema first (``config.check_command_line``): a key it does not know (``+`` or not) or a value
     of the wrong type is one line on stderr and exit code 2, before Hydra creates an output directory."""
-    problem = check_command_line("plan", sys.argv[1:], PLAN_GROUPS)
+    problem = check_command_line("plan", sys.argv[1:], PLAN_GROUPS) or check_output_dirs(sys.argv[1:])
     if problem is not None:
         print(f"lazytrain-plan: {problem}", file=sys.stderr, flush=True)
         sys.exit(EXIT_INFEASIBLE)

@@ -24,9 +24,10 @@ step N"; a re-plan that kept the schedule is named with what its profile re-pred
 device banners and deprecation warnings are left out (``quiet_lightning``). ``main`` composes the command line against the typed schema before Hydra runs
 (``config.check_command_line``: a key the schema does not know, ``+`` or not, a renamed key such as
 ``data.val_every`` -> ``data.holdout_every``, a value of the wrong type), and ``validate_config`` checks the
-strategy name, the accelerator and the run length at start-up (the strategy's options, ``strategy.nvme_dir`` and
+strategy name, the accelerator, the run length and the values ``fit`` would only find bad at start-up
+(``cli/train_checks.py``; the strategy's options, ``strategy.nvme_dir`` and
 ``trainer.precision`` are checked before anything is written): a config that cannot run, or an infeasible plan,
-prints one line on stderr, exits 2 and leaves no output directory. A multirun (``-m``) writes ``sweep.csv``
+prints one line on stderr, exits 2 and leaves no output directory it made (cli/run_dir.py). A multirun (``-m``) writes ``sweep.csv``
 (``TrainSweepSummary``) and prints it as a table; failed jobs keep their reason in it and the app exits 2 at the end.
 
 ``train_job(cfg, out_dir)`` is the app without Hydra's runtime (tests call it with ``hydra.compose``). Each
@@ -60,23 +61,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import (CONF_DIR, ConfigKeyError, HardwareConfig, ModelConfig, check_command_line, check_schema,
-                      in_config_units, to_container, to_hardware, to_model)
+from ..config import (CONF_DIR, HardwareConfig, ModelConfig, check_command_line, in_config_units, to_container, to_hardware, to_model)
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
+from ..core.planning import TRAINER_EIGHT_BIT_FIX
 from ..planner.report import format_table, format_value
 from ..planner.units import format_bytes
-from .plan import ROW_FILE, SweepSummary, remove_run_dir
+from .plan import ROW_FILE, SweepSummary
+from .run_dir import RunDir, check_output_dirs
+from .train_checks import (STRATEGY_NAMES, TrainConfigError, app_names, check_blocks,
+                           check_precision, validate_config)
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
-STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
 #: the config groups of this app (``--help`` lists these; conf/train/ belongs to lazytrain-plan)
 TRAIN_GROUPS = ("data", "hardware", "model", "trainer")
-#: the Trainer precisions the lazytrain strategy runs (its own table when importable; the same values otherwise)
-LAZYTRAIN_PRECISIONS = ("16-mixed", "16-true", "32-true", "bf16-mixed", "bf16-true")
-#: LazyTrainStrategy's options as the app's config names them
-_STRATEGY_OPTIONS = re.compile(r"(?<![\w.])(hardware|policy|gpu_memory_budget_gb|nvme_dir|blocks|emulate_link_gb_per_s|"
-                               r"fp32_masters|keep_compute_copy)=")
 #: the app's own lines (header, validation results, summary) also go to this logger: conf/train_app.yaml sends
 #: it to <output dir>/train.log, next to Lightning's messages (the plan table); the solver's log goes to solver.log
 APP_LOG = logging.getLogger("lightning_lazytrain.train")
@@ -84,10 +82,6 @@ APP_LOG = logging.getLogger("lightning_lazytrain.train")
 LIGHTNING_NOISE = ("GPU available:", "TPU available:", "HPU available:", "IPU available:", "\U0001f4a1 Tip:",
                    "Loading `train_dataloader` to estimate", "`Trainer.fit` stopped:", "LOCAL_RANK:")
 _FAILED_JOBS: list[str] = []  # jobs of the current multirun that failed (the app exits 2 after the sweep)
-
-
-class TrainConfigError(ValueError):
-    """The config cannot be turned into data, model and strategy."""
 
 
 # ---- typed config ------------------------------------------------------------------------------
@@ -396,77 +390,6 @@ def hardware_name(cfg: Any) -> Optional[str]:
     return str(cfg.hardware.name if s.hardware == "profile" else s.hardware)
 
 
-def validate_config(cfg: Any) -> None:
-    """Start-up checks with the user's option names, before anything is built or written: no key the schema does
-    not know (``+trainer.max_step=10`` included), the strategy name (ours, ``auto`` or one registered with
-    Lightning), the accelerator (known to Lightning and present on this machine) and the run length. Raises
-    ``TrainConfigError`` (one line)."""
-    from lightning.pytorch.accelerators import AcceleratorRegistry
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    try:
-        check_schema(cfg)
-    except ConfigKeyError as err:
-        raise TrainConfigError(str(err)) from None
-    s, t = cfg.strategy, cfg.trainer
-    if s.name not in STRATEGY_NAMES and s.name != "auto" and s.name not in StrategyRegistry:
-        others = sorted(n for n in StrategyRegistry.available_strategies()
-                        if n not in STRATEGY_NAMES and "find_unused_parameters" not in n)
-        raise TrainConfigError(
-            f"strategy.name={s.name!r} is not a strategy: use lazytrain or lazytrain_megatrain (layer streaming), "
-            f"auto (plain Lightning), or one of Lightning's: {', '.join(others)} (ddp variants also with "
-            f"_find_unused_parameters_true/false)")
-    accelerator = str(t.accelerator).lower()
-    if accelerator in ("gpu", "cuda"):
-        if not torch.cuda.is_available():
-            raise TrainConfigError(
-                f"trainer.accelerator={t.accelerator!r} (trainer=gpu) needs a CUDA GPU and this machine has none "
-                f"(torch.cuda.is_available() is False): use trainer=cpu")
-        if int(t.devices) > torch.cuda.device_count():
-            raise TrainConfigError(f"trainer.devices={t.devices} but this machine has {torch.cuda.device_count()} "
-                                   f"CUDA GPU(s)")
-    elif accelerator != "auto":
-        known = sorted(set(AcceleratorRegistry.available_accelerators()) | {"auto", "gpu"})
-        if accelerator not in AcceleratorRegistry:
-            raise TrainConfigError(f"trainer.accelerator={t.accelerator!r} is not an accelerator: use one of "
-                                   f"{', '.join(known)}")
-        if not AcceleratorRegistry[accelerator]["accelerator"].is_available():
-            raise TrainConfigError(f"trainer.accelerator={t.accelerator!r} is not available on this machine: use "
-                                   f"trainer=cpu")
-    if s.name in STRATEGY_NAMES and accelerator not in ("cpu", "gpu", "cuda", "auto"):
-        raise TrainConfigError(f"strategy.name={s.name} runs on trainer.accelerator cpu or gpu, not "
-                               f"{t.accelerator!r}")
-    if int(t.max_steps) < 1:
-        raise TrainConfigError(f"trainer.max_steps={t.max_steps}: the app trains a fixed number of steps (>= 1)")
-    if int(t.val_check_interval) < 1:
-        raise TrainConfigError(f"trainer.val_check_interval={t.val_check_interval}: must be >= 1 (steps)")
-
-
-def check_precision(trainer: Any, cfg: Any) -> None:
-    """The precision Lightning resolved ``trainer.precision`` to must be one the lazytrain strategy runs (it refuses
-    the others only in ``fit``, after the output directory exists). Raises ``TrainConfigError``."""
-    if cfg.strategy.name not in STRATEGY_NAMES:
-        return
-    try:
-        from ..strategy import COMPUTE_DTYPES
-
-        supported = sorted(k for k in COMPUTE_DTYPES if "-" in k)
-    except ImportError:  # pragma: no cover - the strategy ships with the package
-        supported = list(LAZYTRAIN_PRECISIONS)
-    plugin = getattr(trainer.strategy, "precision_plugin", None)
-    precision = str(getattr(plugin, "precision", cfg.trainer.precision))
-    if precision not in supported:
-        raise TrainConfigError(
-            f"trainer.precision={cfg.trainer.precision!r} is not supported by strategy.name={cfg.strategy.name}: use "
-            f"one of {', '.join(supported)} (64-bit and plugin precisions would train differently from "
-            f"strategy.name=auto, which runs them)")
-
-
-def _app_option_names(text: str) -> str:
-    """A LazyTrainStrategy message with its options named as this app's config keys (``strategy.nvme_dir=...``)."""
-    return _STRATEGY_OPTIONS.sub(r"strategy.\1=", text).replace("=None", "=null")
-
-
 def build_strategy(cfg: Any) -> Any:
     """The ``strategy=`` argument for the Trainer: ``"auto"`` or a ``LazyTrainStrategy`` constructed with the
     ``strategy`` settings (``hardware: profile`` passes the composed hardware group as a ``Hardware``)."""
@@ -493,7 +416,7 @@ def build_strategy(cfg: Any) -> Any:
     try:
         return entry["strategy"](**kwargs)
     except ValueError as err:  # the strategy's option checks (autoplan.validate_options), named as the config's keys
-        raise ValueError(_app_option_names(_one_line(err))) from err
+        raise ValueError(app_names(_one_line(err))) from err
 
 
 def plot_loss_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], path: str | Path,
@@ -580,9 +503,12 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
             dm = StdlibTextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
             info = dm.describe()
             module = build_module(cfg)
+            check_blocks(cfg, module)
             strategy = build_strategy(cfg)
+        except TrainConfigError:
+            raise
         except (ValueError, PlannerError, FileNotFoundError) as err:
-            raise TrainConfigError(_one_line(err)) from err
+            raise TrainConfigError(app_names(_one_line(err))) from err
 
         history = LossHistory(out)
         timer = StepTimer()
@@ -624,6 +550,8 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
             trainer.fit(module, datamodule=dm)
         except NvmeDirError as err:  # strategy.nvme_dir unusable, or too small for the plan's spill bytes
             raise TrainConfigError(re.sub(r"(?<![\w.])nvme_dir\b", "strategy.nvme_dir", _one_line(err))) from err
+        except InfeasibleBudget as err:  # the fix in this app's keys
+            raise err.reworded(TRAINER_EIGHT_BIT_FIX, "optim.optimizer=hybrid_adamw optim.eight_bit=all") from err
         wall = time.perf_counter() - start
 
     result = summarize(history, int(cfg.smooth_steps))
@@ -764,6 +692,7 @@ def _task(cfg: DictConfig) -> Optional[float]:
     multirun = hc.mode == RunMode.MULTIRUN
     job = int(hc.job.num) if multirun and hc.job.get("num") is not None else None
     overrides = " ".join(hc.overrides.task)
+    run_dir = RunDir(out_dir, hc.job.name)  # what the directory held as the job began
     try:
         result = train_job(cfg, out_dir, job=job, overrides=overrides)
     except (TrainConfigError, PlannerError) as err:
@@ -776,7 +705,7 @@ def _task(cfg: DictConfig) -> Optional[float]:
             (out_dir / ROW_FILE).write_text(json.dumps(row, indent=1, default=str))
             _FAILED_JOBS.append(overrides)
             return None
-        remove_run_dir(out_dir)  # nothing ran: leave no output directory behind
+        run_dir.remove_created()  # nothing ran: Note: [a failed run leaves what it found] (run_dir.py)
         sys.stdout.flush()
         sys.exit(EXIT_BAD_CONFIG)
     return result.get("final_val_loss")  # the value a Hydra sweeper would minimise
@@ -791,7 +720,7 @@ def main() -> None:
     The command line is composed and checked against the schema first (``config.check_command_line``), so a key it
     does not know (``+`` or not) or a value of the wrong type never reaches Hydra's run (no directory, no trace)."""
     _FAILED_JOBS.clear()
-    problem = check_command_line("train_app", sys.argv[1:], TRAIN_GROUPS)
+    problem = check_command_line("train_app", sys.argv[1:], TRAIN_GROUPS) or check_output_dirs(sys.argv[1:])
     if problem is not None:
         print(f"lazytrain-train: {problem}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_CONFIG)

@@ -54,11 +54,16 @@ class CoreOptions:
         if self.data_parallel not in ("replicate", "shard"):
             raise ValueError(f"data_parallel={self.data_parallel!r}: use 'replicate' (every process holds all host "
                              "state) or 'shard' (each holds 1/N of every block's; experimental, no checkpoints)")
-        if self.shard_size is not None and (not isinstance(self.shard_size, int) or self.shard_size < 1):
+        for name in ("verify_checkpoints", "overlap_grad_sync", "nonblock_parts", "fp32_masters"):
+            if not isinstance(getattr(self, name), bool):  # a string such as "no" would read as True
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.blocks is not None and (not isinstance(self.blocks, str) or not self.blocks.strip()):
+            raise ValueError(f"blocks={self.blocks!r}: must be the dotted path of the block stack, e.g. "
+                             "'model.layers' (or None: found by itself)")
+        if self.shard_size is not None and (isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int)
+                                            or self.shard_size < 1):
             raise ValueError(f"shard_size={self.shard_size!r}: must be a number of processes >= 1 (default: the "
                              "devices per node)")
-        if not isinstance(self.fp32_masters, bool):
-            raise ValueError(f"fp32_masters={self.fp32_masters!r}: must be True or False")
         if self.keep_compute_copy not in (True, False, "auto"):
             raise ValueError(f"keep_compute_copy={self.keep_compute_copy!r}: use True, False or 'auto'")
         if self.conversions not in ("plan", "host", "device"):
@@ -70,8 +75,6 @@ class CoreOptions:
             raise ValueError(f"chunked_loss={self.chunked_loss!r}: use True, False or a number of tokens per chunk")
         object.__setattr__(self, "chunked_loss", chunked)
         object.__setattr__(self, "replan", ReplanOptions.parse(self.replan))
-        object.__setattr__(self, "overlap_grad_sync", bool(self.overlap_grad_sync))
-        object.__setattr__(self, "nonblock_parts", bool(self.nonblock_parts))
 
 
 @dataclass(frozen=True)

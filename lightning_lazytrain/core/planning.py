@@ -25,10 +25,14 @@ from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
 from lightning_lazytrain.engine.profiler import workload_from_stats
 from lightning_lazytrain.planner import Hardware, InfeasibleBudget, InfeasibleSchedule, Workload, simulate
+from lightning_lazytrain.planner.plan import EIGHT_BIT_FIX
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import candidates
 
 __all__ = ["Planner", "Profile"]
+
+#: the host-memory fix for a Trainer user: 8-bit states for every parameter
+TRAINER_EIGHT_BIT_FIX = "the optimizer lightning_lazytrain.optim.HybridAdamW(..., eight_bit='all')"
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +182,7 @@ class Planner:
                         current_s = float("inf")
             except BaseException as err:
                 if isinstance(err, InfeasibleBudget):  # the first line a user reads, before the traceback
+                    err = err.reworded(EIGHT_BIT_FIX, TRAINER_EIGHT_BIT_FIX)  # the fix in a Trainer user's terms
                     log.error("lazytrain cannot train this within its budget: %s", err)
                 if (isinstance(err, InfeasibleSchedule) and err.resource == "nvme_capacity"
                         and self.options.nvme_dir is not None and err.need_bytes is not None):

@@ -24,11 +24,17 @@ class InfeasibleBudget(PlannerError):
     def __init__(self, tier: str, shortfall_bytes: float, message: str, suggestion: str = "") -> None:
         self.tier = tier
         self.shortfall_bytes = shortfall_bytes
+        self.message = message
         self.suggestion = suggestion
         text = f"{message} ({tier} memory short by {format_bytes(shortfall_bytes)})"
         if suggestion:
             text += f"; {suggestion}"
         super().__init__(text)
+
+    def reworded(self, old: str, new: str) -> InfeasibleBudget:
+        """The same error with ``old`` in its suggestion written as ``new``: the fix in the caller's terms (the
+        planner names lazytrain-plan's keys; the strategy and the train app name their own)."""
+        return InfeasibleBudget(self.tier, self.shortfall_bytes, self.message, self.suggestion.replace(old, new))
 
 
 class InfeasibleSchedule(PlannerError):

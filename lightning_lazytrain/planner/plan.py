@@ -175,6 +175,10 @@ def evaluate_baselines(wl: Workload, hw: Hardware, K: int = 4) -> tuple[dict, di
     return results, schedules
 
 
+#: the fix for host memory in lazytrain-plan's terms (InfeasibleBudget.reworded puts it in a caller's)
+EIGHT_BIT_FIX = "train.eight_bit_fraction=1.0"
+
+
 def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: TrainSpec | None = None) -> None:
     """Raise ``InfeasibleBudget`` naming the short tier if no schedule can fit; return otherwise."""
     if wl.host_static_bytes > hw.cpu_memory_bytes:
@@ -183,7 +187,7 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             "cpu", short, f"master weights, gradients and optimizer states need {format_bytes(wl.host_static_bytes)} "
             f"of host memory, {hw.name} has {format_bytes(hw.cpu_memory_bytes)}",
             f"smallest host memory that works: {format_bytes(wl.host_static_bytes, digits=4)} (8-bit optimizer states "
-            "shrink it: train.eight_bit_fraction=1.0)")
+            f"shrink it: {EIGHT_BIT_FIX})")
     floor = wl.static_gpu_bytes
     if floor > hw.gpu_memory_cap_bytes:
         raise InfeasibleBudget(
