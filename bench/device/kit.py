@@ -522,14 +522,21 @@ class Delays:
 
             patches.append((param_store.ParamStore, "bind", bind))
 
-        saved = [(obj, attr, obj.__dict__[attr]) for obj, attr, _ in patches]
+        # a class's own attribute, or none (the method is a mixin's: ParamStore.bind is ParamBinding's), put back after
+        saved = [(obj, attr, obj.__dict__.get(attr, _INHERITED)) for obj, attr, _ in patches]
         try:
             for obj, attr, fn in patches:
                 setattr(obj, attr, fn)
             yield self
         finally:
             for obj, attr, fn in saved:
-                setattr(obj, attr, fn)
+                if fn is _INHERITED:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, fn)
+
+
+_INHERITED = object()  # Delays.installed: the patched class had no attribute of its own
 
 
 def cuda_cycles_per_s() -> float:
