@@ -180,3 +180,30 @@ def test_planned_host_bytes_equal_what_the_stores_hold(tmp_path, seq: int) -> No
         assert sim.peak_cpu_bytes == held  # host buffers are whole pages in both (planner.host_page_bytes)
     finally:
         ex.close()
+
+
+def test_clearing_the_cuda_error_without_a_cuda_runtime_does_nothing() -> None:
+    """Note: [a failed runtime call leaves its error]: on a machine whose process loaded no CUDA runtime (this CPU
+    build) the helper finds none and returns; an arena is made as before."""
+    from lightning_lazytrain.engine import host_arena
+
+    host_arena.clear_cuda_error()
+    host_arena.clear_cuda_error()  # the lookup is cached
+    assert host_arena._get_last_error is False or callable(host_arena._get_last_error)
+    assert HostArena(HOST_PAGE).reserved_bytes == HOST_PAGE
+
+
+@gpu
+@needs_cuda
+def test_a_failed_host_register_leaves_no_error_for_later_kernels() -> None:
+    """A cudaHostRegister the runtime refuses (a null pointer) sets the thread's last CUDA error, which torch's
+    binding does not clear; after ``clear_cuda_error`` (what HostArena's fallback calls) the next kernel launch
+    on this thread runs."""
+    from lightning_lazytrain.engine.host_arena import clear_cuda_error
+
+    err = torch.cuda.cudart().cudaHostRegister(0, HOST_PAGE, 1)
+    assert int(err) != 0
+    clear_cuda_error()
+    x = torch.ones(4, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    assert x.sum().item() == 8.0

@@ -62,9 +62,38 @@ def _unregister(mm: mmap.mmap, ptr: int, device: int) -> None:
     # when this returns and the finalizer drops its reference.
     try:
         with torch.cuda.device(device):
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - nothing to report to at this point; the pages are freed anyway
+            if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+                clear_cuda_error()  # nothing to report to at this point; the pages are freed anyway
+    except Exception:  # noqa: BLE001 - as above
         pass
+
+
+_get_last_error: Any = None
+
+
+def clear_cuda_error() -> None:
+    """Note: [a failed runtime call leaves its error] ``torch.cuda.cudart()``'s calls return the runtime's error
+    without clearing it, and torch checks every later kernel launch with ``cudaGetLastError``: a failed
+    ``cudaHostRegister`` (the fallback below handles it) would surface as an error of some unrelated op later
+    on this thread. torch's binding has no ``cudaGetLastError``; this calls the CUDA runtime this process has
+    loaded (found in /proc/self/maps), which clears this thread's last error. Does nothing where none is found."""
+    global _get_last_error
+    if _get_last_error is None:
+        _get_last_error = False
+        try:
+            import ctypes
+
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line.rsplit("/", 1)[-1]}
+            for path in sorted(paths):
+                fn = getattr(ctypes.CDLL(path), "cudaGetLastError", None)
+                if fn is not None:
+                    _get_last_error = fn
+                    break
+        except Exception:  # noqa: BLE001 - no runtime to ask: nothing to clear
+            _get_last_error = False
+    if _get_last_error:
+        _get_last_error()
 
 
 class HostArena:
@@ -114,6 +143,7 @@ class HostArena:
             err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, _CUDA_HOST_REGISTER_PORTABLE)
             torch.cuda.check_error(err)
         except Exception as e:  # noqa: BLE001 - fall back to PyTorch's allocator, loudly
+            clear_cuda_error()  # Note: [a failed runtime call leaves its error]
             with _lock:
                 warn, _warned_fallback = not _warned_fallback, True
             if warn:

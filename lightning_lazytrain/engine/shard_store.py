@@ -84,6 +84,10 @@ class _Gathered(CopyHandle):
                 # the gathered buffer came from the collective stream's pool: the copy-out just queued
                 # on this stream must finish before that pool hands it out again
                 self._gathered.record_stream(torch.cuda.current_stream(self._weights.device))
+                # and the shard it read: NCCL no longer records its inputs on its own stream (torch >= 2.8), and
+                # neither the H2D stream that owns the shard nor the collective stream waits for the all-gather;
+                # this stream has (work.wait above), so the next shard cannot take the block while NCCL reads it
+                self._shard.record_stream(torch.cuda.current_stream(self._weights.device))
                 self._event = torch.cuda.Event()
                 self._event.record()
             self._work = self._gathered = self._shard = self._weights = None
