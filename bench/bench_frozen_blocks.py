@@ -8,7 +8,7 @@ segments, and the median step seconds of the last half of the steps, each as a r
 With ``--policy milp`` also the plan's predicted step against the measured one, and the same schedule priced
 as if every block ran its backward (how the plan priced a frozen prefix before Note: [layers without a
 backward], planner/workload.py).
-Note: [blocks no gradient reaches] (engine/executor.py): a frozen first part of the stack runs its forward
+Note: [blocks no gradient reaches] (engine/block_calls.py): a frozen first part of the stack runs its forward
 only, keeps no internals and is not fetched again for the backward.
 
     python bench/bench_frozen_blocks.py [--layers 8 --d 256 --batch 64 --steps 12 --frozen 4,8]

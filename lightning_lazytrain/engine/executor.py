@@ -473,7 +473,8 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
             self.stats = StepStats()
             self.tracker.reset_peak()
             sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
-            self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync)
+            self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync,
+                                   overhead=self._tracker_seconds)  # Note: [the tracker's own time]
             if self.device.type == "cuda":  # a new peak per step, the run's kept (Note: [peaks across resets])
                 reset_cuda_peak(self.device)
             self._start_memory()
@@ -614,6 +615,11 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
         # CUDA's counters see everything.
         static = 0 if self.device.type == "cuda" else self.params.device_bytes
         self._mem = WindowMemory(self.device, static, self.tracker)
+
+    def _tracker_seconds(self) -> float:
+        """The CPU memory tracker's own seconds in this step so far (Note: [the tracker's own time] in
+        live_bytes.py); 0 on CUDA and while no step measures memory."""
+        return self._mem.mem.overhead_s if self._mem is not None else 0.0
 
     def _stop_memory(self) -> None:
         if self._mem is not None:

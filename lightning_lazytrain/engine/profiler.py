@@ -70,8 +70,7 @@ def workload_from_stats(executor: Executor, stats: StepStats, *, tokens: int, gr
         if s.lane == "host":
             host.setdefault((s.kind, s.index), []).append(s.end - s.start)
     mean = lambda kind, j: sum(host.get((kind, j), [0.0])) / len(host.get((kind, j), [0.0]))  # noqa: E731
-    starts = dict(executor.trace.windows[::-1])  # first start of each window name
-    head = max(0.0, starts.get(f"B{L - 1}", 0.0) - starts.get("H", 0.0))
+    head = executor.trace.span("H", f"B{L - 1}")  # without the CPU tracker's own time (live_bytes.py)
     e = torch.empty((), dtype=executor.compute_dtype).element_size()
     numel = [executor.params.group_numel(j) for j in range(L)]
     rest = executor.params.group_numel(REST)

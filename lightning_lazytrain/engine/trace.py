@@ -52,29 +52,50 @@ class StepTrace:
     Times come from ``stamp`` / ``resolve`` (the copy engine's clock: host ``perf_counter`` on CPU,
     compute-stream events on CUDA, Note: [one clock] in copy_cuda.py), resolved only when read, so
     marking costs no synchronisation. ``sync`` (``torch.cuda.synchronize`` when profiling on CUDA)
-    is still called at every mark when given."""
+    is still called at every mark when given. ``overhead`` (the CPU memory tracker's own seconds so far, Note:
+    [the tracker's own time] in live_bytes.py) is taken out of what the trace times: a compute segment ends
+    that much earlier, and ``span`` between two windows leaves it out."""
 
     stamp: Callable[[], Any] = time.perf_counter
     resolve: Callable[[Any], float] = float
     sync: Callable[[], None] | None = None
     t0: float = field(default_factory=time.perf_counter)
-    _compute: list[tuple[str, str, int, Any, Any]] = field(default_factory=list)
-    _windows: list[tuple[str, Any]] = field(default_factory=list)
+    overhead: Callable[[], float] | None = None
+    _compute: list[tuple[str, str, int, Any, Any, float]] = field(default_factory=list)
+    _windows: list[tuple[str, Any, float]] = field(default_factory=list)
+
+    def _overhead(self) -> float:
+        return self.overhead() if self.overhead is not None else 0.0
 
     def window(self, name: str) -> None:
         if self.sync is not None:
             self.sync()
-        self._windows.append((name, self.stamp()))
+        self._windows.append((name, self.stamp(), self._overhead()))
 
     @property
     def windows(self) -> list[tuple[str, float]]:
         """(name, start) of every window mark, in seconds since ``t0``."""
-        return [(name, self.resolve(st) - self.t0) for name, st in self._windows]
+        return [(name, self.resolve(st) - self.t0) for name, st, _ in self._windows]
+
+    def span(self, first: str, then: str) -> float:
+        """Seconds from the first mark of window ``first`` to the first of ``then``, without the tracker's
+        own time between them (0 when either is missing)."""
+        marks: dict[str, tuple[float, float]] = {}
+        for name, st, ov in self._windows:
+            marks.setdefault(name, (self.resolve(st), ov))
+        if first not in marks or then not in marks:
+            return 0.0
+        (a, oa), (b, ob) = marks[first], marks[then]
+        return max(0.0, (b - a) - (ob - oa))
 
     @property
     def compute(self) -> list[Segment]:
-        return [Segment(w, "compute", kind, index, self.resolve(a) - self.t0, self.resolve(b) - self.t0)
-                for w, kind, index, a, b in self._compute]
+        out = []
+        for w, kind, index, a, b, ov in self._compute:
+            start, end = self.resolve(a) - self.t0, self.resolve(b) - self.t0
+            # without the tracker's own time; never below a tenth of what the clock saw
+            out.append(Segment(w, "compute", kind, index, start, max(end - ov, start + 0.1 * (end - start))))
+        return out
 
     def timed(self, window: str, kind: str, index: int):
         trace = self
@@ -84,11 +105,13 @@ class StepTrace:
                 if trace.sync is not None:
                     trace.sync()
                 self.start = trace.stamp()
+                self.ov = trace._overhead()
 
             def __exit__(self, *exc):
                 if trace.sync is not None:
                     trace.sync()
-                trace._compute.append((window, kind, index, self.start, trace.stamp()))
+                end = trace.stamp()
+                trace._compute.append((window, kind, index, self.start, end, trace._overhead() - self.ov))
 
         return _Timer()
 
