@@ -24,6 +24,7 @@ from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.blocks import BlockStack
     from lightning_lazytrain.engine.param_store import ParamStore
+    from lightning_lazytrain.engine.shared_args import SharedWrites
     from lightning_lazytrain.engine.step_stats import StepStats
     from lightning_lazytrain.planner.schedule import Schedule
 
@@ -52,6 +53,7 @@ class BlockCalls:
     _signatures: dict
     _calls: dict[int, tuple]
     _call_storages: dict[int, int]
+    _shared_writes: SharedWrites
 
     def _block_call(self, j: int, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self._armed is not None:
@@ -72,7 +74,16 @@ class BlockCalls:
                 "for training (e.g. the config's layerdrop=0), call every block in order, or train this model "
                 "with another strategy")
         self._forwarded.add(j)
+        watch = self._shared_writes.watch(call, kwargs)  # Note: [containers the blocks share] (shared_args.py)
         node = BlockContext(j)  # Note: [the block node] (block_fn.py)
+        with self._shared_writes.reads(j, self.stack.path):
+            outs = self._pass(j, node, call, adhoc, x, routed)
+        self._shared_writes.after(j, watch)
+        spec = node.take_output()
+        return spec.build(outs[0], outs[1:1 + len(spec.routed)])
+
+    def _pass(self, j: int, node: BlockContext, call: BlockCall, adhoc: bool, x: torch.Tensor, routed: list) -> Any:
+        """Block ``j``'s planned (or ad-hoc) pass through its node, or without it where no gradient reaches it."""
         if not adhoc and not self._reachable(j, x, routed):  # Note: [blocks no gradient reaches]
             self._unreachable.add(j)
             reads = self._reads = TrainableReads()  # around the block's own forward (forward_window)
@@ -86,10 +97,8 @@ class BlockCalls:
                 self._reads_trainable.add(j)
                 node.precomputed = list(outs)
                 outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
-        else:
-            outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
-        spec = node.take_output()
-        return spec.build(outs[0], outs[1:1 + len(spec.routed)])
+            return outs
+        return BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
 
     # Note: [blocks no gradient reaches] A block whose input requires no grad (nor any tensor routed into it:
     # BlockCall.pack routes those) and none of whose weights does -- a frozen first part of the stack, a

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 from torch import nn
 
 __all__ = ["BlockCall", "BlockOutput", "CacheReplay", "ForwardState", "HookCapture", "UnsupportedBlockPattern",
@@ -105,7 +106,7 @@ class CacheReplay:
         layer = None
         if not parts:
             shell.layers = [_empty_layer(lay) for lay in layers]
-            layer = copy.copy(layers[j])
+            layer = _snapshot_layer(layers[j])
         updated = getattr(cache, "is_updated", None)
         return cls(shell, layer, j, parts, dict(updated) if isinstance(updated, dict) else None)
 
@@ -115,7 +116,7 @@ class CacheReplay:
             setattr(c, name, part.fresh())
         if self.layer is not None:
             c.layers = list(self.shell.layers)
-            c.layers[self.j] = copy.copy(self.layer)
+            c.layers[self.j] = _snapshot_layer(self.layer)
         if self.is_updated is not None:
             c.is_updated = dict(self.is_updated)
         return c
@@ -126,7 +127,40 @@ def _empty_layer(layer: Any) -> Any:
     if hasattr(e, "keys") and hasattr(e, "is_initialized"):
         e.keys = e.values = None
         e.is_initialized = False
+    if isinstance(getattr(e, "has_previous_state", None), dict):  # Note: [recurrent cache state]
+        for name in ("conv_states", "recurrent_states"):
+            if isinstance(getattr(e, name, None), dict):
+                setattr(e, name, dict.fromkeys(getattr(e, name)))
+        for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state"):
+            if isinstance(getattr(e, name, None), dict):
+                setattr(e, name, dict.fromkeys(getattr(e, name), False))
+        if isinstance(getattr(e, "cumulative_length_linear", None), torch.Tensor):
+            with _disable_current_modes(), torch.no_grad():
+                e.cumulative_length_linear = torch.zeros_like(e.cumulative_length_linear)
     return e
+
+
+def _snapshot_layer(layer: Any) -> Any:
+    """Note: [recurrent cache state] A copy of a cache layer whose state is its own: every tensor attribute
+    cloned, every dict or list of them copied with its tensors cloned. A KV layer's state is replaced, not
+    changed (``torch.cat`` makes new keys), so a shallow copy used to do; a linear-attention / state-space
+    layer (transformers' ``LinearAttentionLayer``: Mamba, Jamba, Qwen3-Next, LFM2, ...) changes its state in
+    place as the block runs (``has_previous_state[i] = True``, ``conv_states[i].copy_(...)``,
+    ``cumulative_length_linear.add_(...)``), so a shallow copy shared it with the forward, and a re-run
+    started from the state the forward left (the one-token decode path): wrong gradients, no error. The
+    clones run outside any dispatch mode (a partial keep's re-run records its ops: these are not the
+    block's)."""
+    out = copy.copy(layer)
+    with _disable_current_modes(), torch.no_grad():
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(out, name, value.detach().clone())
+            elif isinstance(value, dict):
+                setattr(out, name, {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                    for k, v in value.items()})
+            elif isinstance(value, list):
+                setattr(out, name, [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in value])
+    return out
 
 
 @dataclass

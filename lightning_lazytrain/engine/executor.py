@@ -63,6 +63,7 @@ from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import PartialForward
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
+from lightning_lazytrain.engine.shared_args import SharedWrites
 from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
@@ -448,6 +449,7 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
         self._recomputed: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
         self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
+        self._shared_writes = SharedWrites()  # Note: [containers the blocks share] (shared_args.py)
         self._unreachable: set[int] = set()  # ... of which no gradient can reach (Note: [blocks no gradient reaches])
         self._serial += 1
         self._b_next = len(self.stack) - 1  # the next backward window (Note: [unreached blocks])

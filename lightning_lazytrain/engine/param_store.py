@@ -207,10 +207,14 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
                     where = {gid: f"{mname}.{pname}".lstrip("."), owner[id(p)]: infos[id(p)].name}
                     names = " and ".join(f"{n} ({'outside the block stack' if g == REST else f'block {g}'})"
                                          for g, n in where.items())
+                    fix = ("Untie them (e.g. tie_word_embeddings=False) or train with strategy='auto'."
+                           if REST in where else
+                           "Blocks of the stack that reuse one weight through modules of their own (a shared "
+                           "attention block, as Zamba2's) cannot stream: train this model with strategy='auto'.")
                     raise NotImplementedError(
                         f"parameter tied between {names}: a streamed block's weights live in its own buffer, "
-                        "so a parameter shared with another block or with a module outside the stack is not "
-                        "supported. Untie them (e.g. tie_word_embeddings=False) or train with strategy='auto'.")
+                        f"so a parameter shared with another block or with a module outside the stack is not "
+                        f"supported. {fix}")
                 if id(p) in infos:
                     infos[id(p)].sites.append((m, pname))
                     continue
