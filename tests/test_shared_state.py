@@ -140,3 +140,27 @@ def test_a_container_written_and_never_read_trains_exactly(name):
     _, got = run(model, x, SCHEDULES[name])
     want = grads(ref)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_watch_stops_once_a_micro_batch_shared_without_reading():
+    """The read check is a dispatch mode on every later block's forward: once one micro-batch wrote into the
+    container and no block read it, the next micro-batches run without it (and stay exact)."""
+    torch.manual_seed(0)
+    model, x = Net("share", read=False), torch.randn(3, 6, 5)
+    ref = copy.deepcopy(model)
+    m = copy.deepcopy(model)
+    ex = Executor(m, recompute_all(L))
+    try:
+        for step in range(2):
+            ex.begin_microbatch(first=True, last=True)
+            assert ex._shared_writes.active == (step == 0)
+            m(x).backward()
+            ex.end_microbatch()
+            ref(x).backward()
+            if step == 0:
+                assert ex._shared_writes.written  # block 0 wrote: noted in the first micro-batch
+        want = grads(ref)
+        got = grads(m)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        ex.close()

@@ -100,6 +100,7 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
         # gradient reaches]
         self.optimized_ids: frozenset[int] = frozenset()
         self._reads_trainable: set[int] = set()  # blocks seen reading a trainable tensor they do not own
+        self._shared_checked = False  # a micro-batch's blocks shared a container and none read it (shared_args.py)
         self._reads: TrainableReads | None = None  # watching the forward of a block run without its node
         self.tracker = DeviceTracker()
         self.stats = StepStats()
@@ -449,7 +450,7 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
         self._recomputed: dict[int, torch.Tensor] = {}
         self._calls: dict[int, tuple] = {}
         self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
-        self._shared_writes = SharedWrites()  # Note: [containers the blocks share] (shared_args.py)
+        self._shared_writes = SharedWrites(active=not self._shared_checked)  # Note: [containers the blocks share]
         self._unreachable: set[int] = set()  # ... of which no gradient can reach (Note: [blocks no gradient reaches])
         self._serial += 1
         self._b_next = len(self.stack) - 1  # the next backward window (Note: [unreached blocks])
@@ -504,6 +505,7 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
         if self._micro is None:
             raise RuntimeError("end_microbatch() without begin_microbatch()")
         first, last = self._micro
+        self._shared_checked = self._shared_checked or bool(self._shared_writes.written)  # none was read: done
         if self._forwarded:  # Note: [unreached blocks]: windows the backward did not reach
             for t in range(self._b_next, -1, -1):
                 self._pass_backward_window(t, rerun=False)

@@ -11,8 +11,10 @@ Note: [containers the blocks share]
     block's forward and the tensors the block wrote into it after; while any are written, the later blocks'
     forwards run under ``_SharedReads``, a dispatch mode that refuses (``UnsupportedBlockPattern``, naming
     the argument and both blocks) an op reading one of them. A container written and never read (Gemma 4
-    stores its full-length keys and values whether or not a later layer shares them) trains as before, and
-    a model that passes none pays nothing.
+    stores its full-length keys and values whether or not a later layer shares them) trains as before; once a
+    micro-batch ran its blocks with something written and nothing read, the executor stops watching (the
+    same code runs every step: the mode's cost per op is paid in one micro-batch, not every step), and a
+    model that passes no such container pays nothing.
 """
 
 from __future__ import annotations
@@ -47,14 +49,17 @@ class _Watch:
 class SharedWrites:
     """The tensors blocks wrote into shared containers in this micro-batch (Note: [containers the blocks share])."""
 
-    def __init__(self) -> None:
+    def __init__(self, active: bool = True) -> None:
+        self.active = active  # off once a micro-batch showed the blocks' sharing is never read (the same code runs)
         self.written: dict[int, tuple[int, str]] = {}  # storage data_ptr -> (block that wrote it, argument)
 
-    def watch(self, call: BlockCall, kwargs: dict) -> _Watch:
-        return _Watch(call, kwargs)
+    def watch(self, call: BlockCall, kwargs: dict) -> _Watch | None:
+        return _Watch(call, kwargs) if self.active else None
 
-    def after(self, j: int, watch: _Watch) -> None:
+    def after(self, j: int, watch: _Watch | None) -> None:
         """Note the tensors block ``j`` wrote into the watched containers."""
+        if watch is None:
+            return
         for leaf, before in watch.before:
             for key, value in _contents(leaf).items():
                 if before.get(key) == id(value):
