@@ -19,6 +19,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.checkpoint import CheckpointError
 
 from lightning_lazytrain.engine.block_fn import BlockContext, CountingHooks, Grads, backprop
 from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
@@ -107,7 +108,7 @@ class BackwardWindows:
                 partial = self._partial.pop(t, None)
                 if partial is not None:  # Note: [partial keep]: the backprop re-runs the elementwise ops
                     partial.recomputing = True
-                with self.trace.timed(name, "backward", t):
+                with self.trace.timed(name, "backward", t), _partial_rerun_named(t if partial is not None else None):
                     backprop(roots, all_grads)
                 if t in self._internals:
                     self._internals.pop(t).free(self.acts)
@@ -337,3 +338,23 @@ class BackwardWindows:
             self.params.evict(slot)
             self.tracker.drop(f"resident{j}")
         self._retiring = []
+
+
+@contextlib.contextmanager
+def _partial_rerun_named(t: int | None):
+    """Around a partial keep's backprop (Note: [partial keep]): torch's checkpoint raises ``CheckpointError``
+    when the re-run of the elementwise ops does not reproduce the forward's tensors -- a block whose forward
+    depends on state it changes outside its buffers (module attributes: RecurrentGemma's ``conv1d_state``)
+    -- which says nothing of the block or the way out: name both."""
+    if t is None:
+        yield
+        return
+    try:
+        yield
+    except CheckpointError as err:
+        raise UnsupportedBlockPattern(
+            f"block {t}'s re-run under a partial keep did not reproduce its forward ({' '.join(str(err).split())[:300]}"
+            "): the block changes state its re-run reads outside its buffers (module attributes, e.g. a recurrent "
+            "state kept on the module). Plan without a partial keep (plan.partial_keep=false / "
+            "MilpOptions(partial_keep=False)) or turn the model's cache off (use_cache=False)") from err
+
