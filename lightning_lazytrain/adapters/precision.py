@@ -54,14 +54,29 @@ class _CoreRouting:
             return
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
+    def _closing(self, closure: Any) -> Any:
+        """The closure (training_step, backward), then the step's last micro-batch closed if its training_step
+        returned None (no backward ran), before the hooks, clipping and unscaling that follow the closure."""
+        return _closed_after(self.core, closure) if callable(closure) else closure
+
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
         inner = getattr(optimizer, "optimizer", optimizer)
+        closure = self._closing(closure)
         if kwargs or getattr(self, "scaler", None) is not None or self.core.pipelined_order(inner) is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
         result = self._wrap_closure(model, optimizer, closure)  # type: ignore[attr-defined]
         if not self.core.start_pipelined_step(inner):  # the closure's backward re-planned to a serial step
             optimizer.step()
         return result
+
+
+def _closed_after(core: Any, closure: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        result = closure(*args, **kwargs)
+        core.end_skipped_microbatch()  # Note: [a step's last micro-batch skipped] (core/training_core.py)
+        return result
+
+    return run
 
 
 class LazyTrainPrecision(_CoreRouting, Precision):

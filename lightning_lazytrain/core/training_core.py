@@ -282,6 +282,18 @@ class TrainingCore(ScheduleControl):
         """A micro-batch is open (its forward ran, its backward has not)."""
         return self.executor is not None and self.executor.in_microbatch
 
+    def end_skipped_microbatch(self) -> None:
+        """Note: [a step's last micro-batch skipped] The optimizer step's closure has run and the step's last
+        micro-batch is still open: its ``training_step`` returned None, so no backward ran. Under ``auto`` the
+        step still updates with the earlier micro-batches' gradients; here some of them are still on the
+        device (the non-block weights' accumulate there for the whole step; layer 0's leave in the next F0),
+        so the micro-batch ends as one no gradient reached -- its backward windows pass with their transfers
+        and T's send the held gradients to the host. A step's only micro-batch skipped has nothing held: it
+        stays open and is dropped when the next begins, as before (a profiled step without a backward would
+        price none)."""
+        if self.automatic and self.in_microbatch and self._micro_index > 0:
+            self.end_microbatch()
+
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""
         ex = self.executor

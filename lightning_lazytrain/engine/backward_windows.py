@@ -200,12 +200,15 @@ class BackwardWindows:
         """A block's node may run its backward once, in the micro-batch of its forward."""
         if ctx.backpropagated:
             raise UnsupportedBlockPattern(
-                f"a second backward through block {ctx.j}'s forward (a backward with retain_graph=True, then another "
-                "through the same forward): with strategy='lazytrain' each forward is backpropagated once; the "
-                "backward releases its saved state as it goes (its blocks' activations and weights are streamed, "
-                "not retained). Fix: add the losses and call backward once (e.g. manual_backward(loss1 + loss2): "
-                "the same gradients, summed before they reach the weights), or run the forward again for the "
-                "second loss.")
+                f"a second backward through block {ctx.j}'s forward: either a backward with retain_graph=True, then "
+                "another through the same forward, or a double backward (torch.autograd.grad(..., create_graph=True) "
+                "through the blocks -- a gradient penalty, as WGAN-GP's -- then a backward of a loss that uses it). "
+                "With strategy='lazytrain' each forward is backpropagated once; the backward releases its saved "
+                "state as it goes (its blocks' activations and weights are streamed, not retained), and a gradient "
+                "of a gradient through the blocks is not supported. Fix: add the losses and call backward once "
+                "(e.g. manual_backward(loss1 + loss2): the same gradients, summed before they reach the weights), "
+                "or run the forward again for the second loss; for a gradient penalty through the blocks, train "
+                "with strategy='auto'.")
         ctx.backpropagated = True
         if self._micro is None or ctx.serial != self._serial:
             raise RuntimeError(

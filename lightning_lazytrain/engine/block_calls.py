@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_lazytrain.engine.block_fn import BlockContext, BlockFunction, TrainableReads, run_block
-from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, rerun_call
+from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, UnsupportedBlockPattern, rerun_call
 from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT
 
 if TYPE_CHECKING:
@@ -161,6 +161,16 @@ class BlockCalls:
         micro-batch (a no-grad forward in ``training_step``), or between an accumulated step's
         micro-batches, the slots belong to the planned pass: stream through the recompute slot instead."""
         assert self.params is not None
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))):
+            # Note: [gradients through streamed evaluation]: the slots' weights are overwritten by the next
+            # blocks, so a graph through them could not be backpropagated; under no_grad the gradient of an
+            # input would be lost (an error, or a wrong value where the output also depends on it elsewhere)
+            raise UnsupportedBlockPattern(
+                f"block {j} of {self.stack.path!r} was called outside a training step with grad enabled on an input "
+                "that requires grad (input gradients in evaluation: Trainer(inference_mode=False) with "
+                "torch.enable_grad()): evaluation streams the weights through two slots and keeps no graph. "
+                "Compute input gradients in a training step, or evaluate this way with strategy='auto'")
         if self._micro is not None or self._between_microbatches:
             if (self._micro is not None and self.schedule.optimizer == "pipelined" and self._micro[0]
                     and self.wait_updated is not None):

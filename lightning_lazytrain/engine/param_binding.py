@@ -96,6 +96,8 @@ class ParamBinding:
                         follow.setdefault(id(m), (m, []))[1].append((info.param, w))
             s.wrappers.append((info, w))
             for m, name in info.sites:
+                if m._parameters.get(name) is not info.param:
+                    _refuse_changed_site(m, name, info.param)
                 # Same mechanism as torch.func.functional_call; bypasses
                 # registration hooks that would fire per layer per step.
                 m._parameters[name] = w
@@ -148,6 +150,21 @@ class ParamBinding:
         self.post_hooks.arrived(key, master)
         if self.arrival_watch is not None and s.gid == REST:
             self.arrival_watch(master)
+
+
+def _refuse_changed_site(m: nn.Module, name: str, master: nn.Parameter) -> None:
+    """Note: [parameters changed after the layout] The store laid the model's parameters out when the fit began;
+    a parameter since removed or renamed on its module (``torch.nn.utils.prune`` / Lightning's ``ModelPruning``
+    re-register ``weight`` as ``weight_orig`` and compute ``weight`` in a forward pre-hook) would be bound
+    under its old name, and the module's own code then fails (or trains something else)."""
+    now = next((n for n, p in m._parameters.items() if p is master), None)
+    where = f"{type(m).__name__}.{name}"
+    moved = f" (it is {type(m).__name__}.{now} now)" if now else " (it is gone)"
+    raise RuntimeError(
+        f"strategy='lazytrain': the parameter {where} changed after the strategy laid the model's parameters out"
+        f"{moved}; pruning re-parametrizes weights this way (torch.nn.utils.prune, ModelPruning). The streamed "
+        "layout cannot follow a parameter renamed mid-run: prune before fit (and make it permanent with "
+        "prune.remove), or train with strategy='auto'")
 
 
 class _Follower:
