@@ -15,7 +15,7 @@ from .model import ModelSpec, TrainSpec
 from .policies import BASELINES, baseline, min_memory
 from .schedule import Schedule
 from .simulator import MEM_TOL, SimResult, simulate
-from .units import format_bytes
+from .units import format_bytes, format_bytes_at_least
 from .workload import Workload
 
 GB = 1e9
@@ -180,22 +180,25 @@ EIGHT_BIT_FIX = "train.eight_bit_fraction=1.0"
 
 
 def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: TrainSpec | None = None) -> None:
-    """Raise ``InfeasibleBudget`` naming the short tier if no schedule can fit; return otherwise."""
+    """Raise ``InfeasibleBudget`` naming the short tier if no schedule can fit; return otherwise. A "smallest"
+    figure it suggests is rounded up (``format_bytes_at_least``): typed back in, it fits."""
     if wl.host_static_bytes > hw.cpu_memory_bytes:
         short = wl.host_static_bytes - hw.cpu_memory_bytes
+        eight = ("8-bit optimizer states are already on for every parameter" if train is not None
+                 and train.eight_bit_fraction >= 1.0 else f"8-bit optimizer states shrink it: {EIGHT_BIT_FIX}")
         raise InfeasibleBudget(
             "cpu", short, f"master weights, gradients and optimizer states need {format_bytes(wl.host_static_bytes)} "
             f"of host memory, {hw.name} has {format_bytes(hw.cpu_memory_bytes)}",
-            f"smallest host memory that works: {format_bytes(wl.host_static_bytes, digits=4)} (8-bit optimizer states "
-            f"shrink it: {EIGHT_BIT_FIX})")
+            f"smallest host memory that works: {format_bytes_at_least(wl.host_static_bytes)} ({eight})")
     floor = wl.static_gpu_bytes
+    tight = simulate(min_memory(wl.num_layers).in_mode(wl.data_parallel), wl, hw, check=False)
     if floor > hw.gpu_memory_cap_bytes:
+        need = max(floor, tight.peak_gpu_bytes)  # above the floor, the smallest schedule's peak must fit too
         raise InfeasibleBudget(
             "gpu", floor - hw.gpu_memory_cap_bytes,
             f"resident non-block weights, their grads and two layer buffers need {format_bytes(floor)} before any "
             f"activation, the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
-            f"smallest GPU budget that works: above {format_bytes(floor, digits=4)}")
-    tight = simulate(min_memory(wl.num_layers).in_mode(wl.data_parallel), wl, hw, check=False)
+            f"smallest GPU budget that works for this batch: {format_bytes_at_least(need)}")
     if tight.peak_gpu_bytes > hw.gpu_memory_cap_bytes:
         hint = ""
         if model is not None and train is not None:
@@ -205,7 +208,7 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             "gpu", tight.peak_gpu_bytes - hw.gpu_memory_cap_bytes,
             f"even with every activation on the host the peak is {format_bytes(tight.peak_gpu_bytes)} "
             f"(window {tight.peak_window}), the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
-            hint + f"smallest GPU budget for this batch: {format_bytes(tight.peak_gpu_bytes, digits=4)}")
+            hint + f"smallest GPU budget for this batch: {format_bytes_at_least(tight.peak_gpu_bytes)}")
 
 
 def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy: str = "milp",

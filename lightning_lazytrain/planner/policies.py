@@ -43,7 +43,11 @@ def recompute_all(num_layers: int) -> Schedule:
 
 def min_memory(num_layers: int, tier: str = "cpu") -> Schedule:
     L = num_layers
+    # the last boundary is reloaded in H, the first backward window; an NVMe reload needs a window more for
+    # its file read (schedule.py: reload_window <= L - 1 on nvme), so with tier="nvme" that one goes to the host
     homes = ["gpu"] + [tier] * (L - 1) + ["gpu"]
+    if tier == "nvme" and L >= 2:
+        homes[L - 1] = "cpu"
     offload = [None] + list(range(1, L)) + [None]
     # reload in B{i+1} (the window before first use); nvme's file read then runs in B{i+2} / H
     reload = [None] + [i + 1 for i in range(1, L)] + [None]

@@ -56,3 +56,20 @@ def format_bytes(n: float, *, binary: bool = False, digits: int = 3) -> str:
     if float(text) == 0:
         return "0 B"
     return f"{'-' if n < 0 else ''}{text} {units[k]}"
+
+
+def format_bytes_at_least(n: float, *, digits: int = 4, binary: bool = False) -> str:
+    """``format_bytes`` rounded up at the shown precision: the figure printed is never below ``n`` (a smallest
+    budget that works, which a user types back in)."""
+    text = format_bytes(n, digits=digits, binary=binary)
+    number, _, unit = text.partition(" ")
+    units = BINARY_UNITS if binary else DECIMAL_UNITS
+    if unit not in units:
+        return text
+    scale = (1024 if binary else 1000) ** units.index(unit)
+    if float(number) * scale >= n:
+        return text
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    up = (math.floor(n / scale * 10 ** decimals) + 1) / 10 ** decimals
+    return f"{up:.{decimals}f} {unit}"
+
