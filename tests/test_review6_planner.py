@@ -156,8 +156,6 @@ def test_host_and_nvme_shortage_names_a_host_side_tier():
     assert err.value.tier in ("cpu", "nvme") and err.value.shortfall_bytes > 0, str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: multi-GPU plans (plan_cluster) never place conversions: "
-                                       "plan.conversions=device is ignored, conversions_on_device is []")
 def test_multi_gpu_replicate_honours_conversion_placement(tmp_path):
     cfg = compose_cfg("hardware=rtx3090x8", "model=qwen2.5-3b", "train.micro_batch_size=8",
                       "plan.data_parallel=replicate", "plan.conversions=device", "plan.time_limit=10",
@@ -167,8 +165,6 @@ def test_multi_gpu_replicate_honours_conversion_placement(tmp_path):
     assert data["conversions_on_device"], "conversions=device requested, none placed on the device"
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: plan_cluster on a 1-GPU node is 16% slower than make_plan "
-                                       "(1.639 vs 1.407 s, h200 3B b8): per-rank figures skip conversion placement")
 def test_plan_cluster_world_size_one_matches_make_plan():
     hw, model, tr = load_hardware("h200"), load_model("qwen2.5-3b"), train(8)
     single = make_plan(model, tr, hw, options=FAST)
@@ -176,8 +172,6 @@ def test_plan_cluster_world_size_one_matches_make_plan():
     assert cluster.sim.iteration_seconds == pytest.approx(single.sim.iteration_seconds, rel=2e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: replicate with the node's host memory short (1033 of 512 GB) is "
-                                       "status ok, over_cap False in summary row / sweep.csv")
 def test_replicate_host_overflow_is_marked_over_cap(tmp_path):
     row = plan_job(compose_cfg("hardware=rtx3090x8", "model=qwen2.5-7b", "train.micro_batch_size=6",
                                "plan.time_limit=10", "plan.plot=false"), tmp_path, out=open(os.devnull, "w"))

@@ -218,9 +218,15 @@ def _plan_ranks(model, train, hw, mode: str, cap_setting, options,
             results[name] = simulate(s, wl, rhw)
         except InfeasibleSchedule as err:
             results[name] = str(err)
+    violations = cap_violations(cluster.sim, rhw)
+    if not cluster.host_fits:  # replicate's n copies: planned and timed as if the node had the memory; it has not
+        need, cap = cluster.host_bytes_per_node, hw.cpu_memory_bytes if cap_bytes is None else min(cap_bytes,
+                                                                                                  hw.cpu_memory_bytes)
+        violations.append({"resource": "cpu_memory_per_node", "need_bytes": need, "cap_bytes": cap,
+                           "excess_bytes": need - cap, "window": None})
     result = PlanResult(status=cluster.status, schedule=cluster.schedule, sim=cluster.sim, workload=wl, hardware=rhw,
                         solver=cluster.solver, baselines=results, baseline_schedules=schedules, model=model,
-                        train=train, violations=cap_violations(cluster.sim, rhw))
+                        train=train, violations=violations, placement=cluster.placement)
     return result, cluster, cap_bytes
 
 

@@ -57,10 +57,11 @@ from .errors import InfeasibleSchedule, InvalidInput
 from .hardware import Hardware
 from .milp import MilpOptions
 from .model import ModelSpec, TrainSpec
+from .placement import HOST_ONLY, Placement
+from .plan import plan_workload
 from .policies import keep_all, recompute_all
 from .schedule import Schedule
 from .simulator import SimResult, simulate
-from .solve import solve
 from .workload import HOST_GRAD_BYTES, HOST_MASTER_BYTES, Workload
 
 MODES = ("shard", "replicate", "replicate_overlap", "fsdp")
@@ -269,6 +270,7 @@ class ClusterResult:
     status: str  # optimal / time_limit / fallback (MILP), policy (fsdp)
     host_fits: bool  # False: the node's host memory is short (replicate keeps n copies); timed anyway
     solver: dict = field(default_factory=dict)  # the MILP's ``SolveResult.solver_json()`` (fsdp: the policy)
+    placement: Placement = HOST_ONLY  # where the rank's dtype conversions run (placement.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -312,9 +314,12 @@ def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "
             raise InfeasibleSchedule("gpu_memory", f"neither FSDP policy (keep all, full recompute) fits {hw.name}")
         schedule, sim, status = best[0], best[1], "policy"
         solver = {"name": "none", "policy": schedule.policy}
+        placement = HOST_ONLY
     else:
-        res = solve(wl, rhw, options)
-        schedule, sim, status, solver = res.schedule, res.simulated, res.status, res.solver_json()
+        # as make_plan: the conversions placed (plan.conversions), then the MILP on the priced workload
+        res = plan_workload(wl, rhw, options=options)
+        schedule, sim, status, solver, wl, placement = (res.schedule, res.sim, res.status, res.solver, res.workload,
+                                                        res.placement)
     return ClusterResult(mode=mode, world_size=hw.world_size, gpus_per_node=hw.gpus_per_node, nodes=hw.nodes,
                          schedule=schedule, sim=sim, workload=wl, hardware=rhw, status=status, host_fits=host_fits,
-                         solver=solver)
+                         solver=solver, placement=placement)
