@@ -134,8 +134,6 @@ def test_multi_gpu_auto_batch_search_in_shard_mode(tmp_path):
                          "plan.plot=false"), tmp_path / "auto", out=open(os.devnull, "w"))
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: multi-GPU over the GPU budget: 'gpu memory short by 0 B; run "
-                                       "diagnose()' - plan_cluster never diagnoses (single GPU says short by 155 GB)")
 def test_multi_gpu_infeasible_names_the_shortfall():
     with pytest.raises(InfeasibleBudget) as err:
         plan_cluster(load_model("qwen3.6-27b"), train(512), load_hardware("h800x8"), "shard",

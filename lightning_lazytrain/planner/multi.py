@@ -58,7 +58,7 @@ from .hardware import Hardware
 from .milp import MilpOptions
 from .model import ModelSpec, TrainSpec
 from .placement import HOST_ONLY, Placement
-from .plan import plan_workload
+from .plan import diagnose, plan_workload
 from .policies import keep_all, recompute_all
 from .schedule import Schedule
 from .simulator import SimResult, simulate
@@ -316,7 +316,9 @@ def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "
         solver = {"name": "none", "policy": schedule.policy}
         placement = HOST_ONLY
     else:
-        # as make_plan: the conversions placed (plan.conversions), then the MILP on the priced workload
+        # as make_plan: the short tier named first (diagnose), the conversions placed (plan.conversions), then the
+        # MILP on the priced workload
+        diagnose(wl, rhw)
         res = plan_workload(wl, rhw, options=options)
         schedule, sim, status, solver, wl, placement = (res.schedule, res.sim, res.status, res.solver, res.workload,
                                                         res.placement)
