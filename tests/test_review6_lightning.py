@@ -32,7 +32,7 @@ from lightning.pytorch.tuner import Tuner
 from lightning_lazytrain.lit_module import CausalLMModule
 from lightning_lazytrain.strategy import LazyTrainStrategy
 from models import DropoutBlock
-from test_conformance import Losses, Net, assert_same_model, data, fit
+from test_conformance import Losses, Net, data, fit
 from test_weights_read_after_step import SlowHybridAdamW, pipelined_plan
 
 

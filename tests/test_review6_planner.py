@@ -21,8 +21,8 @@ from hydra import compose, initialize_config_dir
 from lightning_lazytrain.cli.plan import plan_job
 from lightning_lazytrain.config import CONF_DIR, load_hardware, load_model
 from lightning_lazytrain.planner import (
-    InfeasibleBudget, MilpOptions, PlannerError, SimResult, TrainSpec, Workload, diagnose, largest_batch, make_plan,
-    plan_cluster, search_batch, simulate,
+    InfeasibleBudget, MilpOptions, SimResult, TrainSpec, Workload, diagnose, largest_batch, make_plan,
+    plan_cluster, simulate,
 )
 from lightning_lazytrain.planner.policies import min_memory
 from lightning_lazytrain.planner.simulator import MEM_TOL
