@@ -109,8 +109,6 @@ def test_eight_bit_suggestion_not_repeated_when_already_applied():
     assert "eight_bit_fraction=1.0" not in err.value.suggestion
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: largest_batch/fits() needs min_memory's host peak to fit, ignoring "
-                                       "NVMe and recompute: says 2 while batch 144 plans (auto search & hints too low)")
 def test_largest_batch_counts_schedules_that_use_nvme_or_recompute():
     model, tr = load_model("qwen2.5-7b"), train(16)
     hw0 = load_hardware("h800")

@@ -12,7 +12,7 @@ from .milp import MilpOptions
 from .placement import HOST_ONLY, Placement, candidates, price
 from .solve import SolveResult, solve
 from .model import ModelSpec, TrainSpec
-from .policies import BASELINES, baseline, min_memory
+from .policies import BASELINES, baseline, min_memory, recompute_all
 from .schedule import Schedule
 from .simulator import MEM_TOL, SimResult, simulate
 from .units import format_bytes, format_bytes_at_least
@@ -298,12 +298,16 @@ def place_conversions(wl: Workload, hw: Hardware, mode: str, schedules: list[Sch
 
 
 def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
-    """Does any schedule of the executor fit (the min-memory schedule is the floor)?"""
+    """Does a schedule of the executor fit? The floors tried: every boundary on the host (the least device
+    memory), every boundary recomputed (no host activations) and, with a drive, every boundary it can take
+    on NVMe; one within every budget is enough (before, only the first, so a host too small for the
+    activations ruled out batches that recompute or spill plan fine)."""
     wl = Workload.analytic(model, train, hw)
     if wl.host_static_bytes > hw.cpu_memory_bytes or wl.static_gpu_bytes > hw.gpu_memory_cap_bytes:
         return False
-    tight = simulate(min_memory(wl.num_layers), wl, hw, check=False)
-    return tight.peak_gpu_bytes <= hw.gpu_memory_cap_bytes and tight.peak_cpu_bytes <= hw.cpu_memory_bytes
+    L = wl.num_layers
+    floors = [min_memory(L), recompute_all(L)] + ([min_memory(L, "nvme")] if hw.nvme_capacity_bytes > 0 else [])
+    return any(not cap_violations(simulate(s.in_mode(wl.data_parallel), wl, hw, check=False), hw) for s in floors)
 
 
 def _largest(ok, upper: int) -> int:
