@@ -81,6 +81,8 @@ def test_a_profiled_cpu_step_hands_the_plan_its_compute_without_the_tracker() ->
     model = LlamaLM(spec)
     tokens = torch.randint(0, 64, (2, 16))
     ex = Executor(model, keep_all(2))
+    assert ex.tracker_time_out is False  # off by default
+    ex.tracker_time_out = True
     try:
         ex.profiling = True
         ex.begin_microbatch(first=True, last=True)

@@ -101,6 +101,12 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
         self.optimized_ids: frozenset[int] = frozenset()
         self._reads_trainable: set[int] = set()  # blocks seen reading a trainable tensor they do not own
         self._shared_checked = False  # a micro-batch's blocks shared a container and none read it (shared_args.py)
+        # Note: [the tracker's own time] (live_bytes.py): take the CPU memory tracker's time out of a profiled
+        # step's compute. Off by default: the CPU tests' plan and drift decisions at their margins were set
+        # under the profile as it was (its compute ~2x a step's); on, two of them (a plan's choice of updates in
+        # the backward, a drift re-profile of a 16x batch) flipped in one of two full runs. On in
+        # bench/bench_profile_overhead.py and tests/test_tracker_time.py. CUDA has no tracker either way.
+        self.tracker_time_out = False
         self._reads: TrainableReads | None = None  # watching the forward of a block run without its node
         self.tracker = DeviceTracker()
         self.stats = StepStats()
@@ -477,7 +483,7 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
             self.tracker.reset_peak()
             sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
             self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync,
-                                   overhead=self._tracker_seconds)  # Note: [the tracker's own time]
+                                   overhead=self._tracker_seconds if self.tracker_time_out else None)
             if self.device.type == "cuda":  # a new peak per step, the run's kept (Note: [peaks across resets])
                 reset_cuda_peak(self.device)
             self._start_memory()

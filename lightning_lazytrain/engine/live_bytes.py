@@ -102,8 +102,9 @@ class LiveBytes(TorchDispatchMode):
     Note: [the tracker's own time] The mode costs the ops it sees time (on a small model it doubles a step:
     ~6 us per op to enter it, ~14 us of its bookkeeping). ``overhead_s`` is that time so far: its body's
     measured seconds after each op plus ``dispatch_cost()`` per op. A profiled step on the CPU runs under
-    it, and its trace takes that time out of the compute it times (``StepTrace(overhead=...)``), so the plan
-    prices the compute a step without the tracker runs."""
+    it; with ``Executor.tracker_time_out`` (off by default: see its comment) its trace takes that time out of
+    the compute it times (``StepTrace(overhead=...)``), so the plan prices the compute a step without the
+    tracker runs."""
 
     def __init__(self) -> None:
         super().__init__()
