@@ -70,7 +70,7 @@ from ..planner.units import format_bytes
 from .plan import ROW_FILE, SweepSummary
 from .run_dir import RunDir, check_output_dirs
 from .train_checks import (STRATEGY_NAMES, TrainConfigError, app_names, check_blocks,
-                           check_precision, validate_config)
+                           check_precision, one_line, validate_config)
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
 #: the config groups of this app (``--help`` lists these; conf/train/ belongs to lazytrain-plan)
@@ -377,10 +377,6 @@ def build_module(cfg: Any) -> Any:
                           updates_in_backward=o.updates_in_backward)
 
 
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
-
-
 def hardware_name(cfg: Any) -> Optional[str]:
     """What the lazytrain strategy plans for (the profile's name, ``measure`` or a profile given by name); None
     for other strategies (they plan nothing)."""
@@ -416,7 +412,7 @@ def build_strategy(cfg: Any) -> Any:
     try:
         return entry["strategy"](**kwargs)
     except ValueError as err:  # the strategy's option checks (autoplan.validate_options), named as the config's keys
-        raise ValueError(app_names(_one_line(err))) from err
+        raise ValueError(app_names(one_line(err))) from err
 
 
 def plot_loss_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], path: str | Path,
@@ -508,7 +504,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
         except TrainConfigError:
             raise
         except (ValueError, PlannerError, FileNotFoundError) as err:
-            raise TrainConfigError(app_names(_one_line(err))) from err
+            raise TrainConfigError(app_names(one_line(err))) from err
 
         history = LossHistory(out)
         timer = StepTimer()
@@ -530,7 +526,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
                 enable_checkpointing=t.enable_checkpointing, enable_model_summary=t.enable_model_summary,
                 default_root_dir=str(out_dir), logger=logger, callbacks=callbacks)
         except (MisconfigurationException, ValueError) as err:  # e.g. a precision Lightning does not know
-            raise TrainConfigError(_one_line(err)) from err
+            raise TrainConfigError(one_line(err)) from err
         check_precision(trainer, cfg)
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -549,7 +545,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
         try:
             trainer.fit(module, datamodule=dm)
         except NvmeDirError as err:  # strategy.nvme_dir unusable, or too small for the plan's spill bytes
-            raise TrainConfigError(re.sub(r"(?<![\w.])nvme_dir\b", "strategy.nvme_dir", _one_line(err))) from err
+            raise TrainConfigError(re.sub(r"(?<![\w.])nvme_dir\b", "strategy.nvme_dir", one_line(err))) from err
         except InfeasibleBudget as err:  # the fix in this app's keys
             raise err.reworded(TRAINER_EIGHT_BIT_FIX, "optim.optimizer=hybrid_adamw optim.eight_bit=all") from err
         wall = time.perf_counter() - start
@@ -651,7 +647,7 @@ def summary_row(cfg: Any, result: Optional[Dict[str, Any]] = None, *, job: Optio
     row: Dict[str, Any] = {"job": job, "status": "ok" if error is None else "failed", "overrides": overrides,
                            "model": cfg.model.name, "strategy": cfg.strategy.name, "hardware": hardware_name(cfg),
                            "seed": int(cfg.seed), "lr": float(cfg.optim.lr), "reason": "" if error is None else
-                           _one_line(error), "output_dir": None if out_dir is None else str(out_dir)}
+                           one_line(error), "output_dir": None if out_dir is None else str(out_dir)}
     if result is not None:
         measured, predicted = result.get("step_seconds_measured"), result.get("step_seconds_predicted")
         row.update(steps=result.get("steps"), initial_val_loss=result.get("initial_val_loss"),
@@ -698,7 +694,7 @@ def _task(cfg: DictConfig) -> Optional[float]:
     except (TrainConfigError, PlannerError) as err:
         infeasible = isinstance(err, (InfeasibleBudget, InfeasibleSchedule))
         kind = f"infeasible ({type(err).__name__}): " if infeasible else ""
-        print(f"lazytrain-train: {kind}{in_config_units(_one_line(err))}", file=sys.stderr, flush=True)
+        print(f"lazytrain-train: {kind}{in_config_units(one_line(err))}", file=sys.stderr, flush=True)
         if multirun:  # record the reason in the job's row and let the sweep go on
             out_dir.mkdir(parents=True, exist_ok=True)
             row = summary_row(cfg, job=job, overrides=overrides, error=err, out_dir=out_dir)

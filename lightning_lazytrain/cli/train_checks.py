@@ -16,7 +16,7 @@ import torch
 from ..config import ConfigKeyError, check_schema
 
 __all__ = ["LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names", "check_blocks",
-           "check_precision", "validate_config"]
+           "check_precision", "one_line", "validate_config"]
 
 STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
 #: the Trainer precisions the lazytrain strategy runs (its own table when importable; the same values otherwise)
@@ -30,6 +30,11 @@ _OPTIM_OPTIONS = re.compile(r"(?<![\w.])(lr|weight_decay|betas|eps|eight_bit|max
 
 class TrainConfigError(ValueError):
     """The config cannot be turned into data, model and strategy."""
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (what the apps print)."""
+    return " ".join(str(err).split())
 
 
 def app_names(text: str) -> str:
@@ -126,4 +131,4 @@ def check_blocks(cfg: Any, module: Any) -> None:
     try:
         find_blocks(module, cfg.strategy.blocks)
     except BlockDiscoveryError as err:
-        raise TrainConfigError(app_names(" ".join(str(err).split()))) from None
+        raise TrainConfigError(app_names(one_line(err))) from None
