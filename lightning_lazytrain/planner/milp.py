@@ -50,6 +50,17 @@ from .milp_internals import InternalsOffload
 from .milp_partial import PartialKeep
 from .schedule import Schedule
 from .simulator import MEM_TOL
+
+# Note: [memory rows and the solver's tolerance]
+# The memory rows are in GB: byte-sized coefficients (1e10) would leave HiGHS's feasibility tolerance
+# meaningless. HiGHS accepts a MIP solution whose rows are violated by up to its
+# ``mip_feasibility_tolerance`` (1e-6, pinned in solve.py): 1e-6 GB = 1000 bytes over the row. The
+# rows therefore hold the cap itself, and the simulator's ``MEM_TOL`` (1024 bytes) is the room for that
+# slack -- not added to the rows as well: with both, a solution 2 kB over the cap passed the solver and
+# the simulator then refused it (a CPU budget of 142 kB, window B2 at 143 kB; .ci/run on 2026-12-05).
+ROW_SCALE = 1e-9
+MIP_FEASIBILITY_TOLERANCE = 1e-6
+assert MIP_FEASIBILITY_TOLERANCE / ROW_SCALE < MEM_TOL
 from .workload import Workload, host_page_bytes
 
 
@@ -325,10 +336,8 @@ class ScheduleModel:
         return expr - self.internals.away_backward(u) + self.partial.held(u)
 
     def fits(self, nbytes, capacity: float):
-        """``nbytes <= capacity`` with rows in GB: byte-sized coefficients (1e10) leave HiGHS's
-        feasibility tolerance meaningless and make schedules that exactly hit the cap look
-        infeasible. ``MEM_TOL`` matches the simulator's tolerance."""
-        return nbytes * 1e-9 <= (capacity + MEM_TOL) * 1e-9
+        """``nbytes <= capacity`` with rows in GB (Note: [memory rows and the solver's tolerance])."""
+        return nbytes * ROW_SCALE <= capacity * ROW_SCALE
 
     def _create_gpu_memory(self) -> None:
         cap = self.hw.gpu_memory_cap_bytes

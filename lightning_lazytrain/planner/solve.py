@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .errors import InfeasibleBudget, InfeasibleSchedule
 from .hardware import Hardware
-from .milp import MilpOptions, ScheduleModel
+from .milp import MIP_FEASIBILITY_TOLERANCE, MilpOptions, ScheduleModel
 from .policies import keep_all, megatrain, recompute_all
 from .schedule import Schedule
 from .simulator import SimResult, simulate
@@ -135,7 +135,10 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         # columns, restarting"), past its time limit and holding the GIL (no watchdog thread can
         # stop it); seen on 27B/H800/b72 with a 3 GB/s link, the optimizer forced pipelined and
         # partial keep on. Without restarts that solve ends (optimal) in ~9 s.
-        solver.highs_options = {"mip_allow_restart": False, **({"threads": opt.threads} if opt.threads else {})}
+        solver.highs_options = {"mip_allow_restart": False,
+                                # Note: [memory rows and the solver's tolerance]
+                                "mip_feasibility_tolerance": MIP_FEASIBILITY_TOLERANCE,
+                                **({"threads": opt.threads} if opt.threads else {})}
         t = time.perf_counter()
         result = solver.solve(model.m)
         return result, time.perf_counter() - t
