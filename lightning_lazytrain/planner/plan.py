@@ -12,9 +12,10 @@ from .milp import MilpOptions
 from .placement import HOST_ONLY, Placement, candidates, price
 from .solve import SolveResult, solve
 from .model import ModelSpec, TrainSpec
-from .policies import BASELINES, baseline, min_memory, recompute_all
+from .policies import BASELINES, baseline, min_memory
 from .schedule import Schedule
-from .simulator import MEM_TOL, SimResult, simulate
+from .shortage import cap_violations, fitting_floor
+from .simulator import SimResult, simulate
 from .units import format_bytes, format_bytes_at_least
 from .workload import Workload
 
@@ -150,16 +151,6 @@ def table_legend(wl: Workload, hw: Hardware, *, tokens: bool = True, partial: bo
     else:
         lines.append(f"predicted from the model's shapes and the {hw.name} hardware profile (nothing measured)")
     return lines
-
-
-def cap_violations(sim: SimResult, hw: Hardware) -> list[dict]:
-    """The budgets a replayed schedule exceeds (the checks ``simulate`` makes, as data): per resource the
-    need, the cap, the excess (bytes) and, for device memory, the peak window. Empty when it fits."""
-    checks = (("gpu_memory", sim.peak_gpu_bytes, hw.gpu_memory_cap_bytes, sim.peak_window),
-              ("cpu_memory", sim.peak_cpu_bytes, hw.cpu_memory_bytes, None),
-              ("nvme_capacity", sim.nvme_bytes, hw.nvme_capacity_bytes, None))
-    return [{"resource": name, "need_bytes": need, "cap_bytes": cap, "excess_bytes": need - cap, "window": window}
-            for name, need, cap, window in checks if need > cap + MEM_TOL]
 
 
 def evaluate_baselines(wl: Workload, hw: Hardware, K: int = 4) -> tuple[dict, dict]:
@@ -305,9 +296,7 @@ def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
     wl = Workload.analytic(model, train, hw)
     if wl.host_static_bytes > hw.cpu_memory_bytes or wl.static_gpu_bytes > hw.gpu_memory_cap_bytes:
         return False
-    L = wl.num_layers
-    floors = [min_memory(L), recompute_all(L)] + ([min_memory(L, "nvme")] if hw.nvme_capacity_bytes > 0 else [])
-    return any(not cap_violations(simulate(s.in_mode(wl.data_parallel), wl, hw, check=False), hw) for s in floors)
+    return fitting_floor(wl, hw) is not None
 
 
 def _largest(ok, upper: int) -> int:

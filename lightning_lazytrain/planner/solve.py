@@ -13,11 +13,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from .errors import InfeasibleBudget, InfeasibleSchedule
+from .errors import InfeasibleSchedule
 from .hardware import Hardware
 from .milp import MIP_FEASIBILITY_TOLERANCE, MilpOptions, ScheduleModel
 from .policies import keep_all, megatrain, recompute_all
 from .schedule import Schedule
+from .shortage import fitting_floor, no_schedule
 from .simulator import SimResult, simulate
 from .workload import Workload
 
@@ -193,5 +194,11 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         return SolveResult(schedule=seed[0], status="fallback", objective=None, bound=bound, mip_gap=None,
                            build_seconds=build, solve_seconds=solve_s, solver=info, simulated=seed[1],
                            seed_policy=origin)
-    raise InfeasibleBudget("gpu", 0.0, f"the MILP found no schedule ({tc.name}) and no baseline fits",
-                           "run lightning_lazytrain.planner.diagnose() for the shortfall")
+    floor = fitting_floor(wl, hw)  # Note: [no schedule fits] in shortage.py
+    if floor is not None:  # no baseline fits, but a floor does (the MILP ran out of time before finding it)
+        schedule = in_space(floor[0], opt, data_parallel=wl.data_parallel)
+        warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {floor[0].policy}", stacklevel=2)
+        return SolveResult(schedule=schedule, status="fallback", objective=None, bound=bound, mip_gap=None,
+                           build_seconds=build, solve_seconds=solve_s, solver=info,
+                           simulated=simulate(schedule, wl, hw), seed_policy=floor[0].policy)
+    raise no_schedule(wl, hw, f"the MILP found no schedule ({tc.name}) and no baseline fits")
