@@ -42,6 +42,7 @@ from ..config import (CONF_DIR, DEFAULT_DATA_PARALLEL, check_command_line, check
 from ..planner import PlannerError, SimResult, make_plan, search_batch, simulate
 from ..planner.errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
 from ..planner.multi import ClusterResult, plan_cluster, rank_hardware
+from ..planner.multi_batch import search_cluster_batch
 from ..planner.plan import PlanResult, cap_violations
 from ..planner.policies import BASELINES, baseline
 from ..planner.report import SWEEP_COLUMNS, format_table, plot_timeline, write_sweep_csv
@@ -95,8 +96,14 @@ def plan_job(cfg: Any, out_dir: str | Path, *, job: int | None = None, out: Text
     if batch == "auto":
         candidates = list(cfg.plan.batch_candidates) if cfg.plan.batch_candidates else None
         search_hw = rank_hardware(hw) if multi else hw  # several GPUs: the batch per rank, on one rank's share
-        search = search_batch(model, to_train(cfg, micro_batch_size=1), search_hw, options=options,
-                              candidates=candidates)
+        if multi:  # Note: [the batch search on several GPUs] (planner/multi_batch.py); a "<f>x" host cap is the
+            # single-GPU plan's at a batch, so it is applied to the batch found (_plan_ranks), not in the search
+            search = search_cluster_batch(model, to_train(cfg, micro_batch_size=1), hw, mode, options=options,
+                                          candidates=candidates, host_bytes_per_node=cap_setting[1]
+                                          if cap_setting is not None and cap_setting[0] == "bytes" else None)
+        else:
+            search = search_batch(model, to_train(cfg, micro_batch_size=1), hw, options=options,
+                                  candidates=candidates)
         print(f"micro-batch search for {model.name} on {search_hw.name}: largest feasible {search.largest_feasible}, "
               f"best predicted throughput at {search.best_throughput}", file=out)
         print(format_table(search.table), file=out)

@@ -281,15 +281,11 @@ class ClusterResult:
         return self.sim.peak_cpu_bytes * self.gpus_per_node
 
 
-def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "shard", *,
-                 options: MilpOptions | None = None, workload: Workload | None = None,
-                 host_bytes_per_node: float | None = None) -> ClusterResult:
-    """Plan one rank of a data-parallel run (``train`` is per rank) in ``mode``; ``fsdp`` is a fixed
-    policy, the others are solved by the MILP on the rank's problem. ``host_bytes_per_node`` caps the
-    node's host memory below ``hw.cpu_memory_bytes`` (each rank gets ``1/n`` of it for its share of
-    the host state and its host-resident activations). When the host state does not fit the node
-    (replicate: ``n`` full copies), the rank is planned and timed as if it did, and ``host_fits`` is
-    False."""
+def rank_problem(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str, *, workload: Workload | None = None,
+                 host_bytes_per_node: float | None = None) -> tuple[Workload, Hardware, bool]:
+    """(one rank's workload, its hardware, whether the node's host holds every rank's host state) for
+    ``plan_cluster``'s arguments. Where the host state does not fit (replicate: ``n`` copies), the rank's host
+    memory is raised so that it is planned and timed as if it did (``host_fits`` False says it does not)."""
     _check_mode(mode)
     if host_bytes_per_node is not None:
         if not host_bytes_per_node > 0:
@@ -301,15 +297,35 @@ def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "
     host_fits = wl.host_static_bytes <= rhw.cpu_memory_bytes
     if not host_fits:
         rhw = rhw.replace(cpu_memory_bytes=2 * wl.host_static_bytes + 2 * sum(wl.boundary_bytes))
+    return wl, rhw, host_fits
+
+
+def best_fsdp(wl: Workload, rhw: Hardware) -> tuple[Schedule, SimResult] | None:
+    """The faster FSDP policy that fits (None if neither)."""
+    best = None
+    for s in fsdp_schedules(wl):
+        try:
+            sim = simulate(s, wl, rhw)
+        except InfeasibleSchedule:
+            continue
+        if best is None or sim.iteration_seconds < best[1].iteration_seconds:
+            best = (s, sim)
+    return best
+
+
+def plan_cluster(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str = "shard", *,
+                 options: MilpOptions | None = None, workload: Workload | None = None,
+                 host_bytes_per_node: float | None = None) -> ClusterResult:
+    """Plan one rank of a data-parallel run (``train`` is per rank) in ``mode``; ``fsdp`` is a fixed
+    policy, the others are solved by the MILP on the rank's problem. ``host_bytes_per_node`` caps the
+    node's host memory below ``hw.cpu_memory_bytes`` (each rank gets ``1/n`` of it for its share of
+    the host state and its host-resident activations). When the host state does not fit the node
+    (replicate: ``n`` full copies), the rank is planned and timed as if it did, and ``host_fits`` is
+    False."""
+    wl, rhw, host_fits = rank_problem(model, train, hw, mode, workload=workload,
+                                      host_bytes_per_node=host_bytes_per_node)
     if mode == "fsdp":
-        best = None
-        for s in fsdp_schedules(wl):
-            try:
-                sim = simulate(s, wl, rhw)
-            except InfeasibleSchedule:
-                continue
-            if best is None or sim.iteration_seconds < best[1].iteration_seconds:
-                best = (s, sim)
+        best = best_fsdp(wl, rhw)
         if best is None:
             raise InfeasibleSchedule("gpu_memory", f"neither FSDP policy (keep all, full recompute) fits {hw.name}")
         schedule, sim, status = best[0], best[1], "policy"

@@ -299,7 +299,7 @@ def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
     return fitting_floor(wl, hw) is not None
 
 
-def _largest(ok, upper: int) -> int:
+def largest_where(ok, upper: int) -> int:
     """Largest b in [1, upper] with ok(b) (0 if none), for a predicate that is monotone in b."""
     lo, hi = 0, 1
     while hi <= upper and ok(hi):
@@ -313,7 +313,7 @@ def _largest(ok, upper: int) -> int:
 
 def largest_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
     """Largest micro-batch for which some schedule fits (0 if none). Memory grows with the batch."""
-    return _largest(lambda b: fits(model, train.replace(micro_batch_size=b), hw), upper)
+    return largest_where(lambda b: fits(model, train.replace(micro_batch_size=b), hw), upper)
 
 
 def largest_batch_for(schedule_fn, model: ModelSpec, train: TrainSpec, hw: Hardware, upper: int = 4096) -> int:
@@ -326,7 +326,7 @@ def largest_batch_for(schedule_fn, model: ModelSpec, train: TrainSpec, hw: Hardw
         except InfeasibleSchedule:
             return False
 
-    return _largest(ok, upper)
+    return largest_where(ok, upper)
 
 
 @dataclass(kw_only=True)
@@ -353,5 +353,8 @@ def search_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, options: Milp
         result = make_plan(model, train.replace(micro_batch_size=b), hw, options=options)
         table.append({"micro_batch_size": b, "tokens_per_s": result.sim.tokens_per_second,
                       "iteration_s": result.sim.iteration_seconds, "status": result.status})
+    if not table:
+        raise InfeasibleBudget("gpu", 0.0, f"none of the batch candidates {candidates} fits (the largest that fits: "
+                               f"{top})", f"add {top} to the candidates")
     best = max(table, key=lambda row: row["tokens_per_s"])["micro_batch_size"]
     return BatchSearch(largest_feasible=top, best_throughput=best, table=table)
