@@ -25,12 +25,14 @@ Note: [updates in the backward pass]
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lightning_lazytrain.core.weight_reads import ReadGuard, guarded
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
 
@@ -59,6 +61,9 @@ class PipelinedSteps:
         self.armed = False  # this micro-batch's final gradients are the step's: hand them over (arm)
         self._handed: set[int] = set()  # the blocks handed over in this micro-batch
         self._hooked: set[int] = set()  # optimizers whose serial steps for their hooks were logged
+        self._known: list = []
+        self._guard: ReadGuard | None = None  # training_step's, while it runs (Note: [weights read before the forward])
+        self.reads_waited = 0  # training_steps that read weights before their forward and waited for the updates
 
     def configure(self, ex: Executor, optimizers: list, *, in_backward: str | None = None) -> bool:
         """For the executor's (new) schedule: which optimizers step pipelined, in which order; True
@@ -215,9 +220,28 @@ class PipelinedSteps:
     def wait_updated(self, j: int) -> None:
         """The executor is about to stage block j (or, for j = -1 - p, part p of the non-block
         weights; one part: REST)."""
+        if self._guard is not None:  # the forward began: it waits per block from here
+            self._guard.forward_began()
         for pipe, block_layer, part_layers in self._pending:
             for layer in (part_layers[-1 - j] if j < 0 else [block_layer[j]]):
                 pipe.wait_updated(layer)
+
+    def reads_guard(self) -> contextlib.AbstractContextManager:
+        """What ``training_step`` runs under: while updates are in flight, a guard that waits for them before
+        it reads their weights (Note: [weights read before the forward] in core/weight_reads.py)."""
+        watched: set[int] = set()
+        if any(not pipe.done for pipe, _, _ in self._pending):
+            watched = {id(p) for inner in self._known if id(inner) in self._plans
+                       for g in inner.param_groups for p in g["params"]}
+        return guarded(watched, self._wait_pending, self._set_guard)
+
+    def _set_guard(self, guard: ReadGuard | None) -> None:
+        self._guard = guard
+
+    def _wait_pending(self) -> None:
+        self.reads_waited += 1
+        for pipe, _, _ in self._pending:
+            pipe.wait_all()
 
     def prune(self) -> None:
         """Forget the updates that have finished (a step's first micro-batch)."""

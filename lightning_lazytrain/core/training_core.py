@@ -282,6 +282,10 @@ class TrainingCore(ScheduleControl):
         """A micro-batch is open (its forward ran, its backward has not)."""
         return self.executor is not None and self.executor.in_microbatch
 
+    def weight_reads_guard(self) -> contextlib.AbstractContextManager:
+        """What ``training_step`` runs under (Note: [weights read before the forward] in core/weight_reads.py)."""
+        return self.steps.reads_guard()
+
     def end_skipped_microbatch(self) -> None:
         """Note: [a step's last micro-batch skipped] The optimizer step's closure has run and the step's last
         micro-batch is still open: its ``training_step`` returned None, so no backward ran. Under ``auto`` the

@@ -1,0 +1,72 @@
+"""core/weight_reads.py's guard on its own (Note: [weights read before the forward]); the fits that use it are
+test_review6_lightning.py's."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode, _len_torch_function_stack
+
+from lightning_lazytrain.core.weight_reads import guarded
+
+
+class Counting(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run(body, params):
+    waits, seen = [], []
+    with guarded({id(p) for p in params}, lambda: waits.append(1), seen.append):
+        body(seen[0])
+    assert seen[-1] is None
+    return len(waits)
+
+
+def test_a_value_read_waits_once_and_metadata_waits_for_nothing():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    other = torch.ones(3)
+    assert run(lambda g: (p.shape, p.numel(), p.dtype, p.requires_grad, len(p), other * 2), [p, q]) == 0
+    assert run(lambda g: (p.detach(), q.norm(), p.data), [p, q]) == 1
+    assert run(lambda g: torch.stack([q, q]), [p, q]) == 1
+    assert run(lambda g: p.data.mul_(1.0), [p]) == 1  # an in-place edit waits too
+
+
+def test_nothing_watched_pushes_nothing():
+    depth = _len_torch_function_stack()
+    with guarded(set(), lambda: None, lambda g: None):
+        assert _len_torch_function_stack() == depth
+
+
+def test_the_forward_takes_the_guard_off_the_stack_and_reads_after_it_wait_for_nothing():
+    p = torch.nn.Parameter(torch.ones(3))
+    depth = _len_torch_function_stack()
+
+    def body(g):
+        assert _len_torch_function_stack() == depth + 1
+        g.forward_began()
+        assert _len_torch_function_stack() == depth  # the forward pays nothing for it
+        p.detach()
+
+    assert run(body, [p]) == 0
+    assert _len_torch_function_stack() == depth
+
+
+def test_a_users_mode_inside_keeps_the_stack_nested():
+    p = torch.nn.Parameter(torch.ones(3))
+    depth = _len_torch_function_stack()
+    user = Counting()
+
+    def body(g):
+        with user:
+            g.forward_began()  # not on top: stays, as a pass-through
+            assert _len_torch_function_stack() == depth + 2
+            p.detach()
+        assert _len_torch_function_stack() == depth + 1
+
+    assert run(body, [p]) == 0 and user.calls == 1
+    assert _len_torch_function_stack() == depth
