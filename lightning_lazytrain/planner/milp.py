@@ -40,28 +40,16 @@ of the timing rule, which a test checks to 1%.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidInput
 from .hardware import Hardware
 from .milp_internals import InternalsOffload
+from .milp_memory import MIP_FEASIBILITY_TOLERANCE, ROW_SCALE, MemoryRows
 from .milp_partial import PartialKeep
-from .schedule import Schedule
-from .simulator import MEM_TOL
-
-# Note: [memory rows and the solver's tolerance]
-# The memory rows are in GB: byte-sized coefficients (1e10) would leave HiGHS's feasibility tolerance
-# meaningless. HiGHS accepts a MIP solution whose rows are violated by up to its
-# ``mip_feasibility_tolerance`` (1e-6, pinned in solve.py): 1e-6 GB = 1000 bytes over the row. The
-# rows therefore hold the cap itself, and the simulator's ``MEM_TOL`` (1024 bytes) is the room for that
-# slack -- not added to the rows as well: with both, a solution 2 kB over the cap passed the solver and
-# the simulator then refused it (a CPU budget of 142 kB, window B2 at 143 kB; .ci/run on 2026-12-05).
-ROW_SCALE = 1e-9
-MIP_FEASIBILITY_TOLERANCE = 1e-6
-assert MIP_FEASIBILITY_TOLERANCE / ROW_SCALE < MEM_TOL
-from .workload import Workload, host_page_bytes
+from .milp_solution import SolutionIO
+from .workload import Workload
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +97,7 @@ class MilpOptions:
         return (mode,)
 
 
-class ScheduleModel:
+class ScheduleModel(MemoryRows, SolutionIO):
     """Builds the Pyomo model for one (workload, hardware, options)."""
 
     EPS = 1e-6  # seconds per offloaded boundary: prefer fewer moves among equal-time schedules
@@ -281,80 +269,6 @@ class ScheduleModel:
                     self.add(sum(early) <= 1 - m.x[i, e])
             if self.use_nvme:
                 self.add(m.any_nvme >= m.n[i])
-
-    def host_bytes(self):
-        """Host bytes (the simulator's ``host_bytes``): static, cpu boundaries, NVMe staging, moved internals."""
-        m, A = self.m, [host_page_bytes(a) for a in self.A]  # host buffers are whole pages
-        return (self.wl.host_static_bytes + sum(A[i] * m.c[i] for i in self.inner) + 2 * max(A) * m.any_nvme
-                + self.internals.host_bytes())
-
-    def _create_host(self) -> None:
-        m, A, hw = self.m, self.A, self.hw
-        self.add(self.fits(self.host_bytes(), hw.cpu_memory_bytes))
-        if self.use_nvme:
-            self.add(self.fits(sum(A[i] * m.n[i] for i in self.inner), hw.nvme_capacity_bytes))
-
-    def gpu_bytes_forward(self, w: int):
-        m, A, lay = self.m, self.A, self.lay
-        expr = self.wl.static_gpu_bytes + A[w] + A[w + 1] + lay[w].fwd_work_bytes
-        for i in range(w):
-            expr += A[i] * m.g[i]
-            expr += A[i] * sum(self.off(i, ww) for ww in range(w, self.L))
-        for j in range(w + 1):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + self.resident_bytes[j] * m.r[j]
-        if w + 1 < self.L:  # a resident layer's buffer exists from its fetch, one window early
-            expr += lay[w + 1].param_bytes * m.r[w + 1]
-        return expr - self.internals.away_forward(w) + self.partial.held(w)
-
-    def gpu_bytes_head(self):
-        m, A, lay, L = self.m, self.A, self.lay, self.L
-        expr = self.wl.static_gpu_bytes + A[L] + self.wl.head_work_bytes
-        for i in range(L):
-            expr += A[i] * m.g[i] + A[i] * self.rel(i, L)
-        for j in range(L):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + self.resident_bytes[j] * m.r[j]
-        return expr - self.internals.away_backward(L) + self.partial.held(L)
-
-    def gpu_bytes_backward(self, u: int):
-        m, A, lay, L, runs = self.m, self.A, self.lay, self.L, self.wl.backward_runs
-        expr = self.wl.static_gpu_bytes
-        if runs(u):  # Note: [layers without a backward]: no backward work, no recompute
-            expr += lay[u].bwd_work_bytes + (lay[u].internal_bytes - A[u]) * (1 - m.k[u])
-            expr += self.partial.recompute_bytes(u)
-        for i in range(u + 1):
-            expr += A[i] * m.g[i]
-            expr += A[i] * sum(self.rel(i, t) for t in range(u, L + 1))
-        for (s, e) in self.edges:  # the re-run boundaries of a block, if it was re-run
-            if s <= u < e and u > s and runs(e - 1):
-                expr += sum(A[i] for i in range(s + 1, u + 1)) * m.x[s, e]
-        for j in range(u + 1):
-            expr += (lay[j].internal_bytes - A[j]) * m.k[j] + self.resident_bytes[j] * m.r[j]
-        if u + 1 < L:  # a resident layer's gradients until their D2H, one window after its backward
-            expr += self.resident_grads[u + 1] * m.r[u + 1]
-        if runs(u):
-            expr += self.wl.max_param_bytes * sum(m.x[s, e] for (s, e) in self.block_into(u + 1))
-        return expr - self.internals.away_backward(u) + self.partial.held(u)
-
-    def fits(self, nbytes, capacity: float):
-        """``nbytes <= capacity`` with rows in GB (Note: [memory rows and the solver's tolerance])."""
-        return nbytes * ROW_SCALE <= capacity * ROW_SCALE
-
-    def _create_gpu_memory(self) -> None:
-        cap = self.hw.gpu_memory_cap_bytes
-        for w in range(self.L):
-            self.add(self.fits(self.gpu_bytes_forward(w), cap))
-        self.add(self.fits(self.gpu_bytes_head(), cap))
-        for u in range(self.L):
-            self.add(self.fits(self.gpu_bytes_backward(u), cap))
-
-    def _create_aggregate_memory(self) -> None:
-        """The paper's constraint: one sum per tier (GPU-resident activations fit what is left)."""
-        m, A, lay, L = self.m, self.A, self.lay, self.L
-        working = max(max(l.internal_bytes + l.bwd_work_bytes for l in lay), self.wl.head_work_bytes)
-        budget = self.hw.gpu_memory_cap_bytes - self.wl.static_gpu_bytes - working
-        self.add(self.fits(sum(A[i] * m.g[i] for i in range(L + 1))
-                           + sum((lay[j].internal_bytes - A[j]) * m.k[j]
-                                 + self.resident_bytes[j] * m.r[j] for j in range(L)), budget))
 
     def _create_window_times(self) -> None:
         m, A, lay, L, hw, wl = self.m, self.A, self.lay, self.L, self.hw, self.wl
@@ -610,90 +524,5 @@ class ScheduleModel:
             self.add(m.slack[u] >= exprs[1] - compute)
         m.obj = pyo.Objective(expr=recompute + sum(m.slack[u] for u in range(L)) + moves, sense=pyo.minimize)
 
-    # ---- seeding and extraction ----------------------------------------------------------
-    def seed_from(self, s: Schedule) -> None:
-        """Set every variable from a schedule so HiGHS starts with an incumbent (a layer without a backward
-        keeps nothing in the model: the engine ignores such a decision, so the seed drops it)."""
-        pyo, m, L = self.pyo, self.m, self.L
-        s = _without_internals(s, self.wl.no_backward)
-        for var in (m.x, m.g, m.c, m.n, m.k, m.r, m.o, m.q):
-            for idx in var:
-                if not var[idx].fixed:
-                    var[idx].set_value(0)
-        mat = s.materialised
-        for a, b in zip(mat, mat[1:]):
-            m.x[a, b].set_value(1)
-        for i, home in enumerate(s.homes):
-            for name, var in (("gpu", m.g), ("cpu", m.c), ("nvme", m.n)):
-                if not var[i].fixed:
-                    var[i].set_value(1 if home == name else 0)
-            if home in ("cpu", "nvme"):
-                h = "c" if home == "cpu" else "n"
-                m.o[i, s.offload_window[i], h].set_value(1)
-                m.q[i, s.reload_window[i], h].set_value(1)
-        for j in range(L):
-            if not m.k[j].fixed:
-                m.k[j].set_value(int(s.keep_internals[j]))
-            if not m.r[j].fixed:
-                m.r[j].set_value(int(s.resident_weights[j]))
-        if not m.any_nvme.fixed:
-            m.any_nvme.set_value(int(any(h == "nvme" for h in s.homes)))
-        self.internals.seed_from(s)
-        self.partial.seed_from(s)
-        if len(self.modes) > 1:
-            m.pipe.set_value(int(s.optimizer == "pipelined"))
-        for j, y in self.y.items():  # a serial layer where the model offers none (it cannot pay
-            y.set_value(int(j in s.serial_layers))  # there) is seeded as pipelined: as good or better
-        if self.in_backward:
-            m.bwd.set_value(int(s.updates_in_backward))
-        if s.optimizer not in self.modes:
-            raise InvalidInput("schedule.optimizer", s.optimizer, f"the model's optimizer mode is {self.modes[0]!r}")
-        for var, exprs in self.lane_loads.values():
-            if not var.fixed:
-                var.set_value(max(pyo.value(e) for e in exprs))
-        if not self.opt.time_objective:
-            for u in range(L):
-                _, exprs = self.lane_loads[f"tB[{u}]"]
-                m.slack[u].set_value(max(0.0, pyo.value(exprs[1]) - pyo.value(exprs[0])))
 
-    def extract(self, policy: str = "milp") -> Schedule:
-        m, L = self.m, self.L
-        on = lambda v: v.value is not None and v.value > 0.5  # noqa: E731
-        homes, off, rel = [], [None] * (L + 1), [None] * (L + 1)
-        for i in range(L + 1):
-            home = "gpu" if on(m.g[i]) else "cpu" if on(m.c[i]) else "nvme" if on(m.n[i]) else "recompute"
-            homes.append(home)
-        for (i, w, h) in self.off_idx:
-            if on(m.o[i, w, h]):
-                off[i] = w
-        for (i, t, h) in self.rel_idx:
-            if on(m.q[i, t, h]):
-                rel[i] = t
-        internals_off, internals_rel = self.internals.extract()
-        return Schedule(num_layers=L, homes=tuple(homes), keep_internals=tuple(on(m.k[j]) for j in range(L)),
-                        resident_weights=tuple(on(m.r[j]) for j in range(L)), offload_window=tuple(off),
-                        reload_window=tuple(rel), internals_offload_window=internals_off,
-                        internals_reload_window=internals_rel, partial_keep=self.partial.extract(),
-                        backward_prefetch=True, optimizer=self.optimizer(),
-                        serial_layers=tuple(j for j, y in self.y.items() if on(y))
-                        if self.optimizer() == "pipelined" else (),
-                        updates_in_backward=self.in_backward and self.optimizer() == "pipelined" and on(m.bwd),
-                        data_parallel=self.dp, policy=policy)
-
-    def optimizer(self) -> str:
-        """The optimizer mode of the current solution (the forced one, or the value of ``pipe``)."""
-        if len(self.modes) == 1:
-            return self.modes[0]
-        return "pipelined" if self.m.pipe.value is not None and self.m.pipe.value > 0.5 else "serial"
-
-
-def _without_internals(s: Schedule, layers: tuple[int, ...]) -> Schedule:
-    """``s`` with ``layers`` keeping no internals (fully, partially or moved): Note: [layers without a
-    backward] -- what the engine runs for them whatever the schedule says."""
-    if not layers:
-        return s
-    drop = lambda values, off: tuple(off if j in layers else v for j, v in enumerate(values))  # noqa: E731
-    return dataclasses.replace(s, keep_internals=drop(s.keep_internals, False),
-                               partial_keep=drop(s.partial_keep, False),
-                               internals_offload_window=drop(s.internals_offload_window, None),
-                               internals_reload_window=drop(s.internals_reload_window, None))
+__all__ = ["MIP_FEASIBILITY_TOLERANCE", "ROW_SCALE", "MilpOptions", "ScheduleModel"]
