@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
+from lightning_lazytrain.engine.grad_writeback import REST
+
 __all__ = ["EarlyParts"]
 
 
@@ -61,3 +63,41 @@ class EarlyParts:
                 self.sent.add(p)
             else:
                 self.declined.add(p)
+
+
+class EarlyPartsWatch:
+    """``Executor``'s side of Note: [early non-block parts]: which parts a micro-batch watches, and what it does
+    when one's gradients are complete (a mixin: its ``params``, ``stats``, ``_micro``, ``_b_next``)."""
+
+    def _watch_early_parts(self, last: bool) -> None:
+        """Note: [early non-block parts]: watch this micro-batch's non-block gradients (an armed last one)."""
+        assert self.params is not None
+        self._early = None
+        if last and self.early_parts_armed and self.early_part_set and self.on_part_final is not None:
+            parts = {p: self.params.rest_part_parameters(p) for p in self.early_part_set
+                     if 0 < p < len(self.params.rest_parts)}
+            if parts:
+                self._early = EarlyParts(parts, self._send_early_part)
+        elif last and self.profiling and len(self.params.rest_parts) > 1:  # observe only: which could go early
+            self._early = EarlyParts({p: self.params.rest_part_parameters(p) for p in range(1, len(self.params.rest_parts))},
+                                     self._saw_early_part)
+        self.params.arrival_watch = self._early.arrived if self._early is not None else None
+
+    def _saw_early_part(self, part: int) -> bool:
+        """A profiled step: part ``part``'s gradients are complete; recorded where a block's backward is
+        still to come (``StepStats.early_complete_parts``); nothing is sent."""
+        if self._micro is not None and self._b_next >= 0:
+            self.stats.early_complete_parts.add(part)
+        return False
+
+    def _send_early_part(self, part: int) -> bool:
+        """Part ``part``'s gradients are complete (autograd's thread, during the backward): write it back
+        and hand it to the optimizer, while a block's backward is still to come and a part is left for T."""
+        assert self.params is not None and self._early is not None and self.on_part_final is not None
+        if self._micro is None or self._b_next < 0 or len(self._early.sent) + 2 > len(self.params.rest_parts):
+            return False
+        pending = self.params.send_grads(REST, part=part)
+        self.params.finish_grads(pending, norm=False, final=False, wait=False)
+        assert pending.slot.accumulated is not None
+        self.on_part_final(part, pending.slot.accumulated)
+        return True

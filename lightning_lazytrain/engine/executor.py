@@ -57,13 +57,14 @@ from lightning_lazytrain.engine.block_fn import BlockContext, SharedInputs, Trai
 from lightning_lazytrain.engine.block_io import ForwardState
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
-from lightning_lazytrain.engine.early_parts import EarlyParts
+from lightning_lazytrain.engine.early_parts import EarlyParts, EarlyPartsWatch
 from lightning_lazytrain.engine.forward_windows import ForwardWindows
 from lightning_lazytrain.engine.internals import OffloadedInternals
 from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
 from lightning_lazytrain.engine.partial_keep import PartialForward
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.shared_args import SharedWrites
+from lightning_lazytrain.engine.step_memory import StepMemory
 from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
@@ -74,7 +75,7 @@ from lightning_lazytrain.planner.schedule import Schedule
 log = logging.getLogger(__name__)
 
 
-class Executor(ForwardWindows, BackwardWindows, BlockCalls):
+class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPartsWatch):
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
@@ -208,39 +209,6 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
     @nvme_required_bytes.setter
     def nvme_required_bytes(self, nbytes: int) -> None:
         self._nvme_required = int(nbytes)
-
-    def _watch_early_parts(self, last: bool) -> None:
-        """Note: [early non-block parts]: watch this micro-batch's non-block gradients (an armed last one)."""
-        assert self.params is not None
-        self._early = None
-        if last and self.early_parts_armed and self.early_part_set and self.on_part_final is not None:
-            parts = {p: self.params.rest_part_parameters(p) for p in self.early_part_set
-                     if 0 < p < len(self.params.rest_parts)}
-            if parts:
-                self._early = EarlyParts(parts, self._send_early_part)
-        elif last and self.profiling and len(self.params.rest_parts) > 1:  # observe only: which could go early
-            self._early = EarlyParts({p: self.params.rest_part_parameters(p) for p in range(1, len(self.params.rest_parts))},
-                                     self._saw_early_part)
-        self.params.arrival_watch = self._early.arrived if self._early is not None else None
-
-    def _saw_early_part(self, part: int) -> bool:
-        """A profiled step: part ``part``'s gradients are complete; recorded where a block's backward is
-        still to come (``StepStats.early_complete_parts``); nothing is sent."""
-        if self._micro is not None and self._b_next >= 0:
-            self.stats.early_complete_parts.add(part)
-        return False
-
-    def _send_early_part(self, part: int) -> bool:
-        """Part ``part``'s gradients are complete (autograd's thread, during the backward): write it back
-        and hand it to the optimizer, while a block's backward is still to come and a part is left for T."""
-        assert self.params is not None and self._early is not None and self.on_part_final is not None
-        if self._micro is None or self._b_next < 0 or len(self._early.sent) + 2 > len(self.params.rest_parts):
-            return False
-        pending = self.params.send_grads(REST, part=part)
-        self.params.finish_grads(pending, norm=False, final=False, wait=False)
-        assert pending.slot.accumulated is not None
-        self.on_part_final(part, pending.slot.accumulated)
-        return True
 
     def _wait_for_update(self, j: int) -> None:
         """``wait_updated(j)``, the seconds this thread is blocked on it counted in the step's
@@ -601,45 +569,6 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
             if p in self._pending_grads:
                 self._pending_grads.remove(p)
 
-    # ---- real device memory -------------------------------------------------------------------
-    def _window(self, name: str, *, carried: int = 0) -> None:
-        """Mark the start of window ``name``: the trace, and the memory of the window that ends."""
-        self.trace.window(name)
-        self._memory_window(name, carried=carried)
-
-    def _memory_window(self, name: str, *, carried: int = 0) -> None:
-        """Close the open memory window and open ``name`` (``WindowMemory.window``). ``carried``
-        (bytes alive at the mark that belong to the new window's working set) is counted by the
-        untracked bytes themselves (Note: [untracked device bytes] in window_memory.py)."""
-        if self._mem is not None:
-            self._mem.window(name, self.tracker, self.stats)
-
-    def _start_memory(self) -> None:
-        if not (self.measure_memory or self.profiling) or self._mem is not None:
-            return
-        assert self.params is not None
-        # Gradient buffers of the two block slots and of the non-block weights exist from here on
-        # (they are static device bytes, not a window's work).
-        self.params.ensure_grad_buffers(0, min(1, self.params.num_slots - 1))
-        # On CPU the tracker sees allocations from here on; what the store holds already is added.
-        # CUDA's counters see everything.
-        static = 0 if self.device.type == "cuda" else self.params.device_bytes
-        self._mem = WindowMemory(self.device, static, self.tracker)
-
-    def _tracker_seconds(self) -> float:
-        """The CPU memory tracker's own seconds in this step so far (Note: [the tracker's own time] in
-        live_bytes.py); 0 on CUDA and while no step measures memory."""
-        return self._mem.mem.overhead_s if self._mem is not None else 0.0
-
-    def _stop_memory(self) -> None:
-        if self._mem is not None:
-            self._mem.stop()
-            self._mem = None
-
-    def _host_side(self) -> contextlib.AbstractContextManager:
-        """Host-tier allocations (offload staging, grad landing) are not device bytes (CPU runs)."""
-        return self._mem.paused() if self._mem is not None else contextlib.nullcontext()
-
     def _flush_adhoc_grads(self) -> None:
         """Ad-hoc gradients that met no planned ones (layer 0 between micro-batches of a step, or a
         layer whose planned grads went first) go straight to the host grads."""
@@ -650,53 +579,3 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls):
             self.params.accumulate_host(j, grads, touched)
             self.stats.late_groups.add(j)
         self._adhoc_grads = {}
-
-    def _settle_offloads(self, w: int) -> None:
-        """Before forward window ``w`` (H: ``w`` = L): boundaries whose offload window is over leave
-        the device now, their copy done or not (``ActivationStore.settle``: a slow copy makes
-        compute wait, it never holds memory past the window the plan frees it in)."""
-        assert self.acts is not None
-        s = self.schedule
-        for i, home in enumerate(s.homes):
-            off = s.offload_window[i]
-            if home in ("cpu", "nvme") and off is not None and off < w and i in self.acts:
-                self.acts.settle(i)
-        for j, moving in self._internals.items():  # Note: [offloaded internals]
-            if s.internals_offload_window[j] < w and moving.state == "offloaded":
-                moving.settle(self.acts)
-                self.tracker.drop(f"internals{j}")
-        self._reap_offloads()
-
-    def _reap_offloads(self) -> None:
-        """Let go of offloaded boundaries whose D2H has finished, and stop counting them."""
-        assert self.acts is not None
-        self.acts.reap()
-        for owner in [o for o in self.tracker.by_owner if o.startswith("offload")]:
-            if self.acts.offloaded(int(owner[len("offload"):])):
-                self.tracker.drop(owner)
-
-    # ---- boundaries ----------------------------------------------------------------------------
-    def _boundary(self, i: int) -> torch.Tensor:
-        assert self.acts is not None
-        if i in self._saved:
-            return self._saved[i]
-        if i in self._recomputed:
-            return self._recomputed[i]
-        if i in self.acts:
-            return self.acts.get(i)
-        raise RuntimeError(f"boundary {i} is neither stored nor recomputed (schedule {self.schedule.policy!r})")
-
-    def _free_boundary(self, i: int) -> None:
-        assert self.acts is not None
-        if self._saved.pop(i, None) is not None:
-            self.tracker.drop(f"boundary{i}")
-        if self._recomputed.pop(i, None) is not None:
-            self.tracker.drop(f"recomputed{i}")
-        if i in self.acts:
-            self.acts.free(i)
-            self.tracker.drop(f"reload{i}")
-            self.tracker.drop(f"offload{i}")
-
-    @staticmethod
-    def _nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
