@@ -364,8 +364,10 @@ class ScheduleModel(MemoryRows, SolutionIO):
                 for (s, e) in blocks:  # the re-runs wait for their weights: the compute lane's end, one row
                     # per edge (one summed row, sum x * end, left HiGHS 1.16 stuck before presolve: 28 layers)
                     exprs.append(tail + m.x[s, e] * self.block_chain(s, u, h2d)[2])
-                if acc[u + 1]:
-                    exprs.append(cast_end + acc_u + up)  # the accumulate queues behind the window's casts
+                if acc[u + 1] or (last and self.in_backward and u + 1 < L and runs(u + 1)):
+                    # the accumulate queues behind the window's casts, and layer u+1's update in the backward
+                    # behind it, even an accumulate of 0 s (a measured workload's): the host lane is in order
+                    exprs.append(cast_end + acc_u + up)
                 if ar[u + 1]:
                     exprs += [grads + acc_u + ar_u, cast_end + acc_u + ar_u]
                 bound(var, name, exprs + self.internals.hull_rows(lay[u].bwd_seconds if runs(u) else 0.0, "B", u, h2d))

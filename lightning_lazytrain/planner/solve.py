@@ -52,6 +52,23 @@ def solver_version() -> str:
     return f"{h.versionMajor()}.{h.versionMinor()}.{h.versionPatch()}"
 
 
+# Note: [HiGHS's thread pool] HiGHS keeps one thread scheduler per process, made by the first solve with
+# that solve's ``threads``; a later solve asking for another count ended at once ("scheduler has already
+# been initialized"), and solve() fell back to a baseline without a word (review 7). So the pool is reset
+# whenever a solve asks for a count other than the one it was made with.
+_pool_threads: list[int | None] = []  # the count the process's pool was made with (empty: none made yet)
+
+
+def _thread_pool(threads: int | None) -> None:
+    import highspy
+
+    if _pool_threads and _pool_threads[0] != threads:
+        highspy.Highs.resetGlobalScheduler(True)
+        _pool_threads.clear()
+    if not _pool_threads:
+        _pool_threads.append(threads)
+
+
 def in_space(s: Schedule, opt: MilpOptions, optimizer: str | None = None, data_parallel: str | None = None) -> Schedule:
     """The nearest schedule in the MILP's space (backward prefetch on; the optimizer ``optimizer`` if
     given, else the schedule's own when the options allow it, else the one they allow)."""
@@ -126,6 +143,7 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
     build = time.perf_counter() - t0
 
     def run(warm: bool):
+        _thread_pool(opt.threads)
         solver = Highs()
         solver.config.mip_gap = opt.mip_gap
         solver.config.time_limit = opt.time_limit
