@@ -253,24 +253,25 @@ def test_nvme_homes_with_fp32_masters_train_as_without(tmp_path):
 
 @pytest.mark.parametrize("exc", [RuntimeError("boom in the step"), KeyboardInterrupt()],
                          ids=["exception", "interrupt"])
-def test_no_spill_file_is_left_after_a_failure_in_the_step(tmp_path, exc):
-    """The step of batch 2 raises after its forward (the boundaries are in spill files then)."""
+def test_no_spill_file_is_left_after_a_failure_in_the_step(tmp_path, exc, monkeypatch):
+    """The step of batch 2 raises after its forward (the boundaries are in spill files then). The tier's use is
+    seen where a spill file is named (``SpillDir.file``): a listing at ``on_before_backward`` depended on the
+    copies' timing (under load, no file was there yet or any more: .ci/run on 2026-12-05)."""
+    from lightning_lazytrain.engine.nvme import SpillDir
+
     spill = tmp_path / "spill"
     plan = write_plan(tmp_path / "nvme.json", all_nvme_schedule())
-    seen: list[list[str]] = []
-
-    class Watch(L.Callback):
-        def on_before_backward(self, trainer, module, loss):
-            seen.append(spill_leftovers(spill))
-
+    named: list[str] = []
+    file_of = SpillDir.file
+    monkeypatch.setattr(SpillDir, "file", lambda self, key: named.append(file_of(self, key).name) or file_of(self, key))
     strategy = LazyTrainStrategy(policy=plan, nvme_dir=str(spill))
     handler = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit if isinstance(exc, KeyboardInterrupt) else RuntimeError):
-            fit(strategy, steps=4, callbacks=[Watch()], fail_at=2, exc=exc)
+            fit(strategy, steps=4, fail_at=2, exc=exc)
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after an interrupt
-    assert any(any(p.endswith(".spill") for p in s) for s in seen), seen  # the tier was in use
+    assert any(n.endswith(".spill") for n in named), named  # the tier was in use
     assert spill_leftovers(spill) == []
     assert strategy.core.executor is None  # torn down
 
