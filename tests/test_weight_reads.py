@@ -21,7 +21,7 @@ class Counting(TorchFunctionMode):
 
 def run(body, params):
     waits, seen = [], []
-    with guarded({id(p) for p in params}, lambda: waits.append(1), seen.append):
+    with guarded({0: {id(p) for p in params}}, lambda: waits.append(1), seen.append):
         body(seen[0])
     assert seen[-1] is None
     return len(waits)
@@ -38,17 +38,17 @@ def test_a_value_read_waits_once_and_metadata_waits_for_nothing():
 
 def test_nothing_watched_pushes_nothing():
     depth = _len_torch_function_stack()
-    with guarded(set(), lambda: None, lambda g: None):
+    with guarded({}, lambda: None, lambda g: None):
         assert _len_torch_function_stack() == depth
 
 
-def test_the_forward_takes_the_guard_off_the_stack_and_reads_after_it_wait_for_nothing():
+def test_the_forward_releasing_every_block_takes_the_guard_off_the_stack():
     p = torch.nn.Parameter(torch.ones(3))
     depth = _len_torch_function_stack()
 
     def body(g):
         assert _len_torch_function_stack() == depth + 1
-        g.forward_began()
+        g.released(0)
         assert _len_torch_function_stack() == depth  # the forward pays nothing for it
         p.detach()
 
@@ -63,10 +63,34 @@ def test_a_users_mode_inside_keeps_the_stack_nested():
 
     def body(g):
         with user:
-            g.forward_began()  # not on top: stays, as a pass-through
+            g.released(0)  # not on top: stays, as a pass-through
             assert _len_torch_function_stack() == depth + 2
             p.detach()
         assert _len_torch_function_stack() == depth + 1
 
     assert run(body, [p]) == 0 and user.calls == 1
     assert _len_torch_function_stack() == depth
+
+
+def test_a_block_the_forward_has_not_reached_is_still_watched():
+    """Block 0 released (the forward waited for it), block 3 not: a read of block 0 waits for nothing, one of
+    block 3 (a hook in block 0 reading a later block's weights) waits; releasing the last takes it off."""
+    b0, b3 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    depth = _len_torch_function_stack()
+    waits, seen = [], []
+    with guarded({0: {id(b0)}, 3: {id(b3)}}, lambda: waits.append(1), seen.append):
+        g = seen[0]
+        g.released(0)
+        assert _len_torch_function_stack() == depth + 1
+        b0.detach()
+        assert waits == []
+        b3.detach()
+        assert waits == [1]
+    assert _len_torch_function_stack() == depth
+    waits, seen = [], []
+    with guarded({0: {id(b0)}, 3: {id(b3)}}, lambda: waits.append(1), seen.append):
+        seen[0].released(0)
+        seen[0].released(3)
+        assert _len_torch_function_stack() == depth
+        b3.detach()
+    assert waits == []

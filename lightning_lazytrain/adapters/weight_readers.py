@@ -7,7 +7,8 @@ Note: [weights read after the step]
     optim/pipeline.py). Under ``strategy="auto"`` every weight holds its new value when the step
     returns. A hook that runs in between and reads weights (an EMA or weight-averaging callback, a
     logger of weight norms) would see some layers updated and others not. So where the module or a
-    callback overrides a hook that runs there (``HOOKS``), the fit is planned with a serial optimizer
+    callback overrides a hook that runs there (``HOOKS``; for the module also ``MODULE_HOOKS``: the batch's transfer
+    hooks and ``optimizer_step``), the fit is planned with a serial optimizer
     step (the MILP prices it so) and a pipelined step (a plan file's) is waited for before the step
     returns; the log says which hook. Trusted, and so not counted: Lightning's own callbacks except
     the ones that read or change weights (``WEIGHT_CALLBACKS``), the project's own, and any callback or
@@ -27,6 +28,9 @@ __all__ = ["HOOKS", "gradients_read_after_step", "weights_read_after_step"]
 # the hooks that run after an optimizer step and before the next forward (validation, checkpoints and
 # teardown wait for the updates themselves; on_before_zero_grad runs after the next forward)
 HOOKS = ("on_train_batch_end", "on_train_epoch_end", "on_train_epoch_start", "on_train_batch_start")
+# ... and the LightningModule's own that run there: the batch's transfer hooks (before on_train_batch_start), and
+# optimizer_step itself, whose override may read the weights after calling super() (an EMA kept there)
+MODULE_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer", "optimizer_step")
 
 
 def _weight_callbacks() -> tuple[type, ...]:
@@ -78,4 +82,4 @@ def _hooks(obj: Any) -> list[str]:
     """The ``HOOKS`` the LightningModule ``obj`` or the callback ``obj`` overrides, named for a message."""
     if isinstance(obj, Callback):
         return [f"{type(obj).__name__}.{name}" for name in HOOKS if is_overridden(name, obj, parent=Callback)]
-    return [f"the LightningModule's {name}" for name in HOOKS if is_overridden(name, obj)]
+    return [f"the LightningModule's {name}" for name in HOOKS + MODULE_HOOKS if is_overridden(name, obj)]

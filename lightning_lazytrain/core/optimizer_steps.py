@@ -220,19 +220,31 @@ class PipelinedSteps:
     def wait_updated(self, j: int) -> None:
         """The executor is about to stage block j (or, for j = -1 - p, part p of the non-block
         weights; one part: REST)."""
-        if self._guard is not None:  # the forward began: it waits per block from here
-            self._guard.forward_began()
         for pipe, block_layer, part_layers in self._pending:
             for layer in (part_layers[-1 - j] if j < 0 else [block_layer[j]]):
                 pipe.wait_updated(layer)
+        if self._guard is not None:  # Note: [weights read before the forward]: block j's are updated
+            self._guard.released(j)
 
     def reads_guard(self) -> contextlib.AbstractContextManager:
         """What ``training_step`` runs under: while updates are in flight, a guard that waits for them before
         it reads their weights (Note: [weights read before the forward] in core/weight_reads.py)."""
-        watched: set[int] = set()
-        if any(not pipe.done for pipe, _, _ in self._pending):
-            watched = {id(p) for inner in self._known if id(inner) in self._plans
-                       for g in inner.param_groups for p in g["params"]}
+        watched: dict[Any, set[int]] = {}
+        for inner in self._known:
+            plan = self._plans.get(id(inner))
+            entry = next((e for e in self._pending if plan is not None and e[1] is plan[1] and not e[0].done), None)
+            if entry is None:
+                continue
+            pipe, block_layer, part_layers = entry
+            ids_of: dict[Any, set[int]] = {}
+            for g in inner.param_groups:
+                ids_of.setdefault(g["layer"], set()).update(id(p) for p in g["params"])
+            block_of = {layer: j for j, layer in block_layer.items()}
+            for layer in plan[0]:
+                if pipe.is_updated(layer):
+                    continue
+                key = block_of.get(layer, next((-1 - p for p, ls in enumerate(part_layers) if layer in ls), None))
+                watched.setdefault(key, set()).update(ids_of.get(layer, ()))
         return guarded(watched, self._wait_pending, self._set_guard)
 
     def _set_guard(self, guard: ReadGuard | None) -> None:

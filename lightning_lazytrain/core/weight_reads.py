@@ -12,10 +12,12 @@ Note: [weights read before the forward]
     ``ReadGuard``, a ``TorchFunctionMode``: the first torch call that reads the values of a parameter the
     pending updates write (``p.detach()``, ``p.data``, ``p.norm()``, ``torch.stack(params)``, an in-place
     edit) waits for every update in flight first, and logs once that the step's overlap is lost for such
-    a read. Metadata (``p.shape``, ``p.numel()``, ...) waits for nothing. The guard turns to a
-    pass-through when the forward stages its first weights (``forward_began``: from there the executor
-    waits per block, as before; the mode leaves the stack then, so the forward pays nothing for it) or
-    once it has waited. (Pushed and popped by hand -- torch's ``_push_mode``/``_pop_mode``, what
+    a read. Metadata (``p.shape``, ``p.numel()``, ...) waits for nothing. Only the blocks (and non-block
+    parts) whose update is still in flight are watched; as the forward waits for each before staging it,
+    that one is released (``released``: the forward reads the staged copies, never the masters, so its own
+    calls do not trigger the guard, but a hook in block 0 reading block 3's weights does), and with none
+    left the mode leaves the stack (the rest of the forward pays nothing for it). After a wait it is a
+    pass-through. (Pushed and popped by hand -- torch's ``_push_mode``/``_pop_mode``, what
     ``TorchFunctionMode.__enter__``/``__exit__`` call -- because it leaves in the middle of training_step.) Nothing is guarded when no update is in flight
     (a serial step, the first step, evaluation).
 
@@ -58,11 +60,12 @@ class ReadGuard(TorchFunctionMode):
     """Waits for the updates in flight (``wait``) before the first call that reads a watched parameter
     (Note: [weights read before the forward])."""
 
-    def __init__(self, watched: set[int], wait: Callable[[], None]) -> None:
+    def __init__(self, watched: dict[Any, set[int]], wait: Callable[[], None]) -> None:
         super().__init__()
-        self.watched = watched
+        self.by_key = {k: set(v) for k, v in watched.items()}  # block j / part -1-p / None (neither) -> ids
+        self.watched = set().union(*self.by_key.values()) if self.by_key else set()
         self.wait = wait
-        self.active = True
+        self.active = bool(self.watched)
         self.waited = False
         self._thread = threading.get_ident()
         self._pushed = False
@@ -78,9 +81,13 @@ class ReadGuard(TorchFunctionMode):
             _pop_mode()
             self._pushed = False
 
-    def forward_began(self) -> None:
-        self.active = False
-        self.pop()
+    def released(self, key: Any) -> None:
+        """The forward waited for block ``key`` (part ``-1 - p`` of the non-block weights): its weights are
+        updated, a read of them waits for nothing; with none left, the guard leaves the stack."""
+        self.watched -= self.by_key.pop(key, set())
+        if not self.watched:
+            self.active = False
+            self.pop()
 
     def _reads_watched(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
         if _name(func) in METADATA:
@@ -98,6 +105,7 @@ class ReadGuard(TorchFunctionMode):
         if self.active and self._reads_watched(func, args, kwargs):
             self.active = False
             self.waited = True
+            self.by_key, self.watched = {}, set()
             self.wait()
             log.info("lazytrain: training_step read the weights (%s) before its forward while the pipelined "
                      "optimizer step was updating them: it waited for the updates (Note: [weights read before the "
@@ -106,10 +114,12 @@ class ReadGuard(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def guarded(watched: set[int], wait: Callable[[], None], on_guard: Callable[[ReadGuard | None], None]) -> Iterator[None]:
-    """``training_step`` under a ``ReadGuard`` when ``watched`` is not empty; ``on_guard`` is told the
-    guard (and None after), so the executor's first weight staging can turn it to a pass-through."""
-    if not watched:
+def guarded(watched: dict[Any, set[int]], wait: Callable[[], None],
+            on_guard: Callable[[ReadGuard | None], None]) -> Iterator[None]:
+    """``training_step`` under a ``ReadGuard`` when ``watched`` (the parameter ids of each block / part whose
+    update is in flight) is not empty; ``on_guard`` is told the guard (and None after), so the forward's waits
+    release what they waited for."""
+    if not any(watched.values()):
         yield
         return
     guard = ReadGuard(watched, wait)
