@@ -519,3 +519,24 @@ class ReadsAtBatchStart(CausalLMModule):
 def test_an_undeclared_reader_at_batch_start():
     got, have = fit(lazy(), ReadsAtBatchStart)
     check(got, have)
+
+
+class ClampsAtBatchStart(CausalLMModule):
+    """The same clipping in on_train_batch_start (the README's way out): before the micro-batch stages anything."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("plan", ["serial", "pipelined"])
+def test_weights_edited_in_on_train_batch_start_train_as_under_auto(plan):
+    """The hook is a reader between step and forward (Note: [weights read after the step]): a pipelined plan's
+    step is waited for, and the edit reaches the masters before the micro-batch stages them."""
+    policy = (plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t")) if plan == "serial"
+              else pipelined())
+    ref, want = fit("auto", ClampsAtBatchStart)
+    got, have = fit(LazyTrainStrategy(policy=policy), ClampsAtBatchStart)
+    assert have == want
+    assert same_state(ref, got) == []
