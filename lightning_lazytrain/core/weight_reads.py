@@ -37,13 +37,14 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_
 
 log = logging.getLogger(__name__)
 
-# calls on a parameter that read no value: its shape, layout, where it lives, its gradient's metadata
+# calls on a parameter that read no value of it: its shape, layout, where it lives, its gradient
 METADATA = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "names", "layout", "is_cuda",
     "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize", "nbytes", "_version",
     "size", "dim", "numel", "nelement", "ndimension", "element_size", "stride", "is_contiguous", "data_ptr",
     "storage_offset", "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_",
     "__len__", "is_shared", "is_pinned",
+    "grad",  # the gradient: a tensor of its own (its reads are not of the weights), which the update does not write
 })
 
 
