@@ -43,7 +43,7 @@ class Record(L.Callback):
     """Losses, and each optimizer step's global gradient norm before the clip: under ``auto`` what
     Lightning's ``clip_grad_norm_`` returned (recorded by ``fit``), under lazytrain the fused clip's
     own (``HybridAdamW.last_grad_norm``). No hook between the backward and the step here: one would
-    make the fused clip take its norms at the step (Note: [stale norms] in optim/hybrid_adamw.py)."""
+    make the fused clip take its norms at the step (Note: [stale norms] in optim/grad_norms.py)."""
     reads_gradients_only = True  # records, reads no weight (Note: [weights read after the step])
 
     def __init__(self):
@@ -117,7 +117,7 @@ def policy(request, tmp_path):
 @pytest.mark.slow
 def test_fused_clip_is_lightnings_clip_bit_for_bit(policy, clip, impl, monkeypatch):
     want = fit("auto", Net(impl=impl), clip=clip)
-    import lightning_lazytrain.optim.hybrid_adamw as hybrid
+    import lightning_lazytrain.optim.grad_norms as hybrid  # where HybridAdamW takes its norms
 
     # under lazytrain the global norm comes from the executor's per-parameter norms: no pass
     monkeypatch.setattr(hybrid, "global_grad_norm", lambda *a: pytest.fail("a norm pass over the gradients"))
@@ -133,7 +133,7 @@ def test_without_a_clip_value_the_nonfinite_skip_takes_the_handed_over_norms(mon
     comes from the executor's per-parameter norms, not from a pass over every host gradient (on the
     H200 that pass was ~0.5 s of a 1.4 s step for 1B parameters); the training equals auto's."""
     want_module, want, _ = fit("auto", Net(), clip=None)
-    import lightning_lazytrain.optim.hybrid_adamw as hybrid
+    import lightning_lazytrain.optim.grad_norms as hybrid  # where HybridAdamW takes its norms
 
     monkeypatch.setattr(hybrid, "global_grad_norm", lambda *a: pytest.fail("a norm pass over the gradients"))
     got_module, got, trainer = fit(LazyTrainStrategy(policy="recompute_all"), Net(), clip=None)

@@ -10,10 +10,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_lazytrain.config import (CONF_DIR, DEFAULT_DATA_PARALLEL, ConfigKeyError, PlanConfig, check_command_line,
-                                        check_schema, composition_error_message, config_groups_help, in_config_units,
+from lightning_lazytrain.config import (CONF_DIR, DEFAULT_DATA_PARALLEL, PlanConfig, in_config_units,
                                         micro_batch_setting, paper_micro_batch_size, resolve_micro_batch, to_hardware,
-                                        to_milp_options, to_model, to_train, unknown_key_message, unknown_keys)
+                                        to_milp_options, to_model, to_train)
+from lightning_lazytrain.config_checks import (ConfigKeyError, check_command_line, check_schema,
+                                               composition_error_message, config_groups_help, unknown_key_message,
+                                               unknown_keys)
 from lightning_lazytrain.planner import InvalidInput, MilpOptions, block_cost
 
 GROUPS = ("hardware", "model", "train")

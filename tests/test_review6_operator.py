@@ -26,7 +26,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_lazytrain.cli.train import TRAIN_GROUPS, TrainConfigError, train_job
-from lightning_lazytrain.config import CONF_DIR, check_command_line
+from lightning_lazytrain.config import CONF_DIR
+from lightning_lazytrain.config_checks import check_command_line
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
 from test_review_replan_nvme import (Record, all_nvme_schedule, batches, fit, make_module, params_of, same,

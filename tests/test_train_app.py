@@ -279,7 +279,7 @@ def test_keys_added_with_plus_are_refused_in_every_group(tmp_path, override):
 
 def test_val_every_was_renamed_holdout_every():
     from lightning_lazytrain.cli.train import TRAIN_GROUPS, validate_config
-    from lightning_lazytrain.config import check_command_line
+    from lightning_lazytrain.config_checks import check_command_line
 
     assert compose_cfg().data.holdout_every == 20 and "val_every" not in compose_cfg().data
     for override in ("data.val_every=5", "+data.val_every=5"):

@@ -316,7 +316,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         full = self.fp32_masters or not module.automatic_optimization or is_overridden(
             "on_after_backward", module) or any(is_overridden("on_after_backward", cb, parent=Callback)
                                                 for cb in trainer.callbacks)
-        # Note: [stale norms] (optim/hybrid_adamw.py): the fused clip's norms are taken as the gradients
+        # Note: [stale norms] (optim/grad_norms.py): the fused clip's norms are taken as the gradients
         # land; user code that runs before the step may edit them (even through .data)
         between = ("on_after_backward", "on_before_optimizer_step")
         # a callback that declares ``reads_gradients_only = True`` (it logs or times, it edits nothing) is

@@ -36,9 +36,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ..config import (CONF_DIR, DEFAULT_DATA_PARALLEL, check_command_line, check_schema, data_parallel_mode,
-                      host_cap_setting, in_config_units, resolve_micro_batch, to_container, to_hardware,
-                      to_milp_options, to_model, to_train)
+from ..config import (CONF_DIR, DEFAULT_DATA_PARALLEL, data_parallel_mode, host_cap_setting, in_config_units,
+                      resolve_micro_batch, to_container, to_hardware, to_milp_options, to_model, to_train)
+from ..config_checks import check_command_line, check_schema
 from ..planner import PlannerError, SimResult, make_plan, search_batch, simulate
 from ..planner.errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput
 from ..planner.multi import ClusterResult, plan_cluster, rank_hardware

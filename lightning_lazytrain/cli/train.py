@@ -56,7 +56,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import (CONF_DIR, HardwareConfig, ModelConfig, check_command_line, in_config_units, to_container, to_hardware, to_model)
+from ..config import (CONF_DIR, HardwareConfig, ModelConfig, in_config_units, to_container, to_hardware, to_model)
+from ..config_checks import check_command_line
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
 from ..core.planning import TRAINER_EIGHT_BIT_FIX

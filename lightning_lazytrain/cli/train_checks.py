@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigKeyError, check_schema
+from ..config_checks import ConfigKeyError, check_schema
 
 __all__ = ["LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names", "check_blocks",
            "check_precision", "one_line", "validate_config"]

@@ -111,7 +111,7 @@ class FitSettings:
     for its fused clip (Note: [exact clip] in optim/clip.py); ``clip``: a clip value is set;
     ``loss_scaled``: the gradients are loss-scaled until the plugin unscales them (16-mixed: no norm is
     handed over); ``norms_trusted``: no user code can edit the gradients between the hand-over and the
-    step (Note: [stale norms] in optim/hybrid_adamw.py). ``updates_in_backward``: None when a
+    step (Note: [stale norms] in optim/grad_norms.py). ``updates_in_backward``: None when a
     ``HybridAdamW(updates_in_backward=True)`` may update blocks during the backward (the adapter knows
     the step's last micro-batch and that nothing runs between the backward and the step), else why not
     (Note: [updates in the backward pass] in core/optimizer_steps.py). ``step_waits``: None when user code

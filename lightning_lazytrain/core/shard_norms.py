@@ -36,7 +36,7 @@ def clip_sharded(store: ShardedParamStore, sync: Any, optimizer: Any, max_norm: 
 def whole_grad_norms(store: ShardedParamStore, sync: Any, stale: list) -> dict:
     """Each parameter's norm over its whole gradient, taken again from every rank's current shards,
     when any rank has a stale norm (every rank calls this at every step, so the collectives match).
-    Note: [stale norms] in optim/hybrid_adamw.py."""
+    Note: [stale norms] in optim/grad_norms.py."""
     flag = torch.tensor([int(bool(stale))], dtype=torch.int32)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=sync.group)
     if not flag.item():
