@@ -11,9 +11,10 @@ The review found 10. Fixed (2026-12-05): an overridden ``optimizer_step`` and th
 weights after the step (now ``weight_readers.MODULE_HOOKS``: a serial step); the guard taken off for every block
 at the forward's first staging, so a hook in block 0 reading block 3 (with grad: the run diverged) or a lone call
 of block 0 then reads read mid-update (now each block is released as the forward waits for it). Open: aliases
-of the weights taken earlier, optimizer states read in training_step, weights edited or gradients read in
-training_step before the forward (the non-block weights and block 0 are staged when training_step begins), and
-metadata reached through ``p.data``/``p.grad`` waiting (the overlap lost, values exact).
+of the weights taken earlier, optimizer states read in training_step, and metadata reached through ``p.data``
+waiting (the overlap lost, values exact). Also fixed: weights edited and gradients read in training_step before
+the forward (the micro-batch now begins at the model's call: Note: [the micro-batch begins at the model's call]
+in core/training_core.py), and ``p.grad`` checks waiting.
 """
 
 from __future__ import annotations
@@ -269,9 +270,6 @@ def _grads_differ(want, got):
             if (a[k] is None) != (b[k] is None) or (a[k] is not None and not torch.equal(a[k], b[k]))]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: in training_step the non-block weights are the executor's bound copies "
-                                       "(REST bound by begin_microbatch before training_step): their .grad reads zeros "
-                                       "where auto shows None (step 1) or the previous step's gradient")
 def test_gradients_read_at_the_start_of_training_step():
     """Not specific to the pipelined step (the bind happens under any schedule); the block weights' .grad agree."""
     ref, want = fit("auto", ReadsGradsFirst)
@@ -290,9 +288,6 @@ class ClampsWeights(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: weights edited in training_step before the forward: the forward uses the "
-                                       "non-block weights and block 0 staged before training_step, and the edit of "
-                                       "the non-block weights lands on their bound copies, not the masters")
 def test_weights_edited_in_training_step_before_the_forward():
     """Under any schedule (here keep_all with a serial step): the losses differ from step 1 on."""
     serial = plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t"))

@@ -90,6 +90,7 @@ class TrainingCore(ScheduleControl):
         self._steps_ended = 0
         self._micro_index = 0
         self._last_of_step = True
+        self._at_call = False  # the micro-batch begins at the model's call (begin_microbatch)
         self._t_step = 0.0
         self._outside_logged = False
         self.batch_size = BatchSizeGuard()  # Note: [batches larger than the plan] (core/batch_size.py)
@@ -295,8 +296,21 @@ class TrainingCore(ScheduleControl):
         and T's send the held gradients to the host. A step's only micro-batch skipped has nothing held: it
         stays open and is dropped when the next begins, as before (a profiled step without a backward would
         price none)."""
-        if self.automatic and self.in_microbatch and self._micro_index > 0:
-            self.end_microbatch()
+        ex = self.executor
+        if self.automatic and ex is not None and self._micro_index > 0:
+            if ex.armed:  # the model was never called (Note: [the micro-batch begins at the model's call])
+                ex.begin_armed()
+            if self.in_microbatch:
+                self.end_microbatch()
+
+    # Note: [the micro-batch begins at the model's call]
+    # The Trainer's training_step arms the micro-batch (``Executor.arm``) instead of beginning it: the
+    # non-block weights and block 0 are staged, and the non-block weights bound to their device copies, when
+    # the model (a non-block module or a block) is first called. Code in training_step before that call sees
+    # the host masters with their host gradients, as under ``auto``: a weight edit there (WGAN's clipping)
+    # reaches what the forward uses, and ``p.grad`` is the step's gradient, not a bound copy's zeros (review 7;
+    # before, both differed from ``auto`` from the first step). A step's last training_step that never calls
+    # the model is begun and ended by ``end_skipped_microbatch``. Manual optimization always began so.
 
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""
@@ -306,10 +320,11 @@ class TrainingCore(ScheduleControl):
             self._micro_index = 0
 
     def begin_microbatch(self, tokens: Callable[[], int], *, last: bool,
-                         elements: Callable[[], int] | None = None) -> None:
-        """A training micro-batch begins (automatic optimization: now; manual: when the model is
-        called, so optimizer steps and parameter reads before that see the host masters, as under
-        ``auto``). ``tokens``: counts the batch's tokens (called for the profiled step); ``last``: the
+                         elements: Callable[[], int] | None = None, at_call: bool = False) -> None:
+        """A training micro-batch begins: when the model is called with manual optimization, or with
+        ``at_call`` (the Trainer's training_step: Note: [the micro-batch begins at the model's call]), so optimizer
+        steps, parameter reads and edits before that see the host masters, as under ``auto``; else now (Fabric,
+        whose forward begins it). ``tokens``: counts the batch's tokens (called for the profiled step); ``last``: the
         optimizer steps after this micro-batch; ``elements``: the batch's size (``batch_elements``: a
         batch larger than the plan covers is planned for first, Note: [batches larger than the plan]).
         A micro-batch left open (a forward without backward) is dropped first."""
@@ -332,6 +347,7 @@ class TrainingCore(ScheduleControl):
         if ex.profiling and size:
             self.batch_size.profiling(size)
         self._last_of_step = last
+        self._at_call = at_call
         self._open()
 
     def _open(self) -> None:
@@ -368,9 +384,9 @@ class TrainingCore(ScheduleControl):
             if self.grad_sync is not None:  # grad_sync.py, Note: [one sync per step]
                 self.grad_sync.hold = (self._full and self.options.data_parallel != "shard"
                                        and not self._last_of_step)
-        if self.automatic:
+        if self.automatic and not self._at_call:
             ex.begin_microbatch(first=first, last=last)
-        else:
+        else:  # Note: [the micro-batch begins at the model's call]
             ex.arm(first=first, last=last)
 
     def end_microbatch(self, step: int | None = None) -> StepStats | None:

@@ -45,7 +45,11 @@ METADATA = frozenset({
     "storage_offset", "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_",
     "__len__", "is_shared", "is_pinned",
     "grad",  # the gradient: a tensor of its own (its reads are not of the weights), which the update does not write
+    "register_hook", "register_post_accumulate_grad_hook",
 })
+# the properties whose value is (a view of) the weights; any other property reads none (``shape``, ``grad``,
+# the hooks' dicts the engine itself looks at when the micro-batch begins)
+VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
 
 
 def _name(func: Any) -> str:
@@ -91,7 +95,8 @@ class ReadGuard(TorchFunctionMode):
             self.pop()
 
     def _reads_watched(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
-        if _name(func) in METADATA:
+        name = _name(func)
+        if name in METADATA or (getattr(func, "__name__", "") in ("__get__", "__set__") and name not in VALUE_PROPERTIES):
             return False
         for a in (*args, *(kwargs or {}).values()):
             if isinstance(a, torch.Tensor):

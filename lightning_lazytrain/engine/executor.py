@@ -368,6 +368,16 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPar
         first, last = self._armed  # type: ignore[misc]
         self.begin_microbatch(first=first, last=last)
 
+    @property
+    def armed(self) -> bool:
+        """A micro-batch is armed (``arm``) and has not begun: the model was not called since."""
+        return self._armed is not None
+
+    def begin_armed(self) -> None:
+        """Begin the armed micro-batch now (a step's last micro-batch whose training_step never called the
+        model: it ends as one no gradient reached)."""
+        self._armed_call()
+
     def abort_microbatch(self) -> None:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:
