@@ -262,7 +262,9 @@ class SlowProfile(L.Callback):
 def test_a_slow_profile_is_re_profiled_and_its_prediction_corrected():
     from lightning_lazytrain.strategy import LazyTrainStrategy
 
-    strategy = LazyTrainStrategy(replan={"patience": 2})
+    # the drift bar wide (2x either way): the profile check is what this is about; with the default +25% a
+    # loaded machine re-planned a second time for drift (.ci/run on 2026-12-05: 0.31 -> 0.40 s, +29%)
+    strategy = LazyTrainStrategy(replan={"patience": 2, "threshold": 1.0})
     slow = SlowProfile(0.2)
     fit(strategy, 10, [slow])
     assert len(strategy.replans) == 1, strategy.replans  # once, at the first baseline; then quiet
