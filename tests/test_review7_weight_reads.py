@@ -540,3 +540,27 @@ def test_weights_edited_in_on_train_batch_start_train_as_under_auto(plan):
     got, have = fit(LazyTrainStrategy(policy=policy), ClampsAtBatchStart)
     assert have == want
     assert same_state(ref, got) == []
+
+
+class ScaleFirst(CausalLMModule):
+    """A parameter of the LightningModule itself (no module call reads it) used in training_step before the model
+    is called: such a module's micro-batch begins with training_step (Note: [the micro-batch begins at the model's
+    call]), its parameter bound, and it trains as under auto."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.loss_scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def training_step(self, batch, batch_idx):
+        scale = self.loss_scale * 1.0
+        return super().training_step(batch, batch_idx) * scale
+
+
+@pytest.mark.parametrize("plan", ["serial", "pipelined"])
+def test_a_module_parameter_used_before_the_model_call_trains_as_under_auto(plan):
+    policy = (plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t")) if plan == "serial"
+              else pipelined())
+    ref, want = fit("auto", ScaleFirst)
+    got, have = fit(LazyTrainStrategy(policy=policy), ScaleFirst)
+    assert have == want
+    assert same_state(ref, got) == []

@@ -368,8 +368,11 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         assert module is not None
         batch = args[0] if args else kwargs.get("batch")
         last = not module.automatic_optimization or lightning_internals.steps_after_this_batch(module.trainer)
+        # Note: [the micro-batch begins at the model's call]; not where the LightningModule holds parameters of
+        # its own, which training_step reads without calling a module (they are bound when the micro-batch begins)
+        at_call = next(module.parameters(recurse=False), None) is None
         self.core.begin_microbatch(lambda: count_tokens(batch), last=last, elements=lambda: batch_elements(batch),
-                                   at_call=True)  # Note: [the micro-batch begins at the model's call]
+                                   at_call=at_call)
         with self.core.weight_reads_guard():  # Note: [weights read before the forward] (core/weight_reads.py)
             return super().training_step(*args, **kwargs)
 

@@ -310,7 +310,9 @@ class TrainingCore(ScheduleControl):
     # the host masters with their host gradients, as under ``auto``: a weight edit there (WGAN's clipping)
     # reaches what the forward uses, and ``p.grad`` is the step's gradient, not a bound copy's zeros (review 7;
     # before, both differed from ``auto`` from the first step). A step's last training_step that never calls
-    # the model is begun and ended by ``end_skipped_microbatch``. Manual optimization always began so.
+    # the model is begun and ended by ``end_skipped_microbatch``. Manual optimization always began so. Where the
+    # LightningModule holds parameters of its own (read in training_step without a module call, so no pre-hook
+    # would stage them: on a GPU they would be the host masters), it begins when training_step does, as before.
 
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""
