@@ -44,6 +44,12 @@ def pipelined(layers: int = 4, updates_in_backward: bool = False) -> str:
                                          updates_in_backward=updates_in_backward, policy="t"))
 
 
+@functools.lru_cache(maxsize=None)
+def serial() -> str:
+    """A plan file forcing a serial step (keep all, 4 blocks)."""
+    return plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t"))
+
+
 def lazy(layers: int = 4, updates_in_backward: bool = False) -> LazyTrainStrategy:
     return LazyTrainStrategy(policy=pipelined(layers, updates_in_backward))
 
@@ -290,9 +296,8 @@ class ClampsWeights(CausalLMModule):
 
 def test_weights_edited_in_training_step_before_the_forward():
     """Under any schedule (here keep_all with a serial step): the losses differ from step 1 on."""
-    serial = plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t"))
     ref, want = fit("auto", ClampsWeights)
-    got, have = fit(LazyTrainStrategy(policy=serial), ClampsWeights)
+    got, have = fit(LazyTrainStrategy(policy=serial()), ClampsWeights)
     assert have == want
     assert same_state(ref, got) == []
 
@@ -534,8 +539,7 @@ class ClampsAtBatchStart(CausalLMModule):
 def test_weights_edited_in_on_train_batch_start_train_as_under_auto(plan):
     """The hook is a reader between step and forward (Note: [weights read after the step]): a pipelined plan's
     step is waited for, and the edit reaches the masters before the micro-batch stages them."""
-    policy = (plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t")) if plan == "serial"
-              else pipelined())
+    policy = serial() if plan == "serial" else pipelined()
     ref, want = fit("auto", ClampsAtBatchStart)
     got, have = fit(LazyTrainStrategy(policy=policy), ClampsAtBatchStart)
     assert have == want
@@ -558,8 +562,7 @@ class ScaleFirst(CausalLMModule):
 
 @pytest.mark.parametrize("plan", ["serial", "pipelined"])
 def test_a_module_parameter_used_before_the_model_call_trains_as_under_auto(plan):
-    policy = (plan_file(dataclasses.replace(keep_all(4), optimizer="serial", policy="t")) if plan == "serial"
-              else pipelined())
+    policy = serial() if plan == "serial" else pipelined()
     ref, want = fit("auto", ScaleFirst)
     got, have = fit(LazyTrainStrategy(policy=policy), ScaleFirst)
     assert have == want

@@ -37,15 +37,12 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_
 
 log = logging.getLogger(__name__)
 
-# calls on a parameter that read no value of it: its shape, layout, where it lives, its gradient
+# methods of a parameter that read no value of it: its shape, layout, where it lives, hooks registered on it
+# (a property reads none unless it is one of ``VALUE_PROPERTIES``)
 METADATA = frozenset({
-    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "names", "layout", "is_cuda",
-    "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize", "nbytes", "_version",
     "size", "dim", "numel", "nelement", "ndimension", "element_size", "stride", "is_contiguous", "data_ptr",
     "storage_offset", "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_",
-    "__len__", "is_shared", "is_pinned",
-    "grad",  # the gradient: a tensor of its own (its reads are not of the weights), which the update does not write
-    "register_hook", "register_post_accumulate_grad_hook",
+    "__len__", "is_shared", "is_pinned", "register_hook", "register_post_accumulate_grad_hook",
 })
 # the properties whose value is (a view of) the weights; any other property reads none (``shape``, ``grad``,
 # the hooks' dicts the engine itself looks at when the micro-batch begins)

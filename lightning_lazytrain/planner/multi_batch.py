@@ -16,8 +16,9 @@ from .hardware import Hardware
 from .milp import MilpOptions
 from .model import ModelSpec, TrainSpec
 from .multi import best_fsdp, plan_cluster, rank_problem
-from .plan import BatchSearch, largest_where
-from .shortage import fitting_floor
+from .plan import BatchSearch, largest_where, search_candidates
+from .simulator import SimResult
+from .shortage import workload_fits
 
 
 def rank_fits(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str,
@@ -25,11 +26,10 @@ def rank_fits(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str,
     """Does a schedule of one rank fit at ``train``'s micro-batch (``plan.fits`` on the rank's problem)? The
     host state of replicate's ``n`` copies is no reason (``plan_cluster`` plans it and flags ``host_fits``)."""
     wl, rhw, _ = rank_problem(model, train, hw, mode, host_bytes_per_node=host_bytes_per_node)
-    if wl.host_static_bytes > rhw.cpu_memory_bytes or wl.static_gpu_bytes > rhw.gpu_memory_cap_bytes:
-        return False
     if mode == "fsdp":
-        return best_fsdp(wl, rhw) is not None
-    return fitting_floor(wl, rhw) is not None
+        return (wl.host_static_bytes <= rhw.cpu_memory_bytes and wl.static_gpu_bytes <= rhw.gpu_memory_cap_bytes
+                and best_fsdp(wl, rhw) is not None)
+    return workload_fits(wl, rhw)
 
 
 def search_cluster_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, mode: str, *,
@@ -38,23 +38,15 @@ def search_cluster_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, mode:
     """The largest feasible batch per rank and the one with the best predicted tokens/s among ``candidates``
     (default: powers of two and the largest), each planned by ``plan_cluster`` in ``mode``."""
     top = largest_where(lambda b: rank_fits(model, train.replace(micro_batch_size=b), hw, mode, host_bytes_per_node),
-                   upper)
+                        upper)
     if top == 0:  # the rank's problem at batch 1 names the short tier (diagnose inside plan_cluster)
         plan_cluster(model, train.replace(micro_batch_size=1), hw, mode, options=options,
                      host_bytes_per_node=host_bytes_per_node)
         raise InfeasibleBudget("gpu", 0.0, f"no micro-batch size fits one rank of {hw.name} in {mode}", "")
-    if candidates is None:
-        candidates = sorted({b for b in (2**p for p in range(13)) if b < top} | {top})
-    table = []
-    for b in candidates:
-        if b > top:
-            continue
+
+    def plan_at(b: int) -> tuple[SimResult, float, str]:
         c = plan_cluster(model, train.replace(micro_batch_size=b), hw, mode, options=options,
                          host_bytes_per_node=host_bytes_per_node)
-        table.append({"micro_batch_size": b, "tokens_per_s": c.tokens_per_second,
-                      "iteration_s": c.sim.iteration_seconds, "status": c.status})
-    if not table:
-        raise InfeasibleBudget("gpu", 0.0, f"none of the batch candidates {candidates} fits one rank of {hw.name} "
-                               f"in {mode} (the largest that fits: {top})", f"add {top} to the candidates")
-    best = max(table, key=lambda row: row["tokens_per_s"])["micro_batch_size"]
-    return BatchSearch(largest_feasible=top, best_throughput=best, table=table)
+        return c.sim, c.tokens_per_second, c.status
+
+    return search_candidates(top, candidates, plan_at, f" one rank of {hw.name} in {mode}")

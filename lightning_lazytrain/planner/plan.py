@@ -14,7 +14,7 @@ from .solve import SolveResult, solve
 from .model import ModelSpec, TrainSpec
 from .policies import BASELINES, baseline, min_memory
 from .schedule import Schedule
-from .shortage import cap_violations, fitting_floor
+from .shortage import cap_violations, workload_fits
 from .simulator import SimResult, simulate
 from .units import format_bytes, format_bytes_at_least
 from .workload import Workload
@@ -293,10 +293,7 @@ def fits(model: ModelSpec, train: TrainSpec, hw: Hardware) -> bool:
     memory), every boundary recomputed (no host activations) and, with a drive, every boundary it can take
     on NVMe; one within every budget is enough (before, only the first, so a host too small for the
     activations ruled out batches that recompute or spill plan fine)."""
-    wl = Workload.analytic(model, train, hw)
-    if wl.host_static_bytes > hw.cpu_memory_bytes or wl.static_gpu_bytes > hw.gpu_memory_cap_bytes:
-        return False
-    return fitting_floor(wl, hw) is not None
+    return workload_fits(Workload.analytic(model, train, hw), hw)
 
 
 def largest_where(ok, upper: int) -> int:
@@ -344,17 +341,29 @@ def search_batch(model: ModelSpec, train: TrainSpec, hw: Hardware, options: Milp
     if top == 0:
         diagnose(Workload.analytic(model, train.replace(micro_batch_size=1), hw), hw, model, train)
         raise InfeasibleBudget("gpu", 0.0, "no micro-batch size fits", "")
+
+    def plan_at(b: int) -> tuple[SimResult, float, str]:
+        result = make_plan(model, train.replace(micro_batch_size=b), hw, options=options)
+        return result.sim, result.sim.tokens_per_second, result.status
+
+    return search_candidates(top, candidates, plan_at)
+
+
+def search_candidates(top: int, candidates: list[int] | None, plan_at, where: str = "") -> BatchSearch:
+    """The search's table over ``candidates`` up to the largest feasible batch ``top`` (default: powers of two
+    and ``top``): ``plan_at(b)`` gives (its replay, its tokens/s, its status); the best is the most tokens/s.
+    ``where``: what fits is named for (in the error when no candidate is at most ``top``)."""
     if candidates is None:
         candidates = sorted({b for b in (2**p for p in range(13)) if b < top} | {top})
     table = []
     for b in candidates:
         if b > top:
             continue
-        result = make_plan(model, train.replace(micro_batch_size=b), hw, options=options)
-        table.append({"micro_batch_size": b, "tokens_per_s": result.sim.tokens_per_second,
-                      "iteration_s": result.sim.iteration_seconds, "status": result.status})
+        sim, tokens_per_s, status = plan_at(b)
+        table.append({"micro_batch_size": b, "tokens_per_s": tokens_per_s, "iteration_s": sim.iteration_seconds,
+                      "status": status})
     if not table:
-        raise InfeasibleBudget("gpu", 0.0, f"none of the batch candidates {candidates} fits (the largest that fits: "
-                               f"{top})", f"add {top} to the candidates")
+        raise InfeasibleBudget("gpu", 0.0, f"none of the batch candidates {candidates} fits{where} (the largest "
+                               f"that fits: {top})", f"add {top} to the candidates")
     best = max(table, key=lambda row: row["tokens_per_s"])["micro_batch_size"]
     return BatchSearch(largest_feasible=top, best_throughput=best, table=table)

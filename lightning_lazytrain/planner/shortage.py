@@ -50,6 +50,13 @@ def floors(wl: Workload, hw: Hardware) -> list[tuple[str, Schedule, SimResult]]:
     return out
 
 
+def workload_fits(wl: Workload, hw: Hardware) -> bool:
+    """Does a schedule fit: the static state within the host and the GPU cap, and a floor within every budget?"""
+    if wl.host_static_bytes > hw.cpu_memory_bytes or wl.static_gpu_bytes > hw.gpu_memory_cap_bytes:
+        return False
+    return fitting_floor(wl, hw) is not None
+
+
 def fitting_floor(wl: Workload, hw: Hardware) -> tuple[Schedule, SimResult] | None:
     """The fastest floor within every budget, or None."""
     ok = [(s, sim) for _, s, sim in floors(wl, hw) if not cap_violations(sim, hw)]
