@@ -6,12 +6,13 @@ adapters/weight_readers.py), each compared bit for bit with ``strategy="auto"`` 
 Every lazytrain fit here runs the tiny CausalLMModule with ``SlowHybridAdamW`` (each layer's update takes 30 ms,
 so a pipelined step is still running when the next batch begins) under a plan file forcing a pipelined step.
 
-Defects are ``xfail(strict=True)`` with ``OPEN:``; the other tests are passing probes kept as regression tests.
+Defects were ``xfail(strict=True)`` with ``OPEN:``; the other tests are passing probes kept as regression tests.
 The review found 10. Fixed (2026-12-05): an overridden ``optimizer_step`` and the batch-transfer hooks reading
 weights after the step (now ``weight_readers.MODULE_HOOKS``: a serial step); the guard taken off for every block
 at the forward's first staging, so a hook in block 0 reading block 3 (with grad: the run diverged) or a lone call
-of block 0 then reads read mid-update (now each block is released as the forward waits for it). Open: aliases
-of the weights taken earlier, optimizer states read in training_step, and metadata reached through ``p.data``
+of block 0 then reads read mid-update (now each block is released as the forward waits for it). Fixed later
+(the guard watches the bytes of the parameters and their optimizer states, and views read nothing): aliases of
+the weights taken earlier, optimizer states read in training_step, and metadata reached through ``p.data``
 waiting (the overlap lost, values exact). Also fixed: weights edited and gradients read in training_step before
 the forward (the micro-batch now begins at the model's call: Note: [the micro-batch begins at the model's call]
 in core/training_core.py), and ``p.grad`` checks waiting.
@@ -235,8 +236,6 @@ class ReadsAliases(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: the guard watches parameters by id(): an alias of a weight taken before "
-                                       "the step (p.data, p.detach()) is read mid-update without a wait")
 def test_aliases_of_the_weights_read_before_the_forward():
     got, have = fit(lazy(), ReadsAliases)
     check(got, have, prefix="model.layers.")
@@ -253,8 +252,6 @@ class ReadsOptimizerState(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: optimizer states (exp_avg) read in training_step are read mid-update: the "
-                                       "guard watches the parameters only")
 def test_optimizer_state_read_before_the_forward():
     ref, want = fit("auto", ReadsOptimizerState)
     got, have = fit(lazy(), ReadsOptimizerState)
@@ -318,12 +315,7 @@ class ChecksGradPresence(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
-OPEN_DATA = pytest.mark.xfail(strict=True, reason="OPEN: metadata reached through p.data (p.data.numel()) waits for "
-                             "every update: the step's overlap is lost though no value is read (p.data is an alias "
-                             "the guard cannot follow, so it waits)")
-
-
-@pytest.mark.parametrize("cls", [pytest.param(CountsThroughData, marks=OPEN_DATA), ChecksGradPresence],
+@pytest.mark.parametrize("cls", [CountsThroughData, ChecksGradPresence],
                          ids=["data_numel", "grad_is_none"])
 def test_metadata_through_data_or_grad_keeps_the_step_pipelined(cls):
     """``p.grad`` reads no weight value (the pipelined update does not write the gradients): it waits for nothing."""

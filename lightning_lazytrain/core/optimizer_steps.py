@@ -229,22 +229,25 @@ class PipelinedSteps:
     def reads_guard(self) -> contextlib.AbstractContextManager:
         """What ``training_step`` runs under: while updates are in flight, a guard that waits for them before
         it reads their weights (Note: [weights read before the forward] in core/weight_reads.py)."""
-        watched: dict[Any, set[int]] = {}
+        watched: dict[Any, list[torch.Tensor]] = {}
         for inner in self._known:
             plan = self._plans.get(id(inner))
             entry = next((e for e in self._pending if plan is not None and e[1] is plan[1] and not e[0].done), None)
             if entry is None:
                 continue
             pipe, block_layer, part_layers = entry
-            ids_of: dict[Any, set[int]] = {}
+            written: dict[Any, list[torch.Tensor]] = {}  # layer -> its parameters and their optimizer states
             for g in inner.param_groups:
-                ids_of.setdefault(g["layer"], set()).update(id(p) for p in g["params"])
+                for p in g["params"]:
+                    written.setdefault(g["layer"], []).append(p)
+                    written[g["layer"]].extend(v for k, v in inner.state.get(p, {}).items()
+                                               if isinstance(v, torch.Tensor) and not str(k).startswith("qmap"))
             block_of = {layer: j for j, layer in block_layer.items()}
             for layer in plan[0]:
                 if pipe.is_updated(layer):
                     continue
                 key = block_of.get(layer, next((-1 - p for p, ls in enumerate(part_layers) if layer in ls), None))
-                watched.setdefault(key, set()).update(ids_of.get(layer, ()))
+                watched.setdefault(key, []).extend(written.get(layer, ()))
         return guarded(watched, self._wait_pending, self._set_guard)
 
     def _set_guard(self, guard: ReadGuard | None) -> None:

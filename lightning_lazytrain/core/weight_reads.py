@@ -9,10 +9,17 @@ Note: [weights read before the forward]
     The hooks between step and forward are found by name (Note: [weights read after the step] in
     adapters/weight_readers.py), but every module overrides ``training_step`` and nearly all read the
     weights only through the model. So while updates are in flight, ``training_step`` runs under
-    ``ReadGuard``, a ``TorchFunctionMode``: the first torch call that reads the values of a parameter the
-    pending updates write (``p.detach()``, ``p.data``, ``p.norm()``, ``torch.stack(params)``, an in-place
-    edit) waits for every update in flight first, and logs once that the step's overlap is lost for such
-    a read. Metadata (``p.shape``, ``p.numel()``, ...) waits for nothing. Only the blocks (and non-block
+    ``ReadGuard``, a ``TorchFunctionMode``: the first torch call that reads the values of a tensor the
+    pending updates write (``p.norm()``, ``p.detach().clone()``, ``torch.stack(params)``, an in-place edit, a
+    ``.clone()`` of an optimizer state) waits for every update in flight first, and logs once that the
+    step's overlap is lost for such a read. What is watched is memory, not tensor objects: the bytes of the
+    parameters and of their optimizer states (``exp_avg``, the 8-bit states and their absmax, ``step``; not the shared
+    quantization maps, which no update writes), so an alias taken at any time (``p.data`` kept from
+    ``on_train_start``, a view, ``p.detach()``) is watched as the parameter is. Metadata (``p.shape``,
+    ``p.numel()``, ``p.data.numel()``, ...) waits for nothing, nor does making an alias: a property's getter
+    (``p.data``), a view (``p.detach()``, ``p[0]``, ``p.view(-1)``; ``VIEWS``) read no value, and the values
+    of what they return are watched; assigning a value property (``p.data = t``) waits. (The engine's own
+    views of the arena, made as it stages a released block, read nothing either.) Only the blocks (and non-block
     parts) whose update is still in flight are watched; as the forward waits for each before staging it,
     that one is released (``released``: the forward reads the staged copies, never the masters, so its own
     calls do not trigger the guard, but a hook in block 0 reading block 3's weights does), and with none
@@ -26,10 +33,11 @@ Note: [weights read before the forward]
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,9 +52,57 @@ METADATA = frozenset({
     "storage_offset", "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_",
     "__len__", "is_shared", "is_pinned", "register_hook", "register_post_accumulate_grad_hook",
 })
-# the properties whose value is (a view of) the weights; any other property reads none (``shape``, ``grad``,
+# methods that return a view of a tensor (an alias of its bytes, watched as they are) and read no value; ``reshape``
+# and ``flatten`` are not among them (they copy a tensor they cannot view); basic indexing is (``BASIC_INDEX``)
+VIEWS = frozenset({
+    "view", "view_as", "detach", "narrow", "select", "split", "split_with_sizes", "chunk", "tensor_split", "unbind",
+    "t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "expand", "expand_as", "squeeze",
+    "unsqueeze", "unflatten", "as_strided", "diagonal", "unfold", "alias", "view_as_real", "view_as_complex",
+})
+BASIC_INDEX = (int, slice, type(None), type(Ellipsis))
+# the properties whose value is (a view of) the weights: assigning one writes the weights (``p.data = t``); a
+# getter reads no value (an alias shares the watched storage), nor does any other property (``shape``, ``grad``,
 # the hooks' dicts the engine itself looks at when the micro-batch begins)
 VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+
+
+def span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``t`` addresses, ``[start, end)``: every alias and view of a watched tensor overlaps its span
+    (the host masters are views into one arena, so a storage would not tell the blocks apart). None: no
+    storage, or no elements."""
+    try:
+        if t.numel() == 0 or t.layout != torch.strided:
+            return None
+        start = t.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if not start:
+        return None
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+class Spans:
+    """Byte ranges, merged and sorted; ``overlaps`` in O(log n)."""
+
+    def __init__(self, spans: Iterable[tuple[int, int]] = ()) -> None:
+        merged: list[list[int]] = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.starts = [a for a, _ in merged]
+        self.ends = [b for _, b in merged]
+
+    def __bool__(self) -> bool:
+        return bool(self.starts)
+
+    def overlaps(self, s: tuple[int, int] | None) -> bool:
+        if s is None:
+            return False
+        i = bisect.bisect_right(self.starts, s[1] - 1) - 1  # the last range starting before s ends
+        return i >= 0 and self.ends[i] > s[0]
 
 
 def _name(func: Any) -> str:
@@ -62,10 +118,12 @@ class ReadGuard(TorchFunctionMode):
     """Waits for the updates in flight (``wait``) before the first call that reads a watched parameter
     (Note: [weights read before the forward])."""
 
-    def __init__(self, watched: dict[Any, set[int]], wait: Callable[[], None]) -> None:
+    def __init__(self, watched: dict[Any, Iterable[torch.Tensor]], wait: Callable[[], None]) -> None:
         super().__init__()
-        self.by_key = {k: set(v) for k, v in watched.items()}  # block j / part -1-p / None (neither) -> ids
-        self.watched = set().union(*self.by_key.values()) if self.by_key else set()
+        # block j / part -1-p / None (neither) -> the bytes its pending update writes
+        self.by_key = {k: [x for x in map(span, v) if x is not None] for k, v in watched.items()}
+        self.by_key = {k: v for k, v in self.by_key.items() if v}
+        self.watched = Spans(x for v in self.by_key.values() for x in v)
         self.wait = wait
         self.active = bool(self.watched)
         self.waited = False
@@ -86,21 +144,28 @@ class ReadGuard(TorchFunctionMode):
     def released(self, key: Any) -> None:
         """The forward waited for block ``key`` (part ``-1 - p`` of the non-block weights): its weights are
         updated, a read of them waits for nothing; with none left, the guard leaves the stack."""
-        self.watched -= self.by_key.pop(key, set())
+        if self.by_key.pop(key, None) is not None:
+            self.watched = Spans(x for v in self.by_key.values() for x in v)
         if not self.watched:
             self.active = False
             self.pop()
 
     def _reads_watched(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
         name = _name(func)
-        if name in METADATA or (getattr(func, "__name__", "") in ("__get__", "__set__") and name not in VALUE_PROPERTIES):
+        accessor = getattr(func, "__name__", "")
+        if name in METADATA or name in VIEWS or accessor == "__get__" or (
+                accessor == "__set__" and name not in VALUE_PROPERTIES):
             return False
+        if name == "__getitem__" and len(args) == 2:  # a view where the index is basic (ints, slices, ...)
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if all(isinstance(i, BASIC_INDEX) and not isinstance(i, bool) for i in index):
+                return False
         for a in (*args, *(kwargs or {}).values()):
             if isinstance(a, torch.Tensor):
-                if id(a) in self.watched:
+                if self.watched.overlaps(span(a)):
                     return True
             elif isinstance(a, (list, tuple)):
-                if any(isinstance(x, torch.Tensor) and id(x) in self.watched for x in a):
+                if any(isinstance(x, torch.Tensor) and self.watched.overlaps(span(x)) for x in a):
                     return True
         return False
 
@@ -108,7 +173,7 @@ class ReadGuard(TorchFunctionMode):
         if self.active and self._reads_watched(func, args, kwargs):
             self.active = False
             self.waited = True
-            self.by_key, self.watched = {}, set()
+            self.by_key, self.watched = {}, Spans()
             self.wait()
             log.info("lazytrain: training_step read the weights (%s) before its forward while the pipelined "
                      "optimizer step was updating them: it waited for the updates (Note: [weights read before the "
@@ -117,15 +182,15 @@ class ReadGuard(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def guarded(watched: dict[Any, set[int]], wait: Callable[[], None],
+def guarded(watched: dict[Any, Iterable[torch.Tensor]], wait: Callable[[], None],
             on_guard: Callable[[ReadGuard | None], None]) -> Iterator[None]:
-    """``training_step`` under a ``ReadGuard`` when ``watched`` (the parameter ids of each block / part whose
-    update is in flight) is not empty; ``on_guard`` is told the guard (and None after), so the forward's waits
-    release what they waited for."""
-    if not any(watched.values()):
+    """``training_step`` under a ``ReadGuard`` when ``watched`` (the tensors -- parameters, optimizer states --
+    that the update in flight of each block / part writes) is not empty; ``on_guard`` is told the guard (and
+    None after), so the forward's waits release what they waited for."""
+    guard = ReadGuard(watched, wait)
+    if not guard.watched:
         yield
         return
-    guard = ReadGuard(watched, wait)
     on_guard(guard)
     guard.push()
     try:
