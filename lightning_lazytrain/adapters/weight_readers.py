@@ -14,6 +14,11 @@ Note: [weights read after the step]
     the ones that read or change weights (``WEIGHT_CALLBACKS``), the project's own, and any callback or
     module that declares ``reads_gradients_only = True`` (it reads no weights and edits nothing: it
     logs, times or reads gradients).
+
+    ``training_step`` itself runs under a guard that waits for the updates before it reads their weights
+    (Note: [weights read before the forward] in core/weight_reads.py). A read the guard cannot see -- a
+    TorchScript function, another thread, a numpy array kept as an alias of a weight -- is declared with
+    ``reads_weights_unseen = True`` on the module: the step is then serial, as for a hook above.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def weights_read_after_step(module: Any, callbacks: list) -> str | None:
     next forward. Manual optimization counts too (``training_step`` itself may read the weights after
     ``optimizer.step()``)."""
     found = []
+    if getattr(module, "reads_weights_unseen", False):
+        found.append("training_step (the module declares reads_weights_unseen)")
     if not getattr(module, "reads_gradients_only", False):
         found += _hooks(module)
         if not module.automatic_optimization:

@@ -236,10 +236,14 @@ class PipelinedSteps:
             if entry is None:
                 continue
             pipe, block_layer, part_layers = entry
-            written: dict[Any, list[torch.Tensor]] = {}  # layer -> its parameters and their optimizer states
+            # layer -> what its update reads or writes: the parameters, their gradients (read; scaled in place
+            # by a clip on the worker) and their optimizer states
+            written: dict[Any, list[torch.Tensor]] = {}
             for g in inner.param_groups:
                 for p in g["params"]:
                     written.setdefault(g["layer"], []).append(p)
+                    if p.grad is not None:
+                        written[g["layer"]].append(p.grad)
                     written[g["layer"]].extend(v for k, v in inner.state.get(p, {}).items()
                                                if isinstance(v, torch.Tensor) and not str(k).startswith("qmap"))
             block_of = {layer: j for j, layer in block_layer.items()}

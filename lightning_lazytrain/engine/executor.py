@@ -75,6 +75,24 @@ from lightning_lazytrain.planner.schedule import Schedule
 log = logging.getLogger(__name__)
 
 
+
+class ArmedHook:
+    """The forward pre-hook that begins an armed micro-batch (``Executor.arm``). A copy of the model made while
+    it is armed (``copy.deepcopy(model)`` or ``AveragedModel`` in ``training_step``, a pickle) gets an inert one:
+    the copy is the user's, not the executor's, and a bound method would have dragged the executor into it."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Any = None) -> None:
+        self.call = call
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if self.call is not None:
+            self.call(module, args)
+
+    def __reduce__(self) -> tuple:
+        return (ArmedHook, ())
+
 class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPartsWatch):
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
@@ -357,7 +375,8 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPar
         assert self.params is not None
         self.disarm()
         self._armed = (first, last)
-        self._arm_handles = [m.register_forward_pre_hook(self._armed_call) for m in self.params.site_modules(REST)]
+        hook = ArmedHook(self._armed_call)
+        self._arm_handles = [m.register_forward_pre_hook(hook) for m in self.params.site_modules(REST)]
 
     def disarm(self) -> None:
         for h in self._arm_handles:
