@@ -298,7 +298,7 @@ def test_reads_the_guard_cannot_see_are_exact_when_declared(name):
 def test_a_model_copied_while_armed_gets_an_inert_hook():
     import pickle
 
-    from lightning_lazytrain.engine.executor import ArmedHook
+    from lightning_lazytrain.engine.armed_hook import ArmedHook
 
     calls = []
     lin = torch.nn.Linear(2, 2)

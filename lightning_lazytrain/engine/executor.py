@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lazytrain.engine.armed_hook import ArmedHook
 from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.backward_windows import BackwardWindows
@@ -75,23 +76,6 @@ from lightning_lazytrain.planner.schedule import Schedule
 log = logging.getLogger(__name__)
 
 
-
-class ArmedHook:
-    """The forward pre-hook that begins an armed micro-batch (``Executor.arm``). A copy of the model made while
-    it is armed (``copy.deepcopy(model)`` or ``AveragedModel`` in ``training_step``, a pickle) gets an inert one:
-    the copy is the user's, not the executor's, and a bound method would have dragged the executor into it."""
-
-    __slots__ = ("call",)
-
-    def __init__(self, call: Any = None) -> None:
-        self.call = call
-
-    def __call__(self, module: Any, args: Any) -> None:
-        if self.call is not None:
-            self.call(module, args)
-
-    def __reduce__(self) -> tuple:
-        return (ArmedHook, ())
 
 class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPartsWatch):
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
