@@ -12,7 +12,8 @@ A case that is not exact is ``xfail(strict=True)`` with ``OPEN: <what fails>`` a
 (see ``OPEN``). The review found 11 hybrid recurrent-state models (Jamba, Bamba, Falcon-H1, Qwen3-Next,
 Qwen3.5, LFM2, LFM2-MoE, NemotronH, GraniteMoeHybrid, OLMo-Hybrid, Mamba2) silently wrong with the cache on
 (fixed: block_io's Note: [recurrent cache state]) and Gemma 3n's cross-block keys/values silently wrong (now
-refused: shared_args.py's Note: [containers the blocks share]). Out of scope: Zamba (v1): transformers raises on its tied shared-transformer keys when the
+refused: shared_args.py's Note: [containers the blocks share]). Zamba2's shared attention block, tied into blocks 1
+and 3, was refused; it trains since its tied weights join the non-block group (2026-12-05). Out of scope: Zamba (v1): transformers raises on its tied shared-transformer keys when the
 tiny model is built (plain autograd never runs). Whole file: ~35 s on 2 cores.
 """
 
@@ -241,8 +242,8 @@ OPEN[("recurrent-gemma", ("partial_keep",))] = (
     UnsupportedBlockPattern, "refused (was torch's bare CheckpointError): recomputed [2, 32] vs saved [2, 16, 32]: "
                              "the state kept as module attributes (conv1d_state, rg_lru.recurrent_states) changed "
                              "by the forward is not restored for the partial keep's re-run")
-# one attention block shared by the hybrid layers: refused up front
-OPEN[("zamba2", ALL)] = (NotImplementedError, "shared attention block (tied across blocks 1, 3) refused")
+# one attention block shared by the hybrid layers (tied across blocks 1, 3): was refused up front; its weights
+# now join the non-block group (Note: [modules shared by blocks] in engine/param_store.py)
 # KVSharingDict passed to every block: a layer stores its k/v there for later layers: refused (block_calls.py,
 # Note: [containers the blocks share]); the gradients were silently wrong before
 OPEN[("gemma3n-text", FOUR)] = (UnsupportedBlockPattern, "refused: a block writes into shared_kv_states, which "

@@ -87,3 +87,105 @@ class TwiceNet(Net):
 def test_the_same_block_twice_in_the_stack_is_refused():
     with pytest.raises(NotImplementedError, match=r"block 2 of the stack is block 0 again"):
         fit(lazy("serial"), TwiceNet(), steps=1)
+
+
+class TiedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.mix = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) + self.mix(torch.sin(x)))
+
+
+class TiedNet(Net):
+    """Blocks with modules of their own whose ``mix.weight`` is one Parameter in blocks 1 and 3 (Zamba2 ties its
+    shared attention block into each hybrid layer so); ``all_blocks``: in every block."""
+
+    def __init__(self, all_blocks=False, opt="hybrid"):
+        super().__init__(opt=opt)
+        self.layers = nn.ModuleList(TiedBlock() for _ in range(LAYERS))
+        for i in (range(1, LAYERS) if all_blocks else (3,)):
+            self.layers[i].mix.weight = self.layers[0 if all_blocks else 1].mix.weight
+
+    def groups(self):
+        tied = {id(self.layers[1].mix.weight)}
+        rest = [p for n, p in self.named_parameters(remove_duplicate=True)
+                if not n.startswith("layers.") or id(p) in tied]
+        return [{"params": rest, "layer": "rest"}] + [
+            {"params": [p for p in b.parameters() if id(p) not in tied and not any(p is q for q in rest)],
+             "layer": i} for i, b in enumerate(self.layers)]
+
+
+class TiedInRest(InRest):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step > len(self.seen):
+            store = trainer.strategy.executor.params
+            self.seen.append(any(p is module.layers[1].mix.weight for p in store.group_parameters(-1)))
+
+
+@pytest.mark.parametrize("plan", ["serial", "pipelined"])
+@pytest.mark.parametrize("all_blocks", [False, True])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_weight_tied_across_blocks_trains_as_under_auto(plan, all_blocks, accum):
+    """Note: [modules shared by blocks]: the tied weight joins the non-block group (it had been refused)."""
+    kw = {"accum": accum, "gradient_clip_val": 0.05, "steps": 3}
+    where = TiedInRest()
+    got = fit(lazy(plan), TiedNet(all_blocks), callbacks=[where], **kw)
+    want = fit("auto", TiedNet(all_blocks), **kw)
+    assert_same(got, want)
+    assert where.seen == [True] * 3  # with the non-block weights
+    tied = got[2].lightning_module.layers[1].mix.weight
+    assert not torch.equal(tied.detach(), TiedNet(all_blocks).layers[1].mix.weight)
+
+
+@pytest.mark.parametrize("policy", ["keep_all", "milp"])
+def test_a_tied_weight_under_the_builtin_policies(policy):
+    kw = {"steps": 3, "accum": 2}
+    assert_same(fit(LazyTrainStrategy(policy=policy), TiedNet(opt="adamw"), **kw),
+                fit("auto", TiedNet(opt="adamw"), **kw))
+
+
+@pytest.mark.parametrize("policy", ["milp", "recompute_all"])
+def test_zamba2_trains_as_under_auto(policy):
+    """Zamba2 ties its one shared attention block into every hybrid layer (blocks 1 and 3 here): a Lightning fit,
+    AdamW, 3 steps, bit for bit as ``strategy="auto"`` (it was refused before the tied weights joined the
+    non-block group)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Zamba2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, layers_block_type=["mamba", "hybrid"] * 2,
+        mamba_d_state=8, n_mamba_heads=4, chunk_size=8, num_mem_blocks=1, adapter_rank=8, use_mem_eff_path=False,
+        use_mamba_kernels=False, pad_token_id=0, attn_implementation="eager")
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.Zamba2ForCausalLM(cfg)
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(1, 128, (2, 16), generator=g) for _ in range(3)]
+
+    def run(strategy):
+        module = LM()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+        return module
+
+    want, got = run("auto"), run(LazyTrainStrategy(policy=policy))
+    assert got.losses == want.losses
+    sw, sg = want.state_dict(), got.state_dict()
+    assert sg.keys() == sw.keys()
+    assert [k for k in sw if not torch.equal(sg[k], sw[k])] == []

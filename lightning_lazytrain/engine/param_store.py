@@ -178,7 +178,10 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
         #     be summed on their own before they join the step's (autograd sums a leaf's uses in one
         #     backward first): ``shared_across_blocks`` makes every micro-batch write its gradients back
         #     (TrainingCore's full micro-batches). A block that is itself another block (the same layer
-        #     twice in the stack, ALBERT's sharing) is refused.
+        #     twice in the stack, ALBERT's sharing) is refused. A parameter that modules of their own in
+        #     several blocks hold (Zamba2's shared attention block, tied into each hybrid layer) is such a
+        #     weight too: it moves to the non-block group. (One tied between a block and a module outside
+        #     the stack is refused.)
         blocks_of: dict[int, list[int]] = {}  # id(module) -> the blocks it is in
         for i, block in enumerate(self.blocks):
             if id(block) in blocks_of:
@@ -194,27 +197,34 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
         # the parameters of modules inside several blocks (ids)
         self.shared_ids = {id(p) for block in self.blocks for m in block.modules() if len(blocks_of[id(m)]) > 1
                            for p in m._parameters.values() if p is not None}
-        self.shared_across_blocks = bool(self.shared_ids)
         owner: dict[int, int] = {}
         infos: dict[int, ParamEntry] = {}
         order: dict[int, list[ParamEntry]] = {i: [] for i in range(-1, len(self.blocks))}
+        tied: set[int] = set()  # parameters that modules of several blocks hold (ids): moved to REST
         for mname, m in self.module.named_modules():
             gid = where.get(id(m), REST)
             for pname, p in m._parameters.items():
                 if p is None:
                     continue
+                first = owner.get(id(p), gid)
+                if gid != REST and (id(p) in tied or first not in (gid, REST)):
+                    info = infos[id(p)]
+                    if id(p) not in tied:  # Note: [modules shared by blocks]: a weight tied across blocks
+                        order[first].remove(info)
+                        order[REST].append(info)
+                        owner[id(p)] = REST
+                        tied.add(id(p))
+                        self.shared_ids.add(id(p))
+                    info.sites.append((m, pname))
+                    continue
                 if owner.setdefault(id(p), gid) != gid:
                     where = {gid: f"{mname}.{pname}".lstrip("."), owner[id(p)]: infos[id(p)].name}
                     names = " and ".join(f"{n} ({'outside the block stack' if g == REST else f'block {g}'})"
                                          for g, n in where.items())
-                    fix = ("Untie them (e.g. tie_word_embeddings=False) or train with strategy='auto'."
-                           if REST in where else
-                           "Blocks of the stack that reuse one weight through modules of their own (a shared "
-                           "attention block, as Zamba2's) cannot stream: train this model with strategy='auto'.")
                     raise NotImplementedError(
                         f"parameter tied between {names}: a streamed block's weights live in its own buffer, "
-                        f"so a parameter shared with another block or with a module outside the stack is not "
-                        f"supported. {fix}")
+                        f"so a parameter shared with a module outside the stack is not supported. Untie them "
+                        f"(e.g. tie_word_embeddings=False) or train with strategy='auto'.")
                 if id(p) in infos:
                     infos[id(p)].sites.append((m, pname))
                     continue
@@ -231,6 +241,7 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
                 info.offset = off
                 off = -(-(off + info.numel) // ALIGN) * ALIGN
             groups[gid] = ParamGroup(gid, params, off)
+        self.shared_across_blocks = bool(self.shared_ids)
         return groups
 
     @staticmethod
