@@ -461,14 +461,10 @@ class SharedAndTiedNet(TiedNet):
             for i, b in enumerate(self.layers)]
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "OPEN: a Parameter of a module shared by blocks 0 and 1 that block 3's own module also holds is refused as "
-    "'tied between layers.3.mix.weight (block 3) and layers.0.shared.weight (outside the block stack)', though "
-    "both sites are in the stack and auto trains it: _build_groups (param_store.py:205-227) gives the shared "
-    "module's site gid REST, so the move to REST at :210 never happens (first == REST) and :220 raises the "
-    "outside-the-stack error (the other order, own module first, raises too)."))
 @pytest.mark.parametrize("own_first", [False, True])
 def test_a_module_shared_by_blocks_whose_weight_is_tied_into_another_block(own_first):
+    """Was refused as tied 'outside the block stack' (the shared module's site counted as a non-block one); every
+    site is inside the stack: it joins the non-block group."""
     kw = {"steps": 3, "accum": 2}
     assert_same(fit(lazy("serial"), SharedAndTiedNet(own_first), **kw), fit("auto", SharedAndTiedNet(own_first), **kw))
 

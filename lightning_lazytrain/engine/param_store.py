@@ -200,23 +200,24 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
         owner: dict[int, int] = {}
         infos: dict[int, ParamEntry] = {}
         order: dict[int, list[ParamEntry]] = {i: [] for i in range(-1, len(self.blocks))}
-        tied: set[int] = set()  # parameters that modules of several blocks hold (ids): moved to REST
+        in_stack: dict[int, bool] = {}  # id(p) -> its first site is a module of the block stack
         for mname, m in self.module.named_modules():
             gid = where.get(id(m), REST)
             for pname, p in m._parameters.items():
                 if p is None:
                     continue
                 first = owner.get(id(p), gid)
-                if gid != REST and (id(p) in tied or first not in (gid, REST)):
+                if first != gid and in_stack.get(id(p)) and id(m) in blocks_of:
+                    # Note: [modules shared by blocks]: a weight that modules in several blocks hold
                     info = infos[id(p)]
-                    if id(p) not in tied:  # Note: [modules shared by blocks]: a weight tied across blocks
+                    if first != REST:
                         order[first].remove(info)
                         order[REST].append(info)
                         owner[id(p)] = REST
-                        tied.add(id(p))
-                        self.shared_ids.add(id(p))
+                    self.shared_ids.add(id(p))
                     info.sites.append((m, pname))
                     continue
+                in_stack.setdefault(id(p), id(m) in blocks_of)
                 if owner.setdefault(id(p), gid) != gid:
                     where = {gid: f"{mname}.{pname}".lstrip("."), owner[id(p)]: infos[id(p)].name}
                     names = " and ".join(f"{n} ({'outside the block stack' if g == REST else f'block {g}'})"
