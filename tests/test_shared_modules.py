@@ -71,6 +71,30 @@ def test_a_module_shared_by_every_block_trains_as_under_auto(plan, frozen, accum
         assert not torch.equal(shared.detach(), init)
 
 
+class HookedSharedNet(SharedNet):
+    """A clamping tensor hook on the shared module's weight (nonlinear: it must see the sum of the blocks' uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.layers[0].shared.weight.register_hook(self._clamp)
+
+    def _clamp(self, g):
+        self.seen.append(g.detach().clone())
+        return g.clamp(-1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("plan", ["serial", "pipelined"])
+def test_a_tensor_hook_on_a_shared_weight_fires_once_per_backward_on_the_sum(plan):
+    """Note: [gradient hooks on streamed parameters]: it had fired once per block, on that block's share."""
+    got_m, want_m = HookedSharedNet(), HookedSharedNet()
+    got = fit(lazy(plan), got_m, steps=3, accum=2)
+    want = fit("auto", want_m, steps=3, accum=2)
+    assert len(got_m.seen) == len(want_m.seen) == 6
+    assert all(torch.equal(a, b) for a, b in zip(got_m.seen, want_m.seen))
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("policy", ["keep_all", "milp"])
 def test_a_shared_module_under_the_builtin_policies(policy):
     kw = {"steps": 3, "accum": 2}

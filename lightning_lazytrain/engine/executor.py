@@ -511,6 +511,7 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPar
         self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
         self._retire_residents(0)  # layer 0's slot lives on between the micro-batches of a step
         self._flush_adhoc_grads()
+        self.params.run_shared_tensor_hooks()  # Note: [gradient hooks on streamed parameters]
         early = self._early.sent if self._early is not None else set()  # Note: [early non-block parts]
         if self.take_norms:
             self.stats.grad_norms[REST] = {}

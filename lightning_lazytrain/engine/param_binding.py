@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.grad_writeback import REST
-from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks
+from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks, run_tensor_hooks
 
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.copy_engine import CopyEngine
@@ -45,6 +45,7 @@ class ParamBinding:
     _slots: list[Slot]
     post_hooks: PostAccumulateHooks
     arrival_watch: Callable[[nn.Parameter], None] | None
+    shared_ids: set[int]
 
     # ---- binding (Note: [slot reuse]) -------------------------------------------------
     def release(self, layer: int, slot: int | None = None) -> None:
@@ -89,7 +90,8 @@ class ParamBinding:
                 w.register_post_accumulate_grad_hook(functools.partial(self._arrived, s, id(info), info.param))
                 # the master's register_hook hooks run on the wrapper autograd accumulates into
                 # (Note: [gradient hooks on streamed parameters]); a long bind also sees later ones
-                forward_tensor_hooks(info.param, w, always=follow_requires_grad)
+                if layer != REST or id(info.param) not in self.shared_ids:  # (shared: run_shared_tensor_hooks)
+                    forward_tensor_hooks(info.param, w, always=follow_requires_grad)
                 w.requires_grad_(requires)
                 if follow_requires_grad:
                     for m, _ in info.sites:
@@ -144,6 +146,24 @@ class ParamBinding:
         finally:
             for m, name, w in swapped:
                 m._parameters[name] = w
+
+    def run_shared_tensor_hooks(self) -> int:
+        """The tensor pre-hooks of the weights several blocks use, once, on the gradient this backward summed
+        over every use (Note: [gradient hooks on streamed parameters] in user_grad_hooks.py); how many ran."""
+        if not self.shared_ids or not self._slots:
+            return 0
+        s = self._slot(REST, None)
+        ran = 0
+        with torch.no_grad():
+            for info, w in s.wrappers:
+                if (id(info.param) not in self.shared_ids or id(info) not in s.touched or w.grad is None
+                        or not info.param._backward_hooks):
+                    continue
+                grad = w.grad.clone()
+                out = run_tensor_hooks(info.param, grad)
+                w.grad.copy_(grad if out is None else out)
+                ran += 1
+        return ran
 
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
         s.touched.add(key)

@@ -19,7 +19,13 @@ Note: [gradient hooks on streamed parameters]
     forward in the same micro-batch) are both backpropagated: the executor runs them as two
     backwards, so the hook would fire twice on partial gradients where autograd fires once on their
     sum; that is refused when it happens (``Executor._count_backprop``, from the block node's
-    ``adhoc_backward`` / ``backward_window``).
+    ``adhoc_backward`` / ``backward_window``). A weight several blocks use (Note: [modules shared by
+    blocks] in param_store.py) is another such case: each block's backward is an autograd call of its
+    own, so a hook on its wrapper would fire once per block, on that block's share. Its hooks are not
+    put on the wrapper; they run once the micro-batch's backward is over (``run_shared_tensor_hooks``,
+    from ``Executor.end_microbatch``, before the non-block gradients leave the device), on the sum of
+    every use in that backward, and what they return replaces it (a shared weight makes every
+    micro-batch write its gradients back, so that sum is this backward's alone).
 
     ``p.register_post_accumulate_grad_hook(fn)`` fires with ``p`` itself after a backward has
     accumulated into ``p.grad``; ``fn`` typically reads or edits ``p.grad`` or steps an optimizer
@@ -41,7 +47,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["PostAccumulateHooks", "forward_tensor_hooks", "has_post_accumulate_hooks", "tensor_hook_names"]
+__all__ = ["PostAccumulateHooks", "forward_tensor_hooks", "has_post_accumulate_hooks", "run_tensor_hooks",
+           "tensor_hook_names"]
 
 
 def forward_tensor_hooks(master: nn.Parameter, wrapper: nn.Parameter, *, always: bool = False) -> None:
@@ -51,18 +58,21 @@ def forward_tensor_hooks(master: nn.Parameter, wrapper: nn.Parameter, *, always:
     if not always and not master._backward_hooks:
         return
 
-    def run(grad: torch.Tensor) -> torch.Tensor | None:
-        hooks = master._backward_hooks
-        if not hooks:
-            return None
-        out = None
-        for fn in list(hooks.values()):
-            result = fn(grad if out is None else out)
-            if result is not None:
-                out = result
-        return out
+    wrapper.register_hook(lambda grad: run_tensor_hooks(master, grad))
 
-    wrapper.register_hook(run)
+
+def run_tensor_hooks(master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
+    """``master``'s tensor pre-hooks on ``grad``, in their order, each one's result feeding the next, as torch
+    runs them: the last result (None: none returned one)."""
+    hooks = master._backward_hooks
+    if not hooks:
+        return None
+    out = None
+    for fn in list(hooks.values()):
+        result = fn(grad if out is None else out)
+        if result is not None:
+            out = result
+    return out
 
 
 def user_post_accumulate_hooks(p: nn.Parameter) -> list:
