@@ -252,6 +252,8 @@ def _check_hardware_gb(values: Dict[str, Any]) -> None:
     as written in ``conf/hardware/*.yaml``)."""
     cap, total = values.get("gpu_memory_cap_gb"), values.get("gpu_memory_gb")
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (cap, total))
+    if numbers and total <= 0:
+        raise InvalidInput("hardware.gpu_memory_gb", total, "must be > 0 (the GPU's memory in GB)")
     if numbers and cap > total:
         raise InvalidInput("hardware.gpu_memory_cap_gb", cap,
                            f"exceeds hardware.gpu_memory_gb={total:g} (the cap is the part of the GPU's memory a plan "

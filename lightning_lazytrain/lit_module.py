@@ -48,7 +48,9 @@ def load_model_spec(model_name: str, overrides: Optional[Dict[str, Any]] = None)
     from .config import CONF_DIR, to_model  # hydra/omegaconf only; no torch
 
     path = Path(model_name)
-    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+    if path.suffix in (".yaml", ".yml") and not path.is_file():
+        raise ValueError(f"model file {model_name!r} not found (or give the name of a model in {CONF_DIR / 'model'})")
+    if not path.is_file():
         path = CONF_DIR / "model" / f"{model_name}.yaml"
         if not path.is_file():
             known = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

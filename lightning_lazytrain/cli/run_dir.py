@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -87,4 +88,9 @@ def check_output_dirs(argv: Sequence[str]) -> str | None:
             if not os.access(probe, os.W_OK | os.X_OK):
                 what = "is not writable" if probe == path else f"cannot be made in {probe} (not writable)"
                 return f"{key}={value} {what} for this user. Fix: point {key} at a writable directory"
+            try:  # what access() cannot tell (/proc, /sys, a full or read-only file system): make one and remove it
+                os.rmdir(tempfile.mkdtemp(prefix=".lazytrain-probe-", dir=probe))
+            except OSError as err:
+                return (f"{key}={value} cannot be made in {probe} ({err.strerror or err}). Fix: point {key} at a "
+                        "writable directory")
     return None
