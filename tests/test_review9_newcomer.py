@@ -42,3 +42,28 @@ def test_a_missing_model_file_is_named_as_given():
         load_model_spec("/nope/x.yaml")
     assert "x.yaml.yaml" not in str(err.value)
     assert load_model_spec("tiny").name
+
+
+def test_a_model_the_host_memory_cannot_train_is_one_line_before_it_is_built():
+    from lightning_lazytrain.cli.train_checks import TrainConfigError, check_host_memory
+
+    check_host_memory("tiny", 10**6, available=10**9)  # fits: nothing
+    check_host_memory("tiny", 10**6, available=None)  # unknown: nothing
+    with pytest.raises(TrainConfigError, match=r"model=qwen2\.5-3b has 3\.09B parameters: .* at least 24\.7 GB .* "
+                                               r"this machine has 16\.0 GB available\. Fix: a smaller model"):
+        check_host_memory("qwen2.5-3b", 3_085_938_688, available=16 * 10**9)
+
+
+def test_the_train_app_refuses_it_before_writing_anything(tmp_path, monkeypatch):
+    from test_train_app import compose_cfg
+
+    from lightning_lazytrain.cli import train as train_app
+    from lightning_lazytrain.cli import train_checks
+    from lightning_lazytrain.cli.train_checks import TrainConfigError
+
+    monkeypatch.setattr(train_checks, "available_host_bytes", lambda: 1000)  # less than the tiny model needs
+    built = []
+    monkeypatch.setattr(train_app, "build_module", lambda cfg: built.append(cfg))
+    with pytest.raises(TrainConfigError, match=r"model=tiny has .* this machine has 0\.0 GB available"):
+        train_app.train_job(compose_cfg("trainer.max_steps=1"), tmp_path / "out")
+    assert built == [] and not (tmp_path / "out").exists()

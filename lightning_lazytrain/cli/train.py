@@ -68,7 +68,7 @@ from .run_dir import RunDir, check_output_dirs
 from .train_callbacks import (APP_LOG, LIGHTNING_NOISE, LossHistory, PlanPredictions, QuietLightning,  # noqa: F401
                               RunRichProgressBar, RunTQDMProgressBar, StepTimer, ValidateAfterLastStep,
                               progress_bar, quiet_lightning, say)
-from .train_checks import (STRATEGY_NAMES, TrainConfigError, app_names, check_blocks,
+from .train_checks import (STRATEGY_NAMES, TrainConfigError, app_names, check_blocks, check_host_memory,
                            check_precision, one_line, validate_config)
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
@@ -317,6 +317,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
         try:
             dm = StdlibTextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
             info = dm.describe()
+            check_host_memory(str(cfg.model.name), model_spec(cfg).total_params)  # before the model is built
             module = build_module(cfg)
             check_blocks(cfg, module)
             strategy = build_strategy(cfg)

@@ -15,8 +15,8 @@ import torch
 
 from ..config_checks import ConfigKeyError, check_schema
 
-__all__ = ["LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names", "check_blocks",
-           "check_precision", "one_line", "validate_config"]
+__all__ = ["LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names", "available_host_bytes",
+           "check_blocks", "check_host_memory", "check_precision", "one_line", "validate_config"]
 
 STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
 #: the Trainer precisions the lazytrain strategy runs (its own table when importable; the same values otherwise)
@@ -132,3 +132,30 @@ def check_blocks(cfg: Any, module: Any) -> None:
         find_blocks(module, cfg.strategy.blocks)
     except BlockDiscoveryError as err:
         raise TrainConfigError(app_names(one_line(err))) from None
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to a new job (``MemAvailable`` of /proc/meminfo; None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(name: str, params: int, available: int | None = None) -> None:
+    """A model whose training cannot fit this machine's memory: one line before it is built (else the kernel kills
+    the job, with no message, while the model is made). Counted: the least any step holds, the fp32 weights the
+    model is built in and their gradients (8 B per parameter; the optimizer's states come on top)."""
+    available = available_host_bytes() if available is None else available
+    need = 8 * params
+    if available is None or need <= available:
+        return
+    raise TrainConfigError(
+        f"model={name} has {params / 1e9:.2f}B parameters: training it holds at least {need / 1e9:.1f} GB in host "
+        f"memory (its fp32 weights and their gradients, before the optimizer's states), and this machine has "
+        f"{available / 1e9:.1f} GB available. Fix: a smaller model (model=tiny, or model.num_layers=...), or a "
+        f"machine with more memory (lazytrain-plan plans the large models without building them)")
