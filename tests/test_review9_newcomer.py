@@ -67,3 +67,22 @@ def test_the_train_app_refuses_it_before_writing_anything(tmp_path, monkeypatch)
     with pytest.raises(TrainConfigError, match=r"model=tiny has .* this machine has 0\.0 GB available"):
         train_app.train_job(compose_cfg("trainer.max_steps=1"), tmp_path / "out")
     assert built == [] and not (tmp_path / "out").exists()
+
+
+def test_the_train_apps_budget_error_names_the_key_and_its_value_trains(tmp_path):
+    """It named the smallest budget in bytes only (review 9b); the value it now names for the key is enough."""
+    import re
+
+    from test_train_app import compose_cfg
+
+    from lightning_lazytrain.cli.train import train_job
+    from lightning_lazytrain.planner import InfeasibleBudget
+
+    base = ("trainer.max_steps=1", "trainer.enable_progress_bar=false", "trainer.val_check_interval=1",
+            "trainer.limit_val_batches=1")
+    with pytest.raises(InfeasibleBudget, match=r"strategy\.gpu_memory_budget_gb=[\d.]+\)") as err:
+        train_job(compose_cfg("strategy.gpu_memory_budget_gb=0.005", *base), tmp_path / "a", out=open(os.devnull, "w"))
+    value = re.search(r"strategy\.gpu_memory_budget_gb=([\d.]+)\)", str(err.value)).group(1)
+    result = train_job(compose_cfg(f"strategy.gpu_memory_budget_gb={value}", *base), tmp_path / "b",
+                       out=open(os.devnull, "w"))
+    assert result["steps"] == 1

@@ -294,6 +294,22 @@ def _params(n: int) -> str:
 
 
 # ---- the job --------------------------------------------------------------------------------------
+_SMALLEST = re.compile(r"(smallest (GPU budget(?: that works)? for this batch|host memory that works): "
+                       r"([\d.]+) (B|kB|MB|GB|TB))")
+_UNIT = {"B": 1.0, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def _with_budget_key(err: InfeasibleBudget) -> InfeasibleBudget:
+    """The smallest budget the planner names (already rounded up), also as the key that sets it here
+    (``strategy.gpu_memory_budget_gb``, ``hardware.cpu_memory_gb``), in GB."""
+    m = _SMALLEST.search(err.suggestion)
+    if m is None:
+        return err
+    key = "strategy.gpu_memory_budget_gb" if m.group(2).startswith("GPU") else "hardware.cpu_memory_gb"
+    gb = float(m.group(3)) * _UNIT[m.group(4)] / 1e9
+    return err.reworded(m.group(1), f"{m.group(1)} ({key}={gb:.4g})")
+
+
 def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: Optional[int] = None,
               overrides: Optional[str] = None) -> Dict[str, Any]:
     """Train ``cfg`` (a composed ``TrainAppConfig``), write the logs, ``loss_curve.png``, ``losses.json``,
@@ -367,7 +383,8 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
         except NvmeDirError as err:  # strategy.nvme_dir unusable, or too small for the plan's spill bytes
             raise TrainConfigError(re.sub(r"(?<![\w.])nvme_dir\b", "strategy.nvme_dir", one_line(err))) from err
         except InfeasibleBudget as err:  # the fix in this app's keys
-            raise err.reworded(TRAINER_EIGHT_BIT_FIX, "optim.optimizer=hybrid_adamw optim.eight_bit=all") from err
+            raise _with_budget_key(err.reworded(TRAINER_EIGHT_BIT_FIX, "optim.optimizer=hybrid_adamw "
+                                                "optim.eight_bit=all")) from err
         wall = time.perf_counter() - start
 
     result = summarize(history, int(cfg.smooth_steps))
