@@ -86,3 +86,30 @@ def test_the_train_apps_budget_error_names_the_key_and_its_value_trains(tmp_path
     result = train_job(compose_cfg(f"strategy.gpu_memory_budget_gb={value}", *base), tmp_path / "b",
                        out=open(os.devnull, "w"))
     assert result["steps"] == 1
+
+
+def test_an_nvme_dir_on_a_read_only_file_system_says_to_choose_another(tmp_path, monkeypatch):
+    """The fix had said ``chmod u+w``, which a read-only mount ignores (review 9b)."""
+    import errno
+    import tempfile
+
+    from lightning_lazytrain.engine.nvme import NvmeDirError, check_nvme_dir
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(NvmeDirError, match=r"is not writable: Read-only file system\. Fix: choose another nvme_dir: .* "
+                                           r"is on a read-only file system") as err:
+        check_nvme_dir(tmp_path)
+    assert "chmod" not in str(err.value)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_an_nvme_dir_under_proc_does_not_suggest_mkdir():
+    from lightning_lazytrain.engine.nvme import NvmeDirError, check_nvme_dir
+
+    with pytest.raises(NvmeDirError, match=r"cannot be created: No such file or directory\. Fix: choose another "
+                                           r"nvme_dir") as err:
+        check_nvme_dir("/proc/lazytrain-nope")
+    assert "mkdir -p" not in str(err.value)

@@ -344,20 +344,23 @@ def check_nvme_dir(path: str | os.PathLike[str], required_bytes: int = 0) -> Pat
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        fix = (f"create it (mkdir -p {p}) with write permission for this user, or choose another nvme_dir (a local "
+               "NVMe drive, not a file or a read-only mount)"
+               if e.errno in (errno.EACCES, errno.EPERM) else
+               f"choose another nvme_dir, on a local NVMe drive ({p} cannot be made there: "
+               f"{'a read-only file system' if e.errno == errno.EROFS else 'not a place for files'})")
         raise NvmeDirError(
-            f"NVMe spill directory {p} does not exist and cannot be created: {e.strerror or e}. "
-            f"Fix: create it (mkdir -p {p}) with write permission for this user, or choose another "
-            "nvme_dir (a local NVMe drive, not a file or a read-only mount)."
+            f"NVMe spill directory {p} does not exist and cannot be created: {e.strerror or e}. Fix: {fix}."
         ) from e
     try:
         fd, probe = tempfile.mkstemp(prefix=".lazytrain-probe-", dir=p)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise NvmeDirError(
-            f"NVMe spill directory {p} is not writable: {e.strerror or e}. "
-            f"Fix: make it writable for this user (chmod u+w / chown {p}), or choose another nvme_dir."
-        ) from e
+        fix = (f"choose another nvme_dir: {p} is on a read-only file system (remount it read-write, or use a local "
+               "NVMe drive's directory)" if e.errno == errno.EROFS else
+               f"make it writable for this user (chmod u+w / chown {p}), or choose another nvme_dir")
+        raise NvmeDirError(f"NVMe spill directory {p} is not writable: {e.strerror or e}. Fix: {fix}.") from e
     if log.isEnabledFor(logging.INFO):
         free = shutil.disk_usage(p).free
         need = f", the plan needs {format_bytes(required_bytes, binary=True)}" if required_bytes > 0 else ""
