@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_executor import SCHEDULES as EXEC_SCHEDULES
 from test_review_clip_manual import LAYERS, MasterNet, assert_same, data, fit, lazy
-from test_shared_modules import TiedNet
+from test_shared_modules import TiedNet, zamba2_run
 from test_updates_in_backward import plan_file
 from torch import nn
 
@@ -282,40 +282,6 @@ def test_validation_between_steps(plan):
 
 
 # ---- Zamba2 --------------------------------------------------------------------------------------------------------
-def _zamba2_run(strategy, use_cache, steps=2, **trainer_kw):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Zamba2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, layers_block_type=["mamba", "hybrid"] * 2,
-        mamba_d_state=8, n_mamba_heads=4, chunk_size=8, num_mem_blocks=1, adapter_rank=8, use_mem_eff_path=False,
-        use_mamba_kernels=False, pad_token_id=0, attn_implementation="eager")
-
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = transformers.Zamba2ForCausalLM(cfg)
-            self.losses = []
-
-        def training_step(self, batch, batch_idx):
-            kw = {} if use_cache is None else {"use_cache": use_cache}
-            loss = self.model(input_ids=batch, labels=batch, **kw).loss
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(1, 128, (2, 16), generator=g)
-               for _ in range(steps * trainer_kw.get("accumulate_grad_batches", 1))]
-    module = LM()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, **trainer_kw)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    return module.losses, {k: v.clone() for k, v in module.state_dict().items()}
-
-
 @pytest.mark.parametrize("policy, use_cache", [("keep_all", False), ("partial_keep", False), ("min_memory", False),
                                                ("recompute_all", None), ("keep_all", None)])
 def test_zamba2(policy, use_cache):
@@ -324,7 +290,7 @@ def test_zamba2(policy, use_cache):
         policy = plan_file(SCHEDULES["partial_keep"])
     elif policy == "min_memory":
         policy = plan_file(min_memory(LAYERS))
-    (lg, sg), (lw, sw) = _zamba2_run(LazyTrainStrategy(policy=policy), use_cache), _zamba2_run("auto", use_cache)
+    (lg, sg), (lw, sw) = zamba2_run(LazyTrainStrategy(policy=policy), use_cache), zamba2_run("auto", use_cache)
     assert lg == lw
     assert sg.keys() == sw.keys()
     assert [k for k in sw if not torch.equal(sg[k], sw[k])] == []
@@ -486,8 +452,8 @@ def test_manual_optimization(plan):
 @pytest.mark.parametrize("policy", ["milp", "megatrain"])
 def test_zamba2_accumulation_and_clipping(policy):
     kw = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
-    (lg, sg), (lw, sw) = (_zamba2_run(LazyTrainStrategy(policy=policy), None, **kw),
-                          _zamba2_run("auto", None, **kw))
+    (lg, sg), (lw, sw) = (zamba2_run(LazyTrainStrategy(policy=policy), None, **kw),
+                          zamba2_run("auto", None, **kw))
     assert lg == lw and len(lw) == 4
     assert sg.keys() == sw.keys()
     assert [k for k in sw if not torch.equal(sg[k], sw[k])] == []

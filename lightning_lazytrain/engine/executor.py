@@ -76,7 +76,6 @@ from lightning_lazytrain.planner.schedule import Schedule
 log = logging.getLogger(__name__)
 
 
-
 class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPartsWatch):
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
