@@ -62,7 +62,7 @@ from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
 from ..core.planning import TRAINER_EIGHT_BIT_FIX
 from ..planner.report import format_table, format_value
-from ..planner.units import format_bytes
+from ..planner.units import DECIMAL_UNITS, format_bytes, format_bytes_at_least
 from .plan import ROW_FILE, SweepSummary
 from .run_dir import RunDir, check_output_dirs
 from .train_callbacks import (APP_LOG, LIGHTNING_NOISE, LossHistory, PlanPredictions, QuietLightning,  # noqa: F401
@@ -294,20 +294,19 @@ def _params(n: int) -> str:
 
 
 # ---- the job --------------------------------------------------------------------------------------
-_SMALLEST = re.compile(r"(smallest (GPU budget(?: that works)? for this batch|host memory that works): "
-                       r"([\d.]+) (B|kB|MB|GB|TB))")
-_UNIT = {"B": 1.0, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+_BUDGET_KEYS = {"gpu": "strategy.gpu_memory_budget_gb", "cpu": "hardware.cpu_memory_gb"}
 
 
 def _with_budget_key(err: InfeasibleBudget) -> InfeasibleBudget:
-    """The smallest budget the planner names (already rounded up), also as the key that sets it here
-    (``strategy.gpu_memory_budget_gb``, ``hardware.cpu_memory_gb``), in GB."""
-    m = _SMALLEST.search(err.suggestion)
-    if m is None:
+    """The smallest budget the planner names (``fits_bytes``, printed rounded up), also as the key that sets it
+    here (``strategy.gpu_memory_budget_gb``, ``hardware.cpu_memory_gb``), in GB."""
+    key = _BUDGET_KEYS.get(err.tier)
+    if err.fits_bytes is None or key is None:
         return err
-    key = "strategy.gpu_memory_budget_gb" if m.group(2).startswith("GPU") else "hardware.cpu_memory_gb"
-    gb = float(m.group(3)) * _UNIT[m.group(4)] / 1e9
-    return err.reworded(m.group(1), f"{m.group(1)} ({key}={gb:.4g})")
+    shown = format_bytes_at_least(err.fits_bytes)
+    number, unit = shown.split(" ")
+    gb = float(number) * 1000 ** DECIMAL_UNITS.index(unit) / 1e9
+    return err.reworded(shown, f"{shown} ({key}={gb:.4g})")
 
 
 def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: Optional[int] = None,

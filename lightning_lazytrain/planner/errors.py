@@ -19,13 +19,16 @@ class InvalidInput(PlannerError):
 
 
 class InfeasibleBudget(PlannerError):
-    """No schedule fits: ``tier`` is short by ``shortfall_bytes``; ``suggestion`` says what would fit."""
+    """No schedule fits: ``tier`` is short by ``shortfall_bytes``; ``suggestion`` says what would fit;
+    ``fits_bytes``, where known, is the smallest ``tier`` memory that would (what the suggestion names)."""
 
-    def __init__(self, tier: str, shortfall_bytes: float, message: str, suggestion: str = "") -> None:
+    def __init__(self, tier: str, shortfall_bytes: float, message: str, suggestion: str = "", *,
+                 fits_bytes: float | None = None) -> None:
         self.tier = tier
         self.shortfall_bytes = shortfall_bytes
         self.message = message
         self.suggestion = suggestion
+        self.fits_bytes = fits_bytes
         text = f"{message} ({tier} memory short by {format_bytes(shortfall_bytes)})"
         if suggestion:
             text += f"; {suggestion}"
@@ -34,7 +37,8 @@ class InfeasibleBudget(PlannerError):
     def reworded(self, old: str, new: str) -> InfeasibleBudget:
         """The same error with ``old`` in its suggestion written as ``new``: the fix in the caller's terms (the
         planner names lazytrain-plan's keys; the strategy and the train app name their own)."""
-        return InfeasibleBudget(self.tier, self.shortfall_bytes, self.message, self.suggestion.replace(old, new))
+        return InfeasibleBudget(self.tier, self.shortfall_bytes, self.message, self.suggestion.replace(old, new),
+                                fits_bytes=self.fits_bytes)
 
 
 class InfeasibleSchedule(PlannerError):

@@ -180,7 +180,8 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
         raise InfeasibleBudget(
             "cpu", short, f"master weights, gradients and optimizer states need {format_bytes(wl.host_static_bytes)} "
             f"of host memory, {hw.name} has {format_bytes(hw.cpu_memory_bytes)}",
-            f"smallest host memory that works: {format_bytes_at_least(wl.host_static_bytes)} ({eight})")
+            f"smallest host memory that works: {format_bytes_at_least(wl.host_static_bytes)} ({eight})",
+            fits_bytes=wl.host_static_bytes)
     floor = wl.static_gpu_bytes
     tight = simulate(min_memory(wl.num_layers).in_mode(wl.data_parallel), wl, hw, check=False)
     if floor > hw.gpu_memory_cap_bytes:
@@ -189,7 +190,7 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             "gpu", floor - hw.gpu_memory_cap_bytes,
             f"resident non-block weights, their grads and two layer buffers need {format_bytes(floor)} before any "
             f"activation, the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
-            f"smallest GPU budget that works for this batch: {format_bytes_at_least(need)}")
+            f"smallest GPU budget that works for this batch: {format_bytes_at_least(need)}", fits_bytes=need)
     if tight.peak_gpu_bytes > hw.gpu_memory_cap_bytes:
         hint = ""
         if model is not None and train is not None:
@@ -199,7 +200,8 @@ def diagnose(wl: Workload, hw: Hardware, model: ModelSpec | None = None, train: 
             "gpu", tight.peak_gpu_bytes - hw.gpu_memory_cap_bytes,
             f"even with every activation on the host the peak is {format_bytes(tight.peak_gpu_bytes)} "
             f"(window {tight.peak_window}), the cap is {format_bytes(hw.gpu_memory_cap_bytes)}",
-            hint + f"smallest GPU budget for this batch: {format_bytes_at_least(tight.peak_gpu_bytes)}")
+            hint + f"smallest GPU budget for this batch: {format_bytes_at_least(tight.peak_gpu_bytes)}",
+            fits_bytes=tight.peak_gpu_bytes)
 
 
 def make_plan(model: ModelSpec, train: TrainSpec, hardware: Hardware, *, policy: str = "milp",
