@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_
 log = logging.getLogger(__name__)
 
 # methods of a parameter that read no value of it: its shape, layout, where it lives, hooks registered on it
-# (a property reads none unless it is one of ``VALUE_PROPERTIES``)
+# (no property's getter reads one; assigning one of ``VALUE_PROPERTIES`` writes the weights)
 METADATA = frozenset({
     "size", "dim", "numel", "nelement", "ndimension", "element_size", "stride", "is_contiguous", "data_ptr",
     "storage_offset", "get_device", "is_floating_point", "is_complex", "is_signed", "requires_grad_",
@@ -120,6 +120,8 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)) and depth < 8:
         for x in obj:
             yield from _tensors(x, depth + 1)
+
+
 # the properties whose value is (a view of) the weights: assigning one writes the weights (``p.data = t``); a
 # getter reads no value (an alias shares the watched storage), nor does any other property (``shape``, ``grad``,
 # the hooks' dicts the engine itself looks at when the micro-batch begins)
