@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config_checks import ConfigKeyError, check_schema
+from ..planner.hardware import available_host_bytes
 
 __all__ = ["LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names", "available_host_bytes",
            "check_blocks", "check_host_memory", "check_precision", "one_line", "validate_config"]
@@ -132,18 +133,6 @@ def check_blocks(cfg: Any, module: Any) -> None:
         find_blocks(module, cfg.strategy.blocks)
     except BlockDiscoveryError as err:
         raise TrainConfigError(app_names(one_line(err))) from None
-
-
-def available_host_bytes() -> int | None:
-    """The host memory available to a new job (``MemAvailable`` of /proc/meminfo; None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_host_memory(name: str, params: int, available: int | None = None) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lightning_lazytrain.planner import Hardware, ModelSpec, Schedule, Workload, baseline
+from lightning_lazytrain.planner.hardware import available_host_bytes
 from lightning_lazytrain.planner.milp import MilpOptions
 from lightning_lazytrain.planner.placement import calibrate_host_rates
 from lightning_lazytrain.planner.plan import PlanResult, diagnose, plan_workload, with_update_timing
@@ -33,14 +34,8 @@ POLICIES = ("milp", "megatrain", "keep_all", "recompute_all")
 
 
 def _host_memory_bytes() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 * GB
+    available = available_host_bytes()
+    return 16 * GB if available is None else float(available)
 
 
 def _copy_rate(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:

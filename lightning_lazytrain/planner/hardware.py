@@ -165,3 +165,16 @@ class Hardware:
             host_norm_bytes_per_s=host_norm_gb_per_s * GB,
             host_job_seconds=host_job_seconds,
         ).validate()
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to a new job now (``MemAvailable`` of /proc/meminfo; None where there is
+    none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
