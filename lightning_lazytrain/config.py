@@ -171,6 +171,7 @@ class PlanConfig:
     threads: Optional[int] = None
     seed: bool = True
     conversions: str = "plan"  # plan | host | device: where the fp32 <-> 16-bit conversions run
+    solver_process: bool = True  # HiGHS in a process of its own, stopped if it overruns its time limit
     # ---- app ---------------------------------------------------------------------------------
     batch_candidates: Optional[List[int]] = None  # micro_batch_size=auto: batches to solve (None: powers of 2)
     plot: bool = True  # write timeline.png

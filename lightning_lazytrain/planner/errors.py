@@ -15,7 +15,11 @@ class InvalidInput(PlannerError):
     def __init__(self, key: str, value: object, why: str) -> None:
         self.key = key
         self.value = value
+        self.why = why
         super().__init__(f"invalid {key}={value!r}: {why}")
+
+    def __reduce__(self):  # pickled whole: solve() returns errors from its solver process (solver_process.py)
+        return (type(self), (self.key, self.value, self.why))
 
 
 class InfeasibleBudget(PlannerError):
@@ -34,6 +38,10 @@ class InfeasibleBudget(PlannerError):
             text += f"; {suggestion}"
         super().__init__(text)
 
+    def __reduce__(self):
+        return (_rebuild_budget, (type(self), self.tier, self.shortfall_bytes, self.message, self.suggestion,
+                                  self.fits_bytes))
+
     def reworded(self, old: str, new: str) -> InfeasibleBudget:
         """The same error with ``old`` in its suggestion written as ``new``: the fix in the caller's terms (the
         planner names lazytrain-plan's keys; the strategy and the train app name their own)."""
@@ -50,4 +58,17 @@ class InfeasibleSchedule(PlannerError):
         self.window = window
         self.need_bytes = need_bytes
         self.have_bytes = have_bytes
+        self.message = message
         super().__init__(f"{resource}: {message}")
+
+    def __reduce__(self):
+        return (_rebuild_schedule_error, (type(self), self.resource, self.message, self.window, self.need_bytes,
+                                          self.have_bytes))
+
+
+def _rebuild_budget(cls, tier, shortfall_bytes, message, suggestion, fits_bytes):
+    return cls(tier, shortfall_bytes, message, suggestion, fits_bytes=fits_bytes)
+
+
+def _rebuild_schedule_error(cls, resource, message, window, need_bytes, have_bytes):
+    return cls(resource, message, window=window, need_bytes=need_bytes, have_bytes=have_bytes)

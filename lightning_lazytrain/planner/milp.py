@@ -80,6 +80,9 @@ class MilpOptions:
     # where the dtype conversions run (placement.py, Note: [conversion placement]): "plan" (the plan
     # chooses per parameter group class), "host" (all on the host) or "device" (all on the device)
     conversions: str = "plan"
+    # HiGHS runs in a process of its own under a wall-clock guard (solver_process.py, Note: [the solver's
+    # process]); False: in this process, with nothing to stop a solve that hangs
+    solver_process: bool = True
 
     def optimizer_modes(self) -> tuple[str, ...]:
         """The optimizer modes the MILP may choose from: ``("serial", "pipelined")`` for ``auto``, else

@@ -111,19 +111,26 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
     ``start``: a schedule to warm-start from (a re-plan passes the schedule the run is on): used
     as HiGHS's MIP start (and as the fallback) when it fits the new workload, lies in the model's
     space and is at least as fast as the best baseline; ``SolveResult.seed_policy`` says
-    ``"current plan"`` then."""
-    import pyomo.environ as pyo
-    from pyomo.contrib.appsi.base import TerminationCondition
-    from pyomo.contrib.appsi.solvers import Highs
+    ``"current plan"`` then.
 
+    With ``solver_process`` (the default) HiGHS runs in a process of its own under a wall-clock
+    guard (Note: [the solver's process] in solver_process.py); the answer is the same."""
     opt = options or MilpOptions()
     if overrides:
         opt = MilpOptions(**{**{f: getattr(opt, f) for f in opt.__slots__}, **overrides})
     wl.validate()
     hw.validate()
-    t0 = time.perf_counter()
-    model = ScheduleModel(wl, hw, opt)
-    baseline_seed = seed = best_baseline(wl, hw, opt)  # the warm start (if opt.seed) and the fallback
+    if opt.solver_process:
+        from .solver_process import solve_guarded
+
+        return solve_guarded(wl, hw, opt, start)
+    return solve_here(wl, hw, opt, start)
+
+
+def seeds(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | None):
+    """(seed, origin, best baseline): the warm start and fallback (the best baseline, or ``start`` when it
+    fits and is at least as fast), the name of its policy, and the best baseline alone."""
+    baseline_seed = seed = best_baseline(wl, hw, opt)
     origin = seed[0].policy if seed else None
     if start is not None:
         cand = in_space(start, opt, data_parallel=wl.data_parallel)
@@ -133,6 +140,40 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
             sim = None
         if sim is not None and (seed is None or sim.iteration_seconds <= seed[1].iteration_seconds):
             seed, origin = (cand, sim), "current plan"
+    return seed, origin, baseline_seed
+
+
+def fallback(wl: Workload, hw: Hardware, opt: MilpOptions, seed, origin: str | None, why: str, *, bound=None,
+             build: float = 0.0, solve_s: float = 0.0, info: dict | None = None) -> SolveResult:
+    """The answer when HiGHS gave none: ``seed`` (see seeds()), else the fitting floor, else no_schedule;
+    warns with ``why`` (what the solver did) and what the plan falls back to."""
+    info = info or {}
+    if seed is not None:
+        warnings.warn(f"{why}; falling back to {origin}", stacklevel=3)
+        return SolveResult(schedule=seed[0], status="fallback", objective=None, bound=bound, mip_gap=None,
+                           build_seconds=build, solve_seconds=solve_s, solver=info, simulated=seed[1],
+                           seed_policy=origin)
+    floor = fitting_floor(wl, hw)  # Note: [no schedule fits] in shortage.py
+    if floor is not None:  # no baseline fits, but a floor does (the MILP ran out of time before finding it)
+        schedule = in_space(floor[0], opt, data_parallel=wl.data_parallel)
+        warnings.warn(f"{why}; falling back to {floor[0].policy}", stacklevel=3)
+        return SolveResult(schedule=schedule, status="fallback", objective=None, bound=bound, mip_gap=None,
+                           build_seconds=build, solve_seconds=solve_s, solver=info,
+                           simulated=simulate(schedule, wl, hw), seed_policy=floor[0].policy)
+    raise no_schedule(wl, hw, f"{why} and no baseline fits")
+
+
+def solve_here(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | None = None, *,
+               presolve: bool = True, on_run=None) -> SolveResult:
+    """solve() in this process. ``on_run(time_limit)`` is called as each HiGHS run starts and
+    ``on_run(None)`` as it ends (the solver process's guard); ``presolve=False`` turns HiGHS's presolve off."""
+    import pyomo.environ as pyo
+    from pyomo.contrib.appsi.base import TerminationCondition
+    from pyomo.contrib.appsi.solvers import Highs
+
+    t0 = time.perf_counter()
+    model = ScheduleModel(wl, hw, opt)
+    seed, origin, baseline_seed = seeds(wl, hw, opt, start)
     if seed is not None and opt.seed:
         try:
             model.seed_from(seed[0])
@@ -157,9 +198,14 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         solver.highs_options = {"mip_allow_restart": False,
                                 # Note: [memory rows and the solver's tolerance]
                                 "mip_feasibility_tolerance": MIP_FEASIBILITY_TOLERANCE,
-                                **({"threads": opt.threads} if opt.threads else {})}
+                                **({"threads": opt.threads} if opt.threads else {}),
+                                **({} if presolve else {"presolve": "off"})}
         t = time.perf_counter()
+        if on_run is not None:
+            on_run(opt.time_limit)
         result = solver.solve(model.m)
+        if on_run is not None:
+            on_run(None)
         return result, time.perf_counter() - t
 
     warm = seed is not None and opt.seed
@@ -180,7 +226,7 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
             solve_s += again
             restarted = True
     info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs",
-            "warm_start": warm and not restarted}
+            "warm_start": warm and not restarted, **({} if presolve else {"presolve": "off"})}
     tc = res.termination_condition
     has_incumbent = res.best_feasible_objective is not None
     bound = res.best_objective_bound
@@ -207,16 +253,5 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         return SolveResult(schedule=schedule, status=status, objective=objective, bound=bound, mip_gap=gap,
                            build_seconds=build, solve_seconds=solve_s, solver=info, simulated=sim,
                            seed_policy=origin, violation=violation)
-    if seed is not None:
-        warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {origin}", stacklevel=2)
-        return SolveResult(schedule=seed[0], status="fallback", objective=None, bound=bound, mip_gap=None,
-                           build_seconds=build, solve_seconds=solve_s, solver=info, simulated=seed[1],
-                           seed_policy=origin)
-    floor = fitting_floor(wl, hw)  # Note: [no schedule fits] in shortage.py
-    if floor is not None:  # no baseline fits, but a floor does (the MILP ran out of time before finding it)
-        schedule = in_space(floor[0], opt, data_parallel=wl.data_parallel)
-        warnings.warn(f"MILP ended with {tc.name} and no incumbent; falling back to {floor[0].policy}", stacklevel=2)
-        return SolveResult(schedule=schedule, status="fallback", objective=None, bound=bound, mip_gap=None,
-                           build_seconds=build, solve_seconds=solve_s, solver=info,
-                           simulated=simulate(schedule, wl, hw), seed_policy=floor[0].policy)
-    raise no_schedule(wl, hw, f"the MILP found no schedule ({tc.name}) and no baseline fits")
+    return fallback(wl, hw, opt, seed, origin, f"MILP ended with {tc.name} and no incumbent", bound=bound,
+                    build=build, solve_s=solve_s, info=info)

@@ -1,0 +1,285 @@
+"""HiGHS in a process of its own, under a wall-clock guard.
+
+Note: [the solver's process] HiGHS 1.16's presolve can hang on some instances (qwen2.5-3b on the
+H800 profile at micro-batch 128: the log stops after presolve's first line), past its time limit and
+holding the GIL, so no thread of the process that called it can stop it, and a training run would
+hang at its start. So solve() sends each solve to a worker process (``python -c`` importing this
+module, started once per process and reused: not multiprocessing, which would re-run an unguarded
+user script in the child) and waits for it with a deadline while HiGHS runs: the run's time limit
+plus ``grace_seconds``. Past the deadline the worker is killed (a fresh one serves the next solve)
+and the same solve runs once more with presolve off, which does not hang there (0.8 s); if that too
+overruns, or the worker dies, the plan falls back to the best feasible baseline, with a warning. The
+answer is the one the same solve in this process gives: the worker runs ``solve_here``; its warnings
+and log records are replayed here, and errors are raised here as they were raised there.
+
+The protocol: length-prefixed pickles on the worker's stdin and on a copy of its stdout (its fd 1 is
+pointed at stderr so that nothing printed there can corrupt a message). Requests:
+``("solve", wl, hw, opt, start, presolve)``. Replies: ``("log", name, level, text)``,
+``("run", time_limit)`` / ``("run", None)`` as a HiGHS run starts / ends, then ``("done", result,
+warnings)`` or ``("error", exception or None, traceback text, warnings)``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+
+from .hardware import Hardware
+from .milp import MilpOptions
+from .schedule import Schedule
+from .workload import Workload
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<Q")
+
+
+def _write(f, message: tuple) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[f.write(view):]
+
+
+def grace_seconds(time_limit: float) -> float:
+    """How far past its time limit a HiGHS run may go before its process is stopped: HiGHS checks its
+    limit between steps, and loading a large model into it counts too."""
+    return 10.0 + 0.25 * time_limit
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _Died(Exception):
+    pass
+
+
+WORKER_CODE = "from lightning_lazytrain.planner.solver_process import serve; serve()"  # what the worker runs
+
+
+class _Worker:
+    """One solver process: ``python -c`` importing this module, talking on pipes (module docstring)."""
+
+    def __init__(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["LAZYTRAIN_SOLVER_PARENT"] = str(os.getpid())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER_CODE],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, close_fds=True)
+        self.owner = os.getpid()  # a fork of this process must not talk on these pipes
+
+    def send(self, message: tuple) -> None:
+        _write(self.proc.stdin, message)
+
+    def _read(self, n: int, deadline: float | None) -> bytes:
+        fd, chunks = self.proc.stdout.fileno(), []
+        while n:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], wait)
+            if not ready:
+                raise _Stalled
+            chunk = os.read(fd, n)
+            if not chunk:
+                raise _Died
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def receive(self, deadline: float | None) -> tuple:
+        (n,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
+        return pickle.loads(self._read(n, deadline))
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
+            return None
+        finally:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+_lock = threading.Lock()
+_worker: list[_Worker] = []  # the process's worker, when one is running
+
+
+def _current() -> _Worker:
+    if _worker and (_worker[0].owner != os.getpid() or _worker[0].proc.poll() is not None):
+        _worker.clear()  # inherited by a fork, or gone: leave it, start another
+    if not _worker:
+        _worker.append(_Worker())
+    return _worker[0]
+
+
+def _stop_current() -> int | None:
+    code = _worker.pop().stop() if _worker else None
+    return code
+
+
+@atexit.register
+def _shutdown() -> None:
+    if _worker and _worker[0].owner == os.getpid():
+        _stop_current()
+
+
+def _replay(caught: list[tuple[type[Warning], str]]) -> None:
+    for category, text in caught:
+        warnings.warn(text, category, stacklevel=4)
+
+
+def _exchange(request: tuple) -> tuple[str, object]:
+    """Send one solve and wait for its answer: ("done", result), ("error", exception), ("stalled", seconds)
+    or ("died", exit code)."""
+    worker = _current()
+    try:
+        worker.send(request)
+    except (BrokenPipeError, OSError):  # it died since the last solve: once more with a fresh one
+        _stop_current()
+        worker = _current()
+        worker.send(request)
+    deadline, allowed = None, 0.0
+    while True:
+        try:
+            message = worker.receive(deadline)
+        except _Stalled:
+            _stop_current()
+            return "stalled", allowed
+        except (_Died, EOFError, pickle.UnpicklingError):
+            return "died", _stop_current()
+        kind = message[0]
+        if kind == "log":
+            logging.getLogger(message[1]).log(message[2], "%s", message[3])
+        elif kind == "run":
+            limit = message[1]
+            allowed = 0.0 if limit is None else limit + grace_seconds(limit)
+            deadline = None if limit is None else time.monotonic() + allowed
+        elif kind == "done":
+            _replay(message[2])
+            return "done", message[1]
+        else:
+            _replay(message[3])
+            exc = message[1]
+            if exc is None:
+                exc = RuntimeError(f"the planner's solver process failed:\n{message[2]}")
+            return "error", exc
+
+
+def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | None):
+    """solve_here(wl, hw, opt, start) in the solver process, stopped when HiGHS overruns (module docstring)."""
+    from .solve import fallback, seeds, solver_version
+
+    t0 = time.perf_counter()
+    why = []
+    with _lock:
+        for presolve in (True, False):
+            kind, value = _exchange(("solve", wl, hw, opt, start, presolve))
+            if kind == "done":
+                if not presolve:  # the time the stopped run took counts
+                    value.solver["retried"] = why[0]
+                    value.solve_seconds = time.perf_counter() - t0 - value.build_seconds
+                return value
+            if kind == "error":
+                raise value
+            why.append(f"HiGHS gave no answer within {value:.0f} s of a {opt.time_limit:g} s time limit"
+                       if kind == "stalled" else f"the solver process died (exit code {value})")
+            log.warning("%s%s", why[-1], "; solving again with HiGHS's presolve off" if presolve else "")
+    seed, origin, _ = seeds(wl, hw, opt, start)
+    info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs", "stopped": why}
+    return fallback(wl, hw, opt, seed, origin, f"{why[0]}, and again with presolve off",
+                    solve_s=time.perf_counter() - t0, info=info)
+
+
+# ---- the worker's side ---------------------------------------------------------------------------
+
+
+class _Forward(logging.Handler):
+    def __init__(self, send) -> None:
+        super().__init__()
+        self.send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.send(("log", record.name, record.levelno, record.getMessage()))
+        except Exception:  # pragma: no cover - a record that cannot be sent is not worth a failed solve
+            pass
+
+
+def _portable(exc: BaseException) -> BaseException | None:
+    """``exc`` if it survives a pickle round trip, else None (the traceback text says what it was)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return None
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when its parent dies (a hung HiGHS never reads the closed stdin)."""
+    parent = int(os.environ.get("LAZYTRAIN_SOLVER_PARENT", os.getppid()))
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the closed stdin ends a worker that is not hung
+        return
+    if os.getppid() != parent:  # the parent died before the call
+        os._exit(0)
+
+
+def serve_with(handle) -> None:
+    """The worker's loop: ``handle(request, send)`` for each request, until stdin closes."""
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # what HiGHS or Pyomo print goes to stderr, never into a message
+    inp = sys.stdin.buffer
+
+    def send(message: tuple) -> None:
+        _write(out, message)
+
+    root = logging.getLogger("lightning_lazytrain")  # every record goes back; the caller's loggers filter them
+    root.addHandler(_Forward(send))
+    root.setLevel(logging.DEBUG)
+    root.propagate = False
+    while True:
+        header = inp.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            return
+        (n,) = _HEADER.unpack(header)
+        handle(pickle.loads(inp.read(n)), send)
+
+
+def _solve_request(request: tuple, send) -> None:
+    from .solve import solve_here
+
+    _, wl, hw, opt, start, presolve = request
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = solve_here(wl, hw, opt, start, presolve=presolve, on_run=lambda limit: send(("run", limit)))
+            reply = ("done", result, [(w.category, str(w.message)) for w in caught])
+        except Exception as exc:
+            reply = ("error", _portable(exc), traceback.format_exc(), [(w.category, str(w.message)) for w in caught])
+    send(reply)
+
+
+def serve() -> None:
+    """The solver process's loop (WORKER_CODE)."""
+    serve_with(_solve_request)
