@@ -231,3 +231,28 @@ def test_a_hung_worker_dies_with_its_parent(tmp_path):
     else:
         os.kill(worker, signal.SIGKILL)
         pytest.fail("the worker outlived its parent")
+
+
+def test_an_interrupted_wait_stops_the_worker(own_worker, monkeypatch):
+    """Ctrl-C while HiGHS runs: the interrupt reaches the caller and the worker is stopped, so that its late
+    answer is never read as the next solve's."""
+    def interrupt(limit):
+        raise KeyboardInterrupt
+
+    wl, hw = instance()
+    monkeypatch.setattr(solver_process, "grace_seconds", interrupt)  # called as the run starts
+    with pytest.raises(KeyboardInterrupt):
+        solve(wl, hw)
+    assert not solver_process._worker
+    monkeypatch.undo()
+    other = workload([2.0, 1.0, 1.0], internal=1 * G), hardware(5 * G)
+    assert solve(*other).schedule == solve(*other, solver_process=False).schedule
+
+
+def test_warnings_made_errors_are_raised_here_as_in_this_process():
+    wl, hw = instance()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="falling back to"):
+            solve(wl, hw, time_limit=1e-9, seed=False)
+    assert solve(wl, hw).status == "optimal"  # the worker is still in step

@@ -141,12 +141,13 @@ def _shutdown() -> None:
 
 def _replay(caught: list[tuple[type[Warning], str]]) -> None:
     for category, text in caught:
-        warnings.warn(text, category, stacklevel=4)
+        warnings.warn(text, category, stacklevel=3)
 
 
-def _exchange(request: tuple) -> tuple[str, object]:
-    """Send one solve and wait for its answer: ("done", result), ("error", exception), ("stalled", seconds)
-    or ("died", exit code)."""
+def _exchange(request: tuple) -> tuple[str, object, list]:
+    """Send one solve and wait for its answer: ("done", result, warnings), ("error", exception, warnings),
+    ("stalled", seconds allowed, []) or ("died", exit code, []). Anything else that stops the wait (Ctrl-C)
+    stops the worker too: its late answer must not be read as the next solve's."""
     worker = _current()
     try:
         worker.send(request)
@@ -155,30 +156,33 @@ def _exchange(request: tuple) -> tuple[str, object]:
         worker = _current()
         worker.send(request)
     deadline, allowed = None, 0.0
-    while True:
-        try:
-            message = worker.receive(deadline)
-        except _Stalled:
+    try:
+        while True:
+            try:
+                message = worker.receive(deadline)
+            except _Stalled:
+                _stop_current()
+                return "stalled", allowed, []
+            except (_Died, EOFError, pickle.UnpicklingError):
+                return "died", _stop_current(), []
+            kind = message[0]
+            if kind == "log":
+                logging.getLogger(message[1]).log(message[2], "%s", message[3])
+            elif kind == "run":
+                limit = message[1]
+                allowed = 0.0 if limit is None else limit + grace_seconds(limit)
+                deadline = None if limit is None else time.monotonic() + allowed
+            elif kind == "done":
+                return "done", message[1], message[2]
+            else:
+                exc = message[1]
+                if exc is None:
+                    exc = RuntimeError(f"the planner's solver process failed:\n{message[2]}")
+                return "error", exc, message[3]
+    except BaseException:
+        if _worker and _worker[0] is worker:
             _stop_current()
-            return "stalled", allowed
-        except (_Died, EOFError, pickle.UnpicklingError):
-            return "died", _stop_current()
-        kind = message[0]
-        if kind == "log":
-            logging.getLogger(message[1]).log(message[2], "%s", message[3])
-        elif kind == "run":
-            limit = message[1]
-            allowed = 0.0 if limit is None else limit + grace_seconds(limit)
-            deadline = None if limit is None else time.monotonic() + allowed
-        elif kind == "done":
-            _replay(message[2])
-            return "done", message[1]
-        else:
-            _replay(message[3])
-            exc = message[1]
-            if exc is None:
-                exc = RuntimeError(f"the planner's solver process failed:\n{message[2]}")
-            return "error", exc
+        raise
 
 
 def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | None):
@@ -189,7 +193,8 @@ def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule 
     why = []
     with _lock:
         for presolve in (True, False):
-            kind, value = _exchange(("solve", wl, hw, opt, start, presolve))
+            kind, value, caught = _exchange(("solve", wl, hw, opt, start, presolve))
+            _replay(caught)
             if kind == "done":
                 if not presolve:  # the time the stopped run took counts
                     value.solver["retried"] = why[0]
@@ -246,7 +251,10 @@ def _die_with_parent() -> None:
 
 def serve_with(handle) -> None:
     """The worker's loop: ``handle(request, send)`` for each request, until stdin closes."""
+    import signal
+
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the caller, which stops this process if it must
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # what HiGHS or Pyomo print goes to stderr, never into a message
     inp = sys.stdin.buffer
