@@ -9,6 +9,7 @@ simulator; with the full model a violation there is a bug and raises.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         opt = MilpOptions(**{**{f: getattr(opt, f) for f in opt.__slots__}, **overrides})
     wl.validate()
     hw.validate()
-    if opt.solver_process:
+    if opt.solver_process and os.name == "posix":  # the guard waits with select() on pipes
         from .solver_process import solve_guarded
 
         return solve_guarded(wl, hw, opt, start)

@@ -14,7 +14,7 @@ and log records are replayed here, and errors are raised here as they were raise
 
 The protocol: length-prefixed pickles on the worker's stdin and on a copy of its stdout (its fd 1 is
 pointed at stderr so that nothing printed there can corrupt a message). Requests:
-``("solve", wl, hw, opt, start, presolve)``. Replies: ``("log", name, level, text)``,
+``("solve", wl, hw, opt, start, presolve, lowest log level)``. Replies: ``("log", record fields)``,
 ``("run", time_limit)`` / ``("run", None)`` as a HiGHS run starts / ends, then ``("done", result,
 warnings)`` or ``("error", exception or None, traceback text, warnings)``.
 """
@@ -22,7 +22,9 @@ warnings)`` or ``("error", exception or None, traceback text, warnings)``.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import math
 import os
 import pickle
 import select
@@ -65,20 +67,43 @@ class _Died(Exception):
 
 
 WORKER_CODE = "from lightning_lazytrain.planner.solver_process import serve; serve()"  # what the worker runs
+# Run first: the worker imports from the caller's sys.path, not from ``python -c``'s (the working directory
+# first, where another lightning_lazytrain could lie)
+_PRELUDE = "import json, os, sys; sys.path[:] = json.loads(os.environ['LAZYTRAIN_SOLVER_SYS_PATH'])\n"
 
 
 class _Worker:
     """One solver process: ``python -c`` importing this module, talking on pipes (module docstring)."""
 
     def __init__(self) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["LAZYTRAIN_SOLVER_SYS_PATH"] = json.dumps([p for p in sys.path if isinstance(p, str)])
         env["LAZYTRAIN_SOLVER_PARENT"] = str(os.getpid())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER_CODE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, close_fds=True)
         self.owner = os.getpid()  # a fork of this process must not talk on these pipes
+        # Note: [the worker's own thread] Linux's PR_SET_PDEATHSIG (_die_with_parent) fires when the *thread*
+        # that started the worker ends: a planning thread's worker would be killed under a solve from another
+        # thread (review 10). So a thread of its own starts it and lives as long as it does.
+        started: list = []
+        ready = threading.Event()
+
+        def own() -> None:
+            try:
+                started.append(subprocess.Popen(
+                    [sys.executable, "-c", _PRELUDE + WORKER_CODE],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, close_fds=True))
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+                started.append(exc)
+            ready.set()
+            if isinstance(started[0], subprocess.Popen):
+                started[0].wait()
+
+        threading.Thread(target=own, name="lazytrain-solver-process", daemon=True).start()
+        ready.wait()
+        if not isinstance(started[0], subprocess.Popen):
+            raise started[0]
+        self.proc = started[0]
+        self._poll = select.poll()  # not select(): a process may have more than 1024 files open (review 10)
+        self._poll.register(self.proc.stdout.fileno(), select.POLLIN)
 
     def send(self, message: tuple) -> None:
         _write(self.proc.stdin, message)
@@ -86,9 +111,8 @@ class _Worker:
     def _read(self, n: int, deadline: float | None) -> bytes:
         fd, chunks = self.proc.stdout.fileno(), []
         while n:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([fd], [], [], wait)
-            if not ready:
+            wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            if not self._poll.poll(wait):
                 raise _Stalled
             chunk = os.read(fd, n)
             if not chunk:
@@ -101,6 +125,14 @@ class _Worker:
         (n,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
         return pickle.loads(self._read(n, deadline))
 
+    def close(self) -> None:
+        """Close this end of the pipes (the process is left alone: after a fork it is the parent's)."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -109,11 +141,7 @@ class _Worker:
         except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
             return None
         finally:
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+            self.close()
 
 
 _lock = threading.Lock()
@@ -121,8 +149,10 @@ _worker: list[_Worker] = []  # the process's worker, when one is running
 
 
 def _current() -> _Worker:
-    if _worker and (_worker[0].owner != os.getpid() or _worker[0].proc.poll() is not None):
-        _worker.clear()  # inherited by a fork, or gone: leave it, start another
+    if _worker and _worker[0].owner != os.getpid():
+        _worker.pop().close()  # inherited by a fork: the parent's
+    if _worker and _worker[0].proc.poll() is not None:
+        _stop_current()  # gone: reap it, close its pipes
     if not _worker:
         _worker.append(_Worker())
     return _worker[0]
@@ -133,10 +163,46 @@ def _stop_current() -> int | None:
     return code
 
 
+def _after_fork_in_child() -> None:
+    """A fork has one thread: a lock another thread held at the fork would stay held (review 10), and the
+    parent's worker is not this process's."""
+    global _lock
+    _lock = threading.Lock()
+    if _worker:
+        _worker.pop().close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _shutdown() -> None:
     if _worker and _worker[0].owner == os.getpid():
         _stop_current()
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an error raised in the solver process (the ``__cause__`` of the error raised here)."""
+
+    def __str__(self) -> str:
+        return f"raised in the planner's solver process:\n{self.args[0]}"
+
+
+def _replay_record(fields: dict) -> None:
+    """A log record of the worker, handled here as if it had been made here (its logger's level and handlers)."""
+    record = logging.makeLogRecord(fields)
+    logger = logging.getLogger(record.name)
+    if logger.isEnabledFor(record.levelno):
+        logger.handle(record)
+
+
+def _lowest_level() -> int:
+    """The lowest level any of this process's loggers handles: the worker sends every record at or above it."""
+    levels = [logging.getLogger().getEffectiveLevel()]
+    levels += [lg.level for lg in list(logging.Logger.manager.loggerDict.values())
+               if isinstance(lg, logging.Logger) and lg.level]
+    return min(levels)
 
 
 def _replay(caught: list[tuple[type[Warning], str]]) -> None:
@@ -167,17 +233,20 @@ def _exchange(request: tuple) -> tuple[str, object, list]:
                 return "died", _stop_current(), []
             kind = message[0]
             if kind == "log":
-                logging.getLogger(message[1]).log(message[2], "%s", message[3])
+                _replay_record(message[1])
             elif kind == "run":
-                limit = message[1]
-                allowed = 0.0 if limit is None else limit + grace_seconds(limit)
-                deadline = None if limit is None else time.monotonic() + allowed
+                limit = message[1]  # None: the run ended; inf: HiGHS runs unbounded, as it would here
+                bounded = limit is not None and math.isfinite(limit)
+                allowed = limit + grace_seconds(limit) if bounded else 0.0
+                deadline = time.monotonic() + allowed if bounded else None
             elif kind == "done":
                 return "done", message[1], message[2]
             else:
                 exc = message[1]
                 if exc is None:
                     exc = RuntimeError(f"the planner's solver process failed:\n{message[2]}")
+                else:  # where it was raised (as concurrent.futures shows a worker's traceback)
+                    exc.__cause__ = RemoteTraceback(message[2])
                 return "error", exc, message[3]
     except BaseException:
         if _worker and _worker[0] is worker:
@@ -193,7 +262,7 @@ def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule 
     why = []
     with _lock:
         for presolve in (True, False):
-            kind, value, caught = _exchange(("solve", wl, hw, opt, start, presolve))
+            kind, value, caught = _exchange(("solve", wl, hw, opt, start, presolve, _lowest_level()))
             _replay(caught)
             if kind == "done":
                 if not presolve:  # the time the stopped run took counts
@@ -215,15 +284,28 @@ def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule 
 
 
 class _Forward(logging.Handler):
+    """Sends each record to the caller, formatted (its message and traceback as text), to be handled there."""
+
     def __init__(self, send) -> None:
         super().__init__()
         self.send = send
+        self.formatter = logging.Formatter()
 
     def emit(self, record: logging.LogRecord) -> None:
+        fields = dict(record.__dict__)
+        fields["msg"], fields["args"] = record.getMessage(), None
+        if record.exc_info:
+            fields["exc_text"] = record.exc_text or self.formatter.formatException(record.exc_info)
+        fields["exc_info"] = None
         try:
-            self.send(("log", record.name, record.levelno, record.getMessage()))
-        except Exception:  # pragma: no cover - a record that cannot be sent is not worth a failed solve
-            pass
+            self.send(("log", fields))
+        except Exception:  # an extra field that does not pickle: the plain fields
+            plain = {k: fields[k] for k in ("name", "levelno", "levelname", "msg", "pathname", "filename", "module",
+                                            "lineno", "funcName", "created", "exc_text") if k in fields}
+            try:
+                self.send(("log", plain))
+            except Exception:  # pragma: no cover - a record that cannot be sent is not worth a failed solve
+                pass
 
 
 def _portable(exc: BaseException) -> BaseException | None:
@@ -262,22 +344,26 @@ def serve_with(handle) -> None:
     def send(message: tuple) -> None:
         _write(out, message)
 
-    root = logging.getLogger("lightning_lazytrain")  # every record goes back; the caller's loggers filter them
-    root.addHandler(_Forward(send))
-    root.setLevel(logging.DEBUG)
-    root.propagate = False
+    root = logging.getLogger()  # every record goes back, to the caller's handlers (its loggers filter them)
+    root.handlers[:] = [_Forward(send)]
     while True:
         header = inp.read(_HEADER.size)
         if len(header) < _HEADER.size:
             return
         (n,) = _HEADER.unpack(header)
-        handle(pickle.loads(inp.read(n)), send)
+        request = pickle.loads(inp.read(n))
+        if len(request) > 6:
+            root.setLevel(request[6])
+        for lg in list(logging.Logger.manager.loggerDict.values()):  # handlers that libraries added (Pyomo's
+            if isinstance(lg, logging.Logger):                        # stdout one): the caller has its own
+                lg.handlers.clear()
+        handle(request, send)
 
 
 def _solve_request(request: tuple, send) -> None:
     from .solve import solve_here
 
-    _, wl, hw, opt, start, presolve = request
+    _, wl, hw, opt, start, presolve = request[:6]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
