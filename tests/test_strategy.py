@@ -177,12 +177,15 @@ def test_validation_test_and_predict_loops(tmp_path):
 
 @pytest.mark.slow
 def test_fast_dev_run_and_no_leaked_threads():
-    before = threading.active_count()
+    def threads():  # the planner's solver process has one thread for as long as it lives (solver_process.py)
+        return sum(t.name != "lazytrain-solver-process" for t in threading.enumerate())
+
+    before = threads()
     for _ in range(3):
         trainer = L.Trainer(strategy="lazytrain", accelerator="cpu", fast_dev_run=True, logger=False,
                             enable_progress_bar=False)
         trainer.fit(HFModule(), train_dataloaders=torch.utils.data.DataLoader(batches(2), batch_size=None))
-    assert threading.active_count() <= before + 1
+    assert threads() <= before + 1
 
 
 @pytest.mark.slow
