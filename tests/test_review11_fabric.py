@@ -1,19 +1,21 @@
 """Review 11: loops a Fabric user writes, ``Fabric(strategy="lazytrain", accelerator="cpu")`` against
 ``Fabric(accelerator="cpu")`` (the default strategy), fp32, same data and seeds, bit for bit.
 
-Defects (xfail, strict):
+Defects (xfail, strict, unless marked FIXED):
 - test_loss_on_intermediate_hidden_states_is_bit_equal: a loss term on a block boundary
   (``output_hidden_states=True``; ``hidden_states[2]``) gives gradients that differ from auto in the
   last bits (every policy, keep_all too): the boundary's gradient is summed in another order.
 - test_deepcopy_of_the_set_up_module_is_an_independent_model: ``copy.deepcopy(model.module)`` after
   ``fabric.setup`` (a snapshot, an EMA/teacher copy) keeps the executor's patched block forwards: the copy
   computes with the live model's streamed block weights (silently wrong), and raises
-  "param store is closed" after ``fabric.strategy.teardown()``.
+  "param store is closed" after ``fabric.strategy.teardown()``. FIXED: the executor's block forward copies as
+  the block's own (engine/streamed_forward.py, Note: [a copy of a streamed block]).
 - test_grad_tensors_kept_from_an_earlier_step_keep_their_values: ``g = p.grad`` kept by reference across
   ``zero_grad()`` (set_to_none) is zeroed and overwritten by the next backward (the host gradient buffer is
   reused); under auto it keeps its step's values.
 - test_swa_averaged_model_of_the_set_up_model: ``torch.optim.swa_utils.AveragedModel(model)`` of the
-  model ``fabric.setup`` returned raises ``TypeError: cannot pickle '_thread.lock'`` (auto trains).
+  model ``fabric.setup`` returned raises ``TypeError: cannot pickle '_thread.lock'`` (auto trains). FIXED: a copy
+  of the wrapper holds a plain copy of the module and shares the strategy (adapters/fabric.py).
 - test_a_second_module_without_a_block_stack_can_be_set_up: ``fabric.setup(value_head, opt)`` after the
   streamed model raises NotImplementedError (a GAN's discriminator, a value head; auto trains).
 - test_a_block_called_outside_the_wrapper: ``model.model(...)`` / an unmarked method that calls blocks
@@ -46,7 +48,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
 from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy  # (registers the Fabric strategies)
 from lightning_lazytrain.optim import HybridAdamW
 from lightning_lazytrain.planner import Schedule, keep_all
@@ -179,10 +180,6 @@ def test_loss_on_intermediate_hidden_states_is_bit_equal(policy):
     check(loop_hidden_state_loss, policy, steps=2)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: copy.deepcopy(model.module) after fabric.setup keeps the executor's "
-                   "patched block forwards (engine/executor.py:281, an instance-level closure deepcopy shares): the "
-                   "copy computes with the live model's streamed block weights (logits off by ~1), and raises "
-                   "'param store is closed' after teardown")
 def test_deepcopy_of_the_set_up_module_is_an_independent_model():
     model = tiny_llama(0)
     opt = adamw(model)
@@ -235,9 +232,6 @@ def loop_swa(fabric, model, opt, steps):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: AveragedModel(model) of fabric.setup's model deep-copies the wrapper, "
-                   "whose _StreamedModule holds the strategy (TrainingCore, executor threads): TypeError: cannot "
-                   "pickle '_thread.lock' object; auto trains")
 def test_swa_averaged_model_of_the_set_up_model():
     check(loop_swa, "recompute_all", steps=2)
 

@@ -36,6 +36,7 @@ nothing (every backward syncs).
 from __future__ import annotations
 
 import contextlib
+import copy
 from datetime import timedelta
 from typing import Any
 
@@ -73,6 +74,11 @@ class _StreamedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.strategy.streamed_forward(self.module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """A copy of the set-up model (``AveragedModel``, an EMA or teacher copy) is a plain copy of the user's
+        module, not streamed (Note: [a copy of a streamed block] in engine/streamed_forward.py)."""
+        return copy.deepcopy(self.module, memo)
 
 
 class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOptions):
@@ -288,6 +294,11 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
             find_blocks(module, self.blocks)
         except BlockDiscoveryError:
             module.to(self.root_device)
+
+    def __deepcopy__(self, memo: dict) -> LazyTrainFabricStrategy:
+        """A copy of the set-up model (Fabric's wrapper holds the strategy) shares the strategy: one per process,
+        with its executor and threads, which no copy could hold."""
+        return self
 
     # ---- setup ---------------------------------------------------------------------------------
     @override

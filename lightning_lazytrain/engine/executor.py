@@ -67,6 +67,7 @@ from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrad
 from lightning_lazytrain.engine.shared_args import SharedWrites
 from lightning_lazytrain.engine.step_memory import StepMemory
 from lightning_lazytrain.engine.step_stats import StepStats
+from lightning_lazytrain.engine.streamed_forward import StreamedForward
 from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
 from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
 from lightning_lazytrain.engine.window_memory import WindowMemory
@@ -282,19 +283,12 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPar
 
     def _make_forward(self, j: int) -> Callable:
         # The hidden state is the block's first parameter; callers may pass it by keyword
-        # (``block(hidden_states=h, ...)``), the original forward then gets it positionally.
+        # (``block(hidden_states=h, ...)``), the original forward then gets it positionally. A copy of the
+        # block is a plain block (Note: [a copy of a streamed block] in streamed_forward.py).
         sig = self._signatures[j]
         first = next(iter(sig.parameters), None) if sig is not None else None
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if args:
-                return self._block_call(j, args[0], args[1:], kwargs)
-            if first is None or first not in kwargs:
-                raise TypeError(f"block {j} was called without its hidden state (first parameter {first!r})")
-            x = kwargs.pop(first)
-            return self._block_call(j, x, (), kwargs)
-
-        return forward
+        block = self.stack[j]
+        return StreamedForward(self._block_call, j, first, block, vars(block).get("forward"))
 
     def close(self) -> None:
         """Restore the blocks, free device buffers, worker threads and spill files.
