@@ -158,6 +158,7 @@ def test_a_dead_worker_is_replaced_without_leaking_its_pipes(own_worker):
 LOGGING_WORKER = """
 import logging
 from lightning_lazytrain.planner import solver_process as sp
+from lightning_lazytrain.planner import solver_worker as sw
 
 def handle(request, send):
     log = logging.getLogger("lightning_lazytrain.planner.solve")
@@ -170,7 +171,7 @@ def handle(request, send):
     logging.getLogger("pyomo.contrib.appsi.solvers.highs").warning("pyomo says so")
     send(("done", "the answer", []))
 
-sp.serve_with(handle)
+sw.serve_with(handle)
 """
 
 
@@ -201,11 +202,12 @@ import os, signal, sys, threading, time
 from planner_helpers import G, hardware, workload
 from lightning_lazytrain.planner.solve import solve
 from lightning_lazytrain.planner import solver_process as sp
+from lightning_lazytrain.planner import solver_worker as sw
 
 wl, hw = workload([1.0, 2.0, 1.5, 1.0], internal=2 * G), hardware(6 * G)
 real = sp.WORKER_CODE
-sp.WORKER_CODE = ("import time\\nfrom lightning_lazytrain.planner import solver_process as sp\\n"
-                  "sp.serve_with(lambda request, send: (time.sleep(3), sp._solve_request(request, send)))\\n")
+sp.WORKER_CODE = ("import time\\nfrom lightning_lazytrain.planner import solver_worker as sw\\n"
+                  "sw.serve_with(lambda request, send: (time.sleep(3), sw._solve_request(request, send)))\\n")
 th = threading.Thread(target=solve, args=(wl, hw))  # a slow solve on another thread
 th.start()
 while not sp._worker:
@@ -229,8 +231,8 @@ def test_a_fork_while_another_thread_solves_can_still_solve():
     assert proc.stdout.strip().splitlines()[-1] == "child 0", proc.stdout
 
 
-SLOW_WORKER = ("import time\nfrom lightning_lazytrain.planner import solver_process as sp\n"
-               "sp.serve_with(lambda request, send: (time.sleep(1.0), sp._solve_request(request, send)))\n")
+SLOW_WORKER = ("import time\nfrom lightning_lazytrain.planner import solver_worker as sw\n"
+               "sw.serve_with(lambda request, send: (time.sleep(1.0), sw._solve_request(request, send)))\n")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -322,6 +324,7 @@ def test_fifty_solves_leave_no_fds_and_no_zombies(own_worker):
 ECHO_WORKER = """
 import os, sys
 from lightning_lazytrain.planner import solver_process as sp
+from lightning_lazytrain.planner import solver_worker as sw
 
 def handle(request, send):
     print("o" * (1 << 20))  # fd 1 points at stderr: never into a message
@@ -329,7 +332,7 @@ def handle(request, send):
     os.write(2, b"e" * (1 << 20))
     send(("done", request[1][::-1], []))
 
-sp.serve_with(handle)
+sw.serve_with(handle)
 """
 
 
@@ -357,6 +360,7 @@ sys.path[:0] = [{str(ROOT)!r}, {str(TESTS)!r}]  # -I: PYTHONPATH is ignored here
 from planner_helpers import G, hardware, workload
 from lightning_lazytrain.planner.solve import solve
 from lightning_lazytrain.planner import solver_process as sp
+from lightning_lazytrain.planner import solver_worker as sw
 wl, hw = workload([1.0, 2.0, 1.5, 1.0], internal=2 * G), hardware(6 * G)
 print(solve(wl, hw).status, solve(wl, hw, solver_process=False).status, sp._worker[0].proc.pid)
 """

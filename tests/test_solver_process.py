@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("pyomo")
 pytest.importorskip("highspy")
 
-from lightning_lazytrain.planner import solver_process  # noqa: E402
+from lightning_lazytrain.planner import solver_process, solver_worker  # noqa: E402
 from lightning_lazytrain.planner.errors import InfeasibleBudget, InfeasibleSchedule, InvalidInput  # noqa: E402
 from lightning_lazytrain.planner.solve import best_baseline, solve  # noqa: E402
 from lightning_lazytrain.planner.milp import MilpOptions  # noqa: E402
@@ -95,12 +95,14 @@ def test_the_fallback_warning_comes_back_from_the_process():
 HANG = """
 import sys, time
 from lightning_lazytrain.planner import solver_process as sp
-sp.serve_with(lambda request, send: (send(("run", 0.2)), time.sleep(3600)))
+from lightning_lazytrain.planner import solver_worker as sw
+sw.serve_with(lambda request, send: (send(("run", 0.2)), time.sleep(3600)))
 """
 DIE = """
 import os
 from lightning_lazytrain.planner import solver_process as sp
-sp.serve_with(lambda request, send: os._exit(3))
+from lightning_lazytrain.planner import solver_worker as sw
+sw.serve_with(lambda request, send: os._exit(3))
 """
 
 
@@ -160,8 +162,8 @@ def test_an_error_that_cannot_be_pickled_arrives_as_its_traceback():
         def __init__(self, a, b):
             super().__init__(f"{a}-{b}")
 
-    assert solver_process._portable(Odd(1, 2)) is None
-    assert solver_process._portable(ValueError("x")) is not None
+    assert solver_worker._portable(Odd(1, 2)) is None
+    assert solver_worker._portable(ValueError("x")) is not None
 
 
 @pytest.mark.slow
@@ -199,8 +201,8 @@ def test_a_hung_worker_dies_with_its_parent(tmp_path):
 
     pidfile = tmp_path / "worker.pid"
     worker_code = ("import os, time\n"  # says its pid once it serves (past the prctl), then hangs
-                   "from lightning_lazytrain.planner import solver_process as sp\n"
-                   f"sp.serve_with(lambda request, send: (open({str(pidfile)!r}, 'w').write(str(os.getpid())), "
+                   "from lightning_lazytrain.planner import solver_worker as sw\n"
+                   f"sw.serve_with(lambda request, send: (open({str(pidfile)!r}, 'w').write(str(os.getpid())), "
                    "time.sleep(3600)))\n")
     code = ("import time\n"
             "from lightning_lazytrain.planner import solver_process as sp\n"

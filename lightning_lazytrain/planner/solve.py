@@ -121,10 +121,16 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         opt = MilpOptions(**{**{f: getattr(opt, f) for f in opt.__slots__}, **overrides})
     wl.validate()
     hw.validate()
-    if opt.solver_process and os.name == "posix":  # the guard waits with select() on pipes
-        from .solver_process import solve_guarded
+    if opt.solver_process and os.name == "posix":  # the guard waits with poll() on pipes
+        from .solver_process import Stopped, solve_guarded
 
-        return solve_guarded(wl, hw, opt, start)
+        res = solve_guarded(wl, hw, opt, start)
+        if not isinstance(res, Stopped):
+            return res
+        seed, origin, _ = seeds(wl, hw, opt, start)
+        info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs", "stopped": list(res.why)}
+        return fallback(wl, hw, opt, seed, origin, f"{res.why[0]}, and again with presolve off", solve_s=res.seconds,
+                        info=info)
     return solve_here(wl, hw, opt, start)
 
 

@@ -3,8 +3,8 @@
 Note: [the solver's process] HiGHS 1.16's presolve can hang on some instances (qwen2.5-3b on the
 H800 profile at micro-batch 128: the log stops after presolve's first line), past its time limit and
 holding the GIL, so no thread of the process that called it can stop it, and a training run would
-hang at its start. So solve() sends each solve to a worker process (``python -c`` importing this
-module, started once per process and reused: not multiprocessing, which would re-run an unguarded
+hang at its start. So solve() sends each solve to a worker process (``python -c`` running
+``solver_worker.serve``, started once per process and reused: not multiprocessing, which would re-run an unguarded
 user script in the child) and waits for it with a deadline while HiGHS runs: the run's time limit
 plus ``grace_seconds``. Past the deadline the worker is killed (a fresh one serves the next solve)
 and the same solve runs once more with presolve off, which does not hang there (0.8 s); if that too
@@ -33,8 +33,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import warnings
+from dataclasses import dataclass
 
 from .hardware import Hardware
 from .milp import MilpOptions
@@ -42,12 +42,13 @@ from .schedule import Schedule
 from .workload import Workload
 
 log = logging.getLogger(__name__)
-_HEADER = struct.Struct("<Q")
+HEADER = struct.Struct("<Q")  # a message's length
 
 
-def _write(f, message: tuple) -> None:
+def write_message(f, message: tuple) -> None:
+    """One length-prefixed pickle on ``f`` (the protocol of the module docstring)."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(data)) + data)
+    view = memoryview(HEADER.pack(len(data)) + data)
     while view:
         view = view[f.write(view):]
 
@@ -66,7 +67,7 @@ class _Died(Exception):
     pass
 
 
-WORKER_CODE = "from lightning_lazytrain.planner.solver_process import serve; serve()"  # what the worker runs
+WORKER_CODE = "from lightning_lazytrain.planner.solver_worker import serve; serve()"  # what the worker runs
 # Run first: the worker imports from the caller's sys.path, not from ``python -c``'s (the working directory
 # first, where another lightning_lazytrain could lie)
 _PRELUDE = "import json, os, sys; sys.path[:] = json.loads(os.environ['LAZYTRAIN_SOLVER_SYS_PATH'])\n"
@@ -106,7 +107,7 @@ class _Worker:
         self._poll.register(self.proc.stdout.fileno(), select.POLLIN)
 
     def send(self, message: tuple) -> None:
-        _write(self.proc.stdin, message)
+        write_message(self.proc.stdin, message)
 
     def _read(self, n: int, deadline: float | None) -> bytes:
         fd, chunks = self.proc.stdout.fileno(), []
@@ -122,7 +123,7 @@ class _Worker:
         return b"".join(chunks)
 
     def receive(self, deadline: float | None) -> tuple:
-        (n,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
+        (n,) = HEADER.unpack(self._read(HEADER.size, deadline))
         return pickle.loads(self._read(n, deadline))
 
     def close(self) -> None:
@@ -254,12 +255,19 @@ def _exchange(request: tuple) -> tuple[str, object, list]:
         raise
 
 
-def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | None):
-    """solve_here(wl, hw, opt, start) in the solver process, stopped when HiGHS overruns (module docstring)."""
-    from .solve import fallback, seeds, solver_version
+@dataclass(frozen=True)
+class Stopped:
+    """No answer: ``why`` each try ended (stopped past its deadline, or the worker died); ``seconds`` in all."""
 
+    why: tuple[str, ...]
+    seconds: float
+
+
+def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | None):
+    """solve_here(wl, hw, opt, start) in the solver process: its SolveResult (or its error, raised here), or
+    Stopped when HiGHS overran twice (with presolve, then without) or the worker died (module docstring)."""
     t0 = time.perf_counter()
-    why = []
+    why: list[str] = []
     with _lock:
         for presolve in (True, False):
             kind, value, caught = _exchange(("solve", wl, hw, opt, start, presolve, _lowest_level()))
@@ -274,106 +282,4 @@ def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule 
             why.append(f"HiGHS gave no answer within {value:.0f} s of a {opt.time_limit:g} s time limit"
                        if kind == "stalled" else f"the solver process died (exit code {value})")
             log.warning("%s%s", why[-1], "; solving again with HiGHS's presolve off" if presolve else "")
-    seed, origin, _ = seeds(wl, hw, opt, start)
-    info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs", "stopped": why}
-    return fallback(wl, hw, opt, seed, origin, f"{why[0]}, and again with presolve off",
-                    solve_s=time.perf_counter() - t0, info=info)
-
-
-# ---- the worker's side ---------------------------------------------------------------------------
-
-
-class _Forward(logging.Handler):
-    """Sends each record to the caller, formatted (its message and traceback as text), to be handled there."""
-
-    def __init__(self, send) -> None:
-        super().__init__()
-        self.send = send
-        self.formatter = logging.Formatter()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = dict(record.__dict__)
-        fields["msg"], fields["args"] = record.getMessage(), None
-        if record.exc_info:
-            fields["exc_text"] = record.exc_text or self.formatter.formatException(record.exc_info)
-        fields["exc_info"] = None
-        try:
-            self.send(("log", fields))
-        except Exception:  # an extra field that does not pickle: the plain fields
-            plain = {k: fields[k] for k in ("name", "levelno", "levelname", "msg", "pathname", "filename", "module",
-                                            "lineno", "funcName", "created", "exc_text") if k in fields}
-            try:
-                self.send(("log", plain))
-            except Exception:  # pragma: no cover - a record that cannot be sent is not worth a failed solve
-                pass
-
-
-def _portable(exc: BaseException) -> BaseException | None:
-    """``exc`` if it survives a pickle round trip, else None (the traceback text says what it was)."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return None
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when its parent dies (a hung HiGHS never reads the closed stdin)."""
-    parent = int(os.environ.get("LAZYTRAIN_SOLVER_PARENT", os.getppid()))
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the closed stdin ends a worker that is not hung
-        return
-    if os.getppid() != parent:  # the parent died before the call
-        os._exit(0)
-
-
-def serve_with(handle) -> None:
-    """The worker's loop: ``handle(request, send)`` for each request, until stdin closes."""
-    import signal
-
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the caller, which stops this process if it must
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # what HiGHS or Pyomo print goes to stderr, never into a message
-    inp = sys.stdin.buffer
-
-    def send(message: tuple) -> None:
-        _write(out, message)
-
-    root = logging.getLogger()  # every record goes back, to the caller's handlers (its loggers filter them)
-    root.handlers[:] = [_Forward(send)]
-    while True:
-        header = inp.read(_HEADER.size)
-        if len(header) < _HEADER.size:
-            return
-        (n,) = _HEADER.unpack(header)
-        request = pickle.loads(inp.read(n))
-        if len(request) > 6:
-            root.setLevel(request[6])
-        for lg in list(logging.Logger.manager.loggerDict.values()):  # handlers that libraries added (Pyomo's
-            if isinstance(lg, logging.Logger):                        # stdout one): the caller has its own
-                lg.handlers.clear()
-        handle(request, send)
-
-
-def _solve_request(request: tuple, send) -> None:
-    from .solve import solve_here
-
-    _, wl, hw, opt, start, presolve = request[:6]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result = solve_here(wl, hw, opt, start, presolve=presolve, on_run=lambda limit: send(("run", limit)))
-            reply = ("done", result, [(w.category, str(w.message)) for w in caught])
-        except Exception as exc:
-            reply = ("error", _portable(exc), traceback.format_exc(), [(w.category, str(w.message)) for w in caught])
-    send(reply)
-
-
-def serve() -> None:
-    """The solver process's loop (WORKER_CODE)."""
-    serve_with(_solve_request)
+    return Stopped(tuple(why), time.perf_counter() - t0)
