@@ -168,9 +168,11 @@ class BlockCalls:
             # input would be lost (an error, or a wrong value where the output also depends on it elsewhere)
             raise UnsupportedBlockPattern(
                 f"block {j} of {self.stack.path!r} was called outside a training step with grad enabled on an input "
-                "that requires grad (input gradients in evaluation: Trainer(inference_mode=False) with "
-                "torch.enable_grad()): evaluation streams the weights through two slots and keeps no graph. "
-                "Compute input gradients in a training step, or evaluate this way with strategy='auto'")
+                "that requires grad: such a call streams the weights through two slots and keeps no graph. With the "
+                "Trainer, input gradients in evaluation (Trainer(inference_mode=False) with torch.enable_grad()): "
+                "compute them in a training step, or evaluate this way with strategy='auto'. With Fabric, a block "
+                "reached without the model fabric.setup returned (model.model(...), or a method not marked with "
+                "fabric.mark_forward_method): call the set-up model, or mark the method")
         if self._micro is not None or self._between_microbatches:
             if (self._micro is not None and self.schedule.optimizer == "pipelined" and self._micro[0]
                     and self.wait_updated is not None):
