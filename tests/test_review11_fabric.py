@@ -17,7 +17,8 @@ Defects (xfail, strict, unless marked FIXED):
   model ``fabric.setup`` returned raises ``TypeError: cannot pickle '_thread.lock'`` (auto trains). FIXED: a copy
   of the wrapper holds a plain copy of the module and shares the strategy (adapters/fabric.py).
 - test_a_second_module_without_a_block_stack_can_be_set_up: ``fabric.setup(value_head, opt)`` after the
-  streamed model raises NotImplementedError (a GAN's discriminator, a value head; auto trains).
+  streamed model raises NotImplementedError (a GAN's discriminator, a value head; auto trains). FIXED: set up
+  as Fabric's one-device strategy does (adapters/fabric.py); its optimizer is not the streamed model's.
 - test_a_block_called_outside_the_wrapper: ``model.model(...)`` / an unmarked method that calls blocks
   with grad raises UnsupportedBlockPattern naming the Trainer's evaluation (``Trainer(inference_mode=False)``)
   instead of training or naming the Fabric fix (``mark_forward_method`` / call the wrapper). FIXED (refused by
@@ -254,9 +255,6 @@ def loop_value_head(fabric, model, opt, steps):
     return out + [p.detach() for p in head.parameters()]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: fabric.setup of a second module (a value head / discriminator without a "
-                   "block stack) raises NotImplementedError (adapters/fabric.py setup_module); it could be set up as "
-                   "SingleDeviceStrategy does (module_to_device already moves such modules); not in README")
 def test_a_second_module_without_a_block_stack_can_be_set_up():
     check(loop_value_head, "recompute_all", steps=2)
 
@@ -631,3 +629,13 @@ def test_two_forwards_then_two_backwards_is_refused_by_name():
     auto(loop_two_forwards_two_backwards, steps=1)  # auto trains
     with pytest.raises(RuntimeError, match="earlier micro-batch"):
         run("recompute_all", loop_two_forwards_two_backwards, steps=1)
+
+
+def test_a_second_streamed_model_is_refused_by_name():
+    """One streamed model per Fabric: a second module with a block stack is refused, naming the way out (a module
+    without blocks is set up beside it: test_a_second_module_without_a_block_stack_can_be_set_up)."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LazyTrainFabricStrategy(policy="recompute_all"))
+    fabric.setup(tiny_llama(0))
+    with pytest.raises(NotImplementedError, match="streams one model per Fabric"):
+        fabric.setup(tiny_llama(1))
+    fabric.strategy.teardown()

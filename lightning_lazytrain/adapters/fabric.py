@@ -305,6 +305,11 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Build the executor on a provisional schedule; the plan replaces it after the first backward."""
         if self.core.executor is not None:
+            try:
+                find_blocks(module, self.blocks)
+            except BlockDiscoveryError:  # a module without blocks beside the streamed one (a value head, a
+                module.to(self.root_device)  # discriminator): set up as Fabric's one-device strategy does
+                return module
             raise NotImplementedError("strategy='lazytrain' streams one model per Fabric; set up the others with "
                                       "a second Fabric or keep them outside fabric.setup")
         if self.is_distributed and not distributed_ready():
@@ -318,7 +323,9 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
 
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
-        self.core.add_optimizer(optimizer)  # priced in the plan (HybridAdamW), its 8-bit slice planned
+        streamed = {id(p) for p in self._module.parameters()} if self._module is not None else None
+        if streamed is None or any(id(p) in streamed for group in optimizer.param_groups for p in group["params"]):
+            self.core.add_optimizer(optimizer)  # priced in the plan (HybridAdamW), its 8-bit slice planned
         return super().setup_optimizer(optimizer)
 
     # ---- training ------------------------------------------------------------------------------
