@@ -14,7 +14,7 @@ and log records are replayed here, and errors are raised here as they were raise
 
 The protocol: length-prefixed pickles on the worker's stdin and on a copy of its stdout (its fd 1 is
 pointed at stderr so that nothing printed there can corrupt a message). Requests:
-``("solve", wl, hw, opt, start, presolve, lowest log level)``. Replies: ``("log", record fields)``,
+``("solve", wl, hw, opt, start, presolve, the caller's logger levels)``. Replies: ``("log", record fields)``,
 ``("run", time_limit)`` / ``("run", None)`` as a HiGHS run starts / ends, then ``("done", result,
 warnings)`` or ``("error", exception or None, traceback text, warnings)``.
 """
@@ -198,12 +198,14 @@ def _replay_record(fields: dict) -> None:
         logger.handle(record)
 
 
-def _lowest_level() -> int:
-    """The lowest level any of this process's loggers handles: the worker sends every record at or above it."""
-    levels = [logging.getLogger().getEffectiveLevel()]
-    levels += [lg.level for lg in list(logging.Logger.manager.loggerDict.values())
-               if isinstance(lg, logging.Logger) and lg.level]
-    return min(levels)
+def _levels() -> dict[str, int]:
+    """This process's logger levels (``""``: the root's, then every logger's own, where set): the worker takes them,
+    so that it makes the records this process would handle, and no more (HiGHS's log is captured only when wanted)."""
+    levels = {"": logging.getLogger().level}
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger) and lg.level:
+            levels[name] = lg.level
+    return levels
 
 
 def _replay(caught: list[tuple[type[Warning], str]]) -> None:
@@ -270,7 +272,7 @@ def solve_guarded(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule 
     why: list[str] = []
     with _lock:
         for presolve in (True, False):
-            kind, value, caught = _exchange(("solve", wl, hw, opt, start, presolve, _lowest_level()))
+            kind, value, caught = _exchange(("solve", wl, hw, opt, start, presolve, _levels()))
             _replay(caught)
             if kind == "done":
                 if not presolve:  # the time the stopped run took counts

@@ -75,7 +75,7 @@ def serve_with(handle) -> None:
     def send(message: tuple) -> None:
         write_message(out, message)
 
-    root = logging.getLogger()  # every record goes back, to the caller's handlers (its loggers filter them)
+    root = logging.getLogger()  # the records the caller's levels let through go back, to the caller's handlers
     root.handlers[:] = [_Forward(send)]
     while True:
         header = inp.read(HEADER.size)
@@ -83,8 +83,12 @@ def serve_with(handle) -> None:
             return
         (n,) = HEADER.unpack(header)
         request = pickle.loads(inp.read(n))
-        if len(request) > 6:
-            root.setLevel(request[6])
+        if len(request) > 6:  # the caller's levels (logging.NOTSET where it set none)
+            for name, lg in list(logging.Logger.manager.loggerDict.items()):
+                if isinstance(lg, logging.Logger) and name not in request[6]:
+                    lg.setLevel(logging.NOTSET)
+            for name, level in request[6].items():
+                logging.getLogger(name or None).setLevel(level)
         for lg in list(logging.Logger.manager.loggerDict.values()):  # handlers that libraries added (Pyomo's
             if isinstance(lg, logging.Logger):                        # stdout one): the caller has its own
                 lg.handlers.clear()
