@@ -126,10 +126,15 @@ class GradWriteBack:
                 self._outside_handles.append(info.param.register_post_accumulate_grad_hook(hook))
 
     def _outside_use(self, info: ParamEntry, param: nn.Parameter) -> None:
-        grad = param.grad
-        if grad is None or grad.data_ptr() == self._host_view(self._group(self._owner[id(info)]).grad, info).data_ptr():
-            return  # added into the view in place: counted
+        # The check and the record under one lock: were the host lane to adopt .grad between them (adding it into
+        # the view and setting .grad to the view), the record would name a gradient already counted, and
+        # reconcile_outside_grads would add it a second time (seen once in CI under load: review 7's cross-layer
+        # weight use ended one update off).
         with self._outside_lock:
+            grad = param.grad
+            view = self._host_view(self._group(self._owner[id(info)]).grad, info)
+            if grad is None or grad.data_ptr() == view.data_ptr():
+                return  # added into the view in place: counted
             self._outside[id(info)] = (info, grad)
             self.outside_uses_seen = True
 
