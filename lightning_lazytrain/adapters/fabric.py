@@ -290,10 +290,15 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
         moves its buffers); any other module moves to the device as usual."""
         if module is self._module or isinstance(module, _StreamedModule):
             return
+        if not self._has_blocks(module):
+            module.to(self.root_device)
+
+    def _has_blocks(self, module: nn.Module) -> bool:
         try:
             find_blocks(module, self.blocks)
         except BlockDiscoveryError:
-            module.to(self.root_device)
+            return False
+        return True
 
     def __deepcopy__(self, memo: dict) -> LazyTrainFabricStrategy:
         """A copy of the set-up model (Fabric's wrapper holds the strategy) shares the strategy: one per process,
@@ -305,10 +310,8 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Build the executor on a provisional schedule; the plan replaces it after the first backward."""
         if self.core.executor is not None:
-            try:
-                find_blocks(module, self.blocks)
-            except BlockDiscoveryError:  # a module without blocks beside the streamed one (a value head, a
-                module.to(self.root_device)  # discriminator): set up as Fabric's one-device strategy does
+            if not self._has_blocks(module):  # beside the streamed one (a value head, a discriminator): set up
+                module.to(self.root_device)  # as Fabric's one-device strategy does
                 return module
             raise NotImplementedError("strategy='lazytrain' streams one model per Fabric; set up the others with "
                                       "a second Fabric or keep them outside fabric.setup")

@@ -46,6 +46,11 @@ class SolveResult:
                 "seed": self.seed_policy}
 
 
+def solver_info(**extra) -> dict:
+    """What ``SolveResult.solver`` says of the solver, with ``extra``."""
+    return {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs", **extra}
+
+
 def solver_version() -> str:
     import highspy
 
@@ -128,7 +133,7 @@ def solve(wl: Workload, hw: Hardware, options: MilpOptions | None = None, *, sta
         if not isinstance(res, Stopped):
             return res
         seed, origin, _ = seeds(wl, hw, opt, start)
-        info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs", "stopped": list(res.why)}
+        info = solver_info(stopped=list(res.why))
         return fallback(wl, hw, opt, seed, origin, f"{res.why[0]}, and again with presolve off", solve_s=res.seconds,
                         info=info)
     return solve_here(wl, hw, opt, start)
@@ -232,8 +237,7 @@ def solve_here(wl: Workload, hw: Hardware, opt: MilpOptions, start: Schedule | N
             res, again = run(False)
             solve_s += again
             restarted = True
-    info = {"name": "highs", "version": solver_version(), "interface": "pyomo appsi_highs",
-            "warm_start": warm and not restarted, **({} if presolve else {"presolve": "off"})}
+    info = solver_info(warm_start=warm and not restarted, **({} if presolve else {"presolve": "off"}))
     tc = res.termination_condition
     has_incumbent = res.best_feasible_objective is not None
     bound = res.best_objective_bound

@@ -74,7 +74,7 @@ _PRELUDE = "import json, os, sys; sys.path[:] = json.loads(os.environ['LAZYTRAIN
 
 
 class _Worker:
-    """One solver process: ``python -c`` importing this module, talking on pipes (module docstring)."""
+    """One solver process: ``python -c`` running ``WORKER_CODE``, talking on pipes (module docstring)."""
 
     def __init__(self) -> None:
         env = dict(os.environ)
@@ -160,8 +160,7 @@ def _current() -> _Worker:
 
 
 def _stop_current() -> int | None:
-    code = _worker.pop().stop() if _worker else None
-    return code
+    return _worker.pop().stop() if _worker else None
 
 
 def _after_fork_in_child() -> None:
