@@ -12,7 +12,8 @@ Defects (xfail, strict, unless marked FIXED):
   the block's own (engine/streamed_forward.py, Note: [a copy of a streamed block]).
 - test_grad_tensors_kept_from_an_earlier_step_keep_their_values: ``g = p.grad`` kept by reference across
   ``zero_grad()`` (set_to_none) is zeroed and overwritten by the next backward (the host gradient buffer is
-  reused); under auto it keeps its step's values.
+  reused); under auto it keeps its step's values. FIXED: a group whose ``.grad`` views are still alive when its
+  gradients begin afresh gets a new host gradient (engine/kept_grads.py, Note: [a kept gradient]).
 - test_swa_averaged_model_of_the_set_up_model: ``torch.optim.swa_utils.AveragedModel(model)`` of the
   model ``fabric.setup`` returned raises ``TypeError: cannot pickle '_thread.lock'`` (auto trains). FIXED: a copy
   of the wrapper holds a plain copy of the module and shares the strategy (adapters/fabric.py).
@@ -216,10 +217,6 @@ def loop_grad_history(fabric, model, opt, steps):
     return [g for grads in kept for g in grads]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a .grad tensor kept from an earlier step is overwritten by the next "
-                   "backward: after zero_grad(set_to_none=True) the host gradient buffer is reused, its view zeroed "
-                   "and handed out again (engine/grad_writeback.py:218-223 _ensure_host_grads); under auto the old "
-                   "tensor keeps its values")
 def test_grad_tensors_kept_from_an_earlier_step_keep_their_values():
     check(loop_grad_history, "recompute_all", steps=2)
 

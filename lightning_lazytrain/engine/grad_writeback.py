@@ -160,9 +160,10 @@ class GradWriteBack:
             for info, grad in pending:
                 if id(info) not in adopted:
                     continue  # no gradient of the block's use came: autograd's .grad stands alone
-                view = self._host_view(self._group(self._owner[id(info)]).grad, info)
+                g = self._group(self._owner[id(info)])
+                view = self._host_view(g.grad, info)
                 view.add_(grad)
-                info.param.grad = view
+                self._set_grad(g, info, view)
 
     def _remove_outside_watch(self) -> None:
         for h in getattr(self, "_outside_handles", []):
@@ -185,26 +186,60 @@ class GradWriteBack:
         """Grow group ``g``'s host gradient to its parameters that require grad now and ``also`` (Note: [host
         gradients for what trains]). On the training thread: waits for the group's host work and copies."""
         need = self._grad_capacity(g, also)
-        old = g.grad
-        if need <= old.numel():
+        if need > g.grad.numel():
+            self._replace_host_grad(g, need, keep=True)
+
+    @property
+    def kept_grad_renewals(self) -> int:
+        """Host gradients replaced because a ``.grad`` view of the old one was kept (Note: [a kept gradient])."""
+        return self._handed.renewed
+
+    def renew_kept_host_grads(self, layer: int) -> None:
+        """Note: [a kept gradient] (kept_grads.py): before a step's first gradient of group ``layer`` lands (no
+        master of it has a ``.grad``), a new host gradient if a view of the old one handed out as ``.grad`` is
+        still alive. On the training thread."""
+        g = self._group(layer)
+
+        def begun() -> bool:
+            return any(i.param.grad is not None for i in g.params if self._has_host_grad(g, i))
+
+        if self.sharded(g.gid) or begun() or not self._handed.any_alive(g.gid):
             return
+        if g.accumulating is not None:  # (an accumulation in flight may be handing out views right now)
+            g.accumulating.wait()
+            if begun():
+                return
+        self._replace_host_grad(g, g.grad.numel(), keep=False)
+        self._handed.renewed += 1
+
+    def _replace_host_grad(self, g: ParamGroup, numel: int, *, keep: bool) -> None:
+        """A new host gradient of ``numel`` elements for group ``g``, after the group's host work and copies;
+        ``keep``: its values and the ``.grad`` views in it move along (else the old buffer is left as it is)."""
         if g.accumulating is not None:
             g.accumulating.wait()
         for s in self._slots:
             if s.gid == g.gid and s.sending is not None:
                 s.sending.wait()
-        new = torch.zeros(need, dtype=old.dtype, pin_memory=self._pin)
+        old = g.grad
+        new = torch.zeros(numel, dtype=old.dtype, pin_memory=self._pin)
         lo, hi = old.data_ptr(), old.data_ptr() + old.nbytes
         with torch.no_grad(), self._outside_lock:
-            new[: old.numel()].copy_(old)
-            for info in g.params:
-                cur = info.param.grad
-                if cur is not None and lo <= cur.data_ptr() < hi:
-                    info.param.grad = self._view(new, info)
+            self._handed.forget(g.gid)
+            if keep:
+                new[: old.numel()].copy_(old)
+                for info in g.params:
+                    cur = info.param.grad
+                    if cur is not None and lo <= cur.data_ptr() < hi:
+                        self._set_grad(g, info, self._view(new, info))
             g.grad = new
         if g.gid not in self._grown_grads:  # an arena slice stays reserved; a grown buffer before it is freed
             self._superseded_grad_bytes += old.nbytes
             self._grown_grads.add(g.gid)
+
+    def _set_grad(self, g: ParamGroup, info: ParamEntry, view: torch.Tensor) -> None:
+        """``.grad`` = a view of the group's host gradient, recorded (Note: [a kept gradient])."""
+        info.param.grad = view
+        self._handed.record(g.gid, view)
 
     def _ensure_host_grads(self, g: ParamGroup, touched: frozenset | set = frozenset()) -> None:
         # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
@@ -222,10 +257,10 @@ class GradWriteBack:
                 if cur is None:
                     view.zero_()
                     if id(info) in touched:
-                        info.param.grad = view
+                        self._set_grad(g, info, view)
                 elif cur.data_ptr() != view.data_ptr():
                     view.copy_(cur)
-                    info.param.grad = view
+                    self._set_grad(g, info, view)
 
     def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
                          param_norms: dict[nn.Parameter, torch.Tensor] | None = None,
@@ -263,6 +298,8 @@ class GradWriteBack:
         g = self._group(layer)
         if not self.sharded(layer):  # Note: [host gradients for what trains]: weights thawed since it was sized
             self._fit_host_grads(g, [i for i in g.params if id(i) in s.touched])
+            if not part:
+                self.renew_kept_host_grads(layer)  # Note: [a kept gradient] (kept_grads.py)
         if s.grads is None and not any(w.requires_grad for _, w in s.wrappers):
             # a slot whose weights all ran frozen has no gradient buffer, and gets none for an empty copy: a
             # resident block no gradient reached (Note: [blocks no gradient reaches] in block_calls.py) would
@@ -425,7 +462,7 @@ class GradWriteBack:
                         cur = self._take_outside(info, view) if g.gid != REST else None
                         if cur is not None:
                             view.add_(cur)
-                        info.param.grad = view
+                        self._set_grad(g, info, view)
                     receiving.append(info)
                 else:
                     view.zero_()
@@ -451,11 +488,15 @@ class GradWriteBack:
         g = self._group(layer)
         if wait:
             self.wait_host()
+        self.renew_kept_host_grads(layer)  # none has a gradient here: zeroed below (Note: [a kept gradient])
         with_grad = [i for i in g.params if i.param.grad is not None]
         self._fit_host_grads(g, with_grad)  # one set on a frozen weight too (Note: [host gradients for what trains])
         with torch.no_grad():
             self._ensure_host_grads(g, {id(i) for i in with_grad})
-        return g.grad, [(i.param, self._host_view(g.grad, i)) for i in g.params if self._has_host_grad(g, i)]
+        views = [(i.param, self._host_view(g.grad, i)) for i in g.params if self._has_host_grad(g, i)]
+        for _, view in views:  # the caller may make them .grad (core/grad_sync.py): Note: [a kept gradient]
+            self._handed.record(g.gid, view)
+        return g.grad, views
 
     def wait_host(self) -> None:
         """Wait for the host lane's work on every slot (casts, gradient accumulation)."""

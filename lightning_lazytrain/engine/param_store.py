@@ -71,6 +71,7 @@ from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
+from lightning_lazytrain.engine.kept_grads import HandedGrads
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
 from lightning_lazytrain.engine.param_groups import ALIGN, ParamEntry, ParamGroup, Slot, aligned_span
 from lightning_lazytrain.engine.param_binding import ParamBinding
@@ -142,6 +143,7 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
                                                 name="grads")
         self._superseded_grad_bytes = 0  # arena slices a group's grown host gradient left behind
         self._grown_grads: set[int] = set()  # groups whose host gradient grew (grad_writeback._fit_host_grads)
+        self._handed = HandedGrads()  # the .grad views handed out (Note: [a kept gradient] in kept_grads.py)
         for g in groups:
             self._pack(g, self._masters_arena)
         self._move_buffers()
@@ -306,7 +308,7 @@ class ParamStore(ParamStaging, GradWriteBack, ParamBinding):
                 info.param.data = view  # the module's parameter now lives in the packed buffer
                 if info.param.requires_grad and info.param.grad is not None:
                     self._fill_host(self._host_view(g.grad, info), info.param.grad, info)
-                    info.param.grad = self._host_view(g.grad, info)
+                    self._set_grad(g, info, self._host_view(g.grad, info))
 
     def _move_buffers(self) -> None:
         # Buffers (rotary tables, masks) are small: resident on the device; ``close`` moves them back.

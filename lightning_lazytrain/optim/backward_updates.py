@@ -168,6 +168,7 @@ class BackwardUpdates:
                 if p.grad is not None:
                     e.plan.grads[id(p)] = p.grad
             e.read.update(unread)
+            e.used, e.sealed = [], None  # checked: no gradient is kept past its use (engine/kept_grads.py)
         e.pipe.close(order, reorder=self._most_urgent_first)
         self.backward_updates_left_at_step += e.pipe.waiting_at_close
         return e.pipe

@@ -339,6 +339,12 @@ class HybridAdamW(BackwardUpdates, GradNorms, Optimizer):
                 params, grads, exp_avgs, exp_avg_sqs, steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
                 eps=hp.eps, weight_decay=hp.weight_decay, clip_coef=coef, impl=self.impl,
             )
+        # the layer's gradients are the user's again: a pipelined step's plan lives until the next step, and a
+        # reference kept here would make the store renew the host gradients it sees still in use (Note: [a kept
+        # gradient] in engine/kept_grads.py)
+        for gi in self._layer_groups[layer]:
+            for p in self.param_groups[gi]["params"]:
+                plan.grads.pop(id(p), None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
