@@ -21,7 +21,7 @@ The console shows the header, the strategy's plan table (with its legend), each 
 bar that ends at ``trainer.max_steps`` and the summary, whose predicted step time is the iter [s] of the plan row
 of the last table printed, in its rounding (``step_time_line``: after a re-plan that switched, "the plan made at
 step N"; a re-plan that kept the schedule is named with what its profile re-predicted); Lightning's tips,
-device banners and deprecation warnings are left out (``quiet_lightning``). ``main`` composes the command line against the typed schema before Hydra runs
+device banners and deprecation warnings are left out (``quiet_lightning``). ``main`` composes the command line against the typed schema (``cli/train_config.py``) before Hydra runs
 (``config.check_command_line``: a key the schema does not know, ``+`` or not, a renamed key such as
 ``data.val_every`` -> ``data.holdout_every``, a value of the wrong type), and ``validate_config`` checks the
 strategy name, the accelerator, the run length and the values ``fit`` would only find bad at start-up
@@ -45,18 +45,16 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, TextIO
+from typing import Any, Dict, Iterator, Optional, TextIO
 
 import hydra
 import torch
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import (CONF_DIR, HardwareConfig, ModelConfig, in_config_units, to_container, to_hardware, to_model)
+from ..config import (CONF_DIR, in_config_units, to_container, to_hardware, to_model)
 from ..config_checks import check_command_line
 from ..data import VOCAB_SIZE, StdlibTextDataModule
 from ..planner import InfeasibleBudget, InfeasibleSchedule, ModelSpec, PlannerError
@@ -68,6 +66,7 @@ from .run_dir import RunDir, check_output_dirs
 from .train_callbacks import (APP_LOG, LIGHTNING_NOISE, LossHistory, PlanPredictions, QuietLightning,  # noqa: F401
                               RunRichProgressBar, RunTQDMProgressBar, StepTimer, ValidateAfterLastStep,
                               progress_bar, quiet_lightning, say)
+from .train_config import TrainAppConfig, register_configs  # noqa: F401  (registers the schema)
 from .train_checks import (STRATEGY_NAMES, TrainConfigError, app_names, check_blocks, check_host_memory,
                            check_precision, one_line, validate_config)
 
@@ -75,92 +74,6 @@ EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds
 #: the config groups of this app (``--help`` lists these; conf/train/ belongs to lazytrain-plan)
 TRAIN_GROUPS = ("data", "hardware", "model", "trainer")
 _FAILED_JOBS: list[str] = []  # jobs of the current multirun that failed (the app exits 2 after the sweep)
-
-
-# ---- typed config ------------------------------------------------------------------------------
-@dataclass
-class DataConfig:
-    """``StdlibTextDataModule``'s arguments (``conf/data/stdlib.yaml``)."""
-
-    seq_len: int = 128
-    batch_size: int = 8
-    max_bytes: Optional[int] = 4_000_000
-    holdout_every: int = 20  # every n-th file is held out (validation's interval is trainer.val_check_interval)
-    train_windows: Optional[int] = None
-    val_windows: Optional[int] = 128
-    seed: int = 0
-    num_workers: int = 0
-    root: Optional[str] = None
-
-
-@dataclass
-class TrainerConfig:
-    """``lightning.Trainer`` arguments (``conf/trainer/*.yaml``), plus ``threads``."""
-
-    accelerator: str = "cpu"
-    devices: int = 1
-    precision: str = "32-true"
-    max_steps: int = 300
-    val_check_interval: int = 100  # optimizer steps between validations (a last one runs after the last step)
-    limit_val_batches: Optional[int] = None
-    num_sanity_val_steps: int = -1  # -1: the whole held-out set before training (the "before" val loss)
-    log_every_n_steps: int = 1
-    gradient_clip_val: Optional[float] = 1.0
-    accumulate_grad_batches: int = 1
-    enable_progress_bar: bool = True
-    enable_checkpointing: bool = False
-    enable_model_summary: bool = True
-    threads: Optional[int] = None  # torch intra-op threads for this job (restored after); None: leave as is
-
-
-@dataclass
-class StrategyConfig:
-    name: str = "lazytrain"  # lazytrain | lazytrain_megatrain | auto (plain Lightning, no streaming)
-    hardware: str = "profile"  # profile: the composed hardware group; measure (or a profile name): as given
-    policy: str = "milp"
-    gpu_memory_budget_gb: Optional[float] = None
-    nvme_dir: Optional[str] = None
-    blocks: Optional[str] = None
-    emulate_link_gb_per_s: Optional[float] = None
-    fp32_masters: bool = False  # with trainer.precision=bf16-true: fp32 masters, bf16 copies streamed
-    keep_compute_copy: Optional[bool] = None  # fp32_masters: keep the bf16 copies on the host (None: auto)
-
-
-@dataclass
-class OptimConfig:
-    """``CausalLMModule``'s optimizer arguments."""
-
-    optimizer: str = "adamw"  # adamw | hybrid_adamw
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    lr_schedule: str = "cosine"  # cosine | constant (both after a linear warmup)
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    eight_bit: Any = "plan"  # hybrid_adamw: plan | none | all | fraction
-    max_grad_norm: Optional[float] = None  # hybrid_adamw: clip inside the optimizer
-    updates_in_backward: bool = False  # hybrid_adamw: update each block during the backward (no clip, no skip)
-
-
-@dataclass
-class TrainAppConfig:
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    seed: int = 0
-    smooth_steps: int = 20  # window of the "first" / "last" train-loss means and of the plotted moving average
-
-
-def register_configs() -> None:
-    """Register the app schema (idempotent); ``conf/train_app.yaml`` lists ``train_app_schema`` first."""
-    ConfigStore.instance().store(name="train_app_schema", node=TrainAppConfig)
-
-
-register_configs()
 
 
 # ---- pieces ---------------------------------------------------------------------------------------

@@ -32,8 +32,11 @@ The block node's windows run in two mixins of ``Executor``: ``ForwardWindows`` (
 F{j}, H's transfers, ad-hoc forwards) and ``BackwardWindows`` (backward_windows.py: B{t}, the windows
 the backward skips or never reaches, ad-hoc backwards, block recomputes, the backward-side
 transfers); a block's call becomes its pass in a third, ``BlockCalls`` (block_calls.py: ``_block_call``,
-Note: [blocks no gradient reaches], evaluation's streaming). This module holds the setup, the
-micro-batch protocol, the grads' completion, device memory and boundaries.
+Note: [blocks no gradient reaches], evaluation's streaming). The micro-batch protocol (``arm``,
+``begin_microbatch``, ``end_microbatch``, ``abort_microbatch``, ``inference``) is the mixin
+``MicroBatchProtocol`` (microbatch_protocol.py); the device memory and boundaries are ``StepMemory``
+(step_memory.py). This module holds the setup (schedule, placement, the blocks' installed forwards,
+``close``) and the grads' completion.
 """
 
 from __future__ import annotations
@@ -49,35 +52,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lazytrain.engine.armed_hook import ArmedHook
 from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.backward_windows import BackwardWindows
 from lightning_lazytrain.engine.block_calls import BlockCalls
-from lightning_lazytrain.engine.block_fn import BlockContext, SharedInputs, TrainableReads
-from lightning_lazytrain.engine.block_io import ForwardState
+from lightning_lazytrain.engine.block_fn import TrainableReads
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.early_parts import EarlyParts, EarlyPartsWatch
 from lightning_lazytrain.engine.forward_windows import ForwardWindows
-from lightning_lazytrain.engine.internals import OffloadedInternals
-from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
-from lightning_lazytrain.engine.partial_keep import PartialForward
+from lightning_lazytrain.engine.microbatch_protocol import MicroBatchProtocol
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
-from lightning_lazytrain.engine.shared_args import SharedWrites
 from lightning_lazytrain.engine.step_memory import StepMemory
 from lightning_lazytrain.engine.step_stats import StepStats
 from lightning_lazytrain.engine.streamed_forward import StreamedForward
-from lightning_lazytrain.engine.trace import DeviceTracker, StepTrace
-from lightning_lazytrain.engine.user_grad_hooks import has_post_accumulate_hooks
+from lightning_lazytrain.engine.trace import DeviceTracker
 from lightning_lazytrain.engine.window_memory import WindowMemory
 from lightning_lazytrain.engine.worker import CopyHandle
 from lightning_lazytrain.planner.schedule import Schedule
 
+__all__ = ["Executor", "StepStats"]
+
 log = logging.getLogger(__name__)
 
 
-class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPartsWatch):
+class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPartsWatch):
     def __init__(self, module: nn.Module, schedule: Schedule, *, blocks: BlockStack | str | None = None,
                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.float32,
                  nvme_dir: str | os.PathLike[str] | None = None, links: Mapping[str, LinkSpec] | None = None,
@@ -330,222 +329,6 @@ class Executor(ForwardWindows, BackwardWindows, BlockCalls, StepMemory, EarlyPar
 
     def slot_of(self, j: int) -> int:
         return self.resident_slot.get(j, j % 2)
-
-    # ---- micro-batch protocol ----------------------------------------------------------------
-    @property
-    def in_microbatch(self) -> bool:
-        return self._micro is not None
-
-    @property
-    def evaluating_mid_step(self) -> bool:
-        """An evaluation between an accumulated step's micro-batches is running (``inference``)."""
-        return self._between_microbatches
-
-    def arm(self, *, first: bool = True, last: bool = True) -> None:
-        """Begin the next micro-batch when the model is next called (a non-block module or a block).
-
-        Manual optimization: between a backward and the next forward the user may step optimizers
-        and read parameters, which must then be the host masters with their host grads; staging
-        waits for the call that needs the weights."""
-        if self._micro is not None:
-            raise RuntimeError("arm() inside a micro-batch")
-        assert self.params is not None
-        self.disarm()
-        self._armed = (first, last)
-        hook = ArmedHook(self._armed_call)
-        self._arm_handles = [m.register_forward_pre_hook(hook) for m in self.params.site_modules(REST)]
-
-    def disarm(self) -> None:
-        for h in self._arm_handles:
-            h.remove()
-        self._arm_handles, self._armed = [], None
-
-    def _armed_call(self, module: Any = None, args: Any = None) -> None:
-        first, last = self._armed  # type: ignore[misc]
-        self.begin_microbatch(first=first, last=last)
-
-    @property
-    def armed(self) -> bool:
-        """A micro-batch is armed (``arm``) and has not begun: the model was not called since."""
-        return self._armed is not None
-
-    def begin_armed(self) -> None:
-        """Begin the armed micro-batch now (a step's last micro-batch whose training_step never called the
-        model: it ends as one no gradient reached)."""
-        self._armed_call()
-
-    def abort_microbatch(self) -> None:
-        """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
-        if self._micro is None:
-            return
-        self._stop_memory()
-        assert self.acts is not None
-        self._watch_early_parts(False)
-        self._finish_grads()
-        self._exit.close()
-        self._evict_lazy_slots()
-        self._internals = {}
-        self._partial = {}
-        self.acts.end_step()
-        self.engine.synchronize()
-        self._micro = None
-        self.tracker = DeviceTracker()
-        self._static_bytes()
-
-    @contextlib.contextmanager
-    def inference(self):
-        """Evaluation outside training: the non-block weights are staged and bound (no grads);
-        blocks stream through the slots (``torch.no_grad``/``inference_mode`` forwards). Between the
-        micro-batches of an accumulated step (validation after a micro-batch that is not the step's
-        last) the non-block weights stay bound as the step bound them -- the masters they were staged
-        from do not change within a step -- and their device gradients keep what the step accumulated."""
-        assert self.params is not None
-        if self._micro is not None:
-            raise RuntimeError("inference() inside a training micro-batch")
-        self.params.invalidate_copies()  # the masters may have changed since the last micro-batch
-        if self.params.is_bound(REST):
-            # the blocks stream through the re-run slot (_stream_only): slot 0 still holds layer 0's
-            # gradients, which the next micro-batch's F0 sends
-            self._between_microbatches = True
-            self.stats.evaluated_mid_step = True
-            try:
-                with self.engine.paused_stats():  # not the step's copies
-                    yield
-            finally:
-                self._between_microbatches = False
-            return
-        self.params.stage(REST).wait()
-        with self.params.bind(REST, grads=False):
-            yield
-
-    def begin_microbatch(self, *, first: bool = True, last: bool = True) -> None:
-        assert self.params is not None
-        if self._micro is not None:
-            raise RuntimeError("begin_microbatch() twice without end_microbatch()")
-        self.disarm()
-        self.params.invalidate_copies()  # Note: [kept compute copy]: valid for one micro-batch
-        self._micro = (first, last)
-        self._windows = {w.name: w for w in self.schedule.windows(first_microbatch=first, last_microbatch=last)}
-        self._saved: dict[int, torch.Tensor] = {}
-        self._recomputed: dict[int, torch.Tensor] = {}
-        self._calls: dict[int, tuple] = {}
-        self._forwarded: set[int] = set()  # blocks the planned pass has run (a second pass is ad hoc)
-        self._shared_writes = SharedWrites(active=not self._shared_checked)  # Note: [containers the blocks share]
-        self._unreachable: set[int] = set()  # ... of which no gradient can reach (Note: [blocks no gradient reaches])
-        self._serial += 1
-        self._b_next = len(self.stack) - 1  # the next backward window (Note: [unreached blocks])
-        self._backprops: dict[int, int] = {}  # block -> backwards run in this micro-batch (planned, ad hoc)
-        self._ctxs: dict[int, BlockContext] = {}  # block -> its planned pass's node, until its backward window
-        self.params.post_hooks.reset()
-        self._watch_early_parts(last)
-        self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
-        self._shared = SharedInputs()  # Note: [one gradient per shared input] (block_fn.py)
-        if first:
-            self._adhoc_used = False
-            self._post_hooks = has_post_accumulate_hooks(self.module.parameters())
-        self._pending_offload: dict[int, torch.Tensor] = {}
-        self._internals: dict[int, OffloadedInternals] = {}  # Note: [offloaded internals] in engine/internals.py
-        self._partial: dict[int, PartialForward] = {}  # Note: [partial keep] in engine/partial_keep.py
-        self._pending_grads: list[PendingGrads] = []
-        self._retiring: list[int] = []  # resident layers whose gradient D2H was issued
-        self._call_storages: dict[int, int] = {}  # see StepStats.call_bytes
-        self._states: dict[int, ForwardState] = {}
-        if first:
-            self.engine.synchronize()
-            self.engine.reset_stats()
-            self.stats = StepStats()
-            self.tracker.reset_peak()
-            sync = torch.cuda.synchronize if self.device.type == "cuda" and self.profiling else None
-            self.trace = StepTrace(stamp=self.engine.stamp, resolve=self.engine.stamp_seconds, sync=sync,
-                                   overhead=self._tracker_seconds if self.tracker_time_out else None)
-            if self.device.type == "cuda":  # a new peak per step, the run's kept (Note: [peaks across resets])
-                reset_cuda_peak(self.device)
-            self._start_memory()
-            self._window("T")
-            # T's last ops: the updated non-block weights (part by part, each as soon as its update is
-            # done: Note: [non-block parts]) and layer 0's; the rest stays bound for the step
-            parts = len(self.params.rest_parts)
-            for p in range(parts):
-                if self.wait_updated is not None:
-                    self._wait_for_update(-1 - p)  # REST, or its part p
-                # first: the embedding needs it first; bind makes compute wait for it
-                self.params.stage(REST, part=p if parts > 1 else None)
-            if self.wait_updated is not None:
-                self._wait_for_update(0)
-            self._stage(0)
-            if self.wait_updated is not None and self.schedule.optimizer == "pipelined":
-                for j in self.schedule.serial_layers:  # the per-layer mode: T ends when their updates do
-                    self._wait_for_update(j)
-            self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
-        self._memory_window("F0")
-
-    def end_microbatch(self) -> StepStats | None:
-        """Finish the micro-batch; on the last one, run T's transfers and return the step's stats."""
-        assert self.params is not None and self.acts is not None
-        if self._micro is None:
-            raise RuntimeError("end_microbatch() without begin_microbatch()")
-        first, last = self._micro
-        self._shared_checked = self._shared_checked or bool(self._shared_writes.written)  # none was read: done
-        if self._forwarded:  # Note: [unreached blocks]: windows the backward did not reach
-            for t in range(self._b_next, -1, -1):
-                self._pass_backward_window(t, rerun=False)
-        # the step's blocks no gradient reached in any of its micro-batches (the profile's no_backward)
-        self.stats.no_backward = set(self._unreachable) if first else self.stats.no_backward & self._unreachable
-        self._finish_grads()
-        self._retire_residents()
-        if not last:
-            self._flush_adhoc_grads()
-            self.params.wait_host()  # the host grads hold this micro-batch's gradients when it ends
-            self.params.reconcile_outside_grads()  # Note: [a master used outside its block]
-            self.params.post_hooks.fire()  # Note: [gradient hooks on streamed parameters]
-            self._micro = None
-            return None
-        self._window("T")
-        self._finish_grads([self.params.send_grads(0, self.slot_of(0))])
-        self._retire_residents(0)  # layer 0's slot lives on between the micro-batches of a step
-        self._flush_adhoc_grads()
-        self.params.run_shared_tensor_hooks()  # Note: [gradient hooks on streamed parameters]
-        early = self._early.sent if self._early is not None else set()  # Note: [early non-block parts]
-        if self.take_norms:
-            self.stats.grad_norms[REST] = {}
-            self.stats.layer_sq_norms[REST] = self.params.write_back_grads(REST, param_norms=self.stats.grad_norms[REST],
-                                                                           skip=early)
-        else:  # Note: [norms only when wanted]
-            self.params.write_back_grads(REST, norm=False, final=True, skip=early)
-        if self._early is not None and self._early.late:
-            self.stats.late_groups.add(REST)
-        self._watch_early_parts(False)
-        self._exit.close()
-        self.acts.end_step()
-        self.engine.synchronize()
-        self.params.reconcile_outside_grads()  # Note: [a master used outside its block]
-        self._micro = None
-        self.stats.lane_bytes = self.engine.bytes_moved
-        self.stats.peak_tracked_bytes = self.tracker.peak
-        if self._mem is not None:  # Note: [untracked device bytes] in window_memory.py
-            self._mem.finish(self.tracker, self.stats)
-        self._stop_memory()
-        if self.device.type == "cuda":
-            self.stats.max_memory_allocated = max(self.stats.real_peak_bytes,
-                                                  torch.cuda.max_memory_allocated(self.device))
-            self.stats.max_memory_reserved = int(torch.cuda.max_memory_reserved(self.device))
-        self.stats.segments = self.trace.segments(self.engine.records())
-        # the user's post-accumulate-grad hooks see the step's host grads (Note: [gradient hooks on
-        # streamed parameters]); what they do to them comes after the norms were taken
-        hooks_ran = self.params.post_hooks.fire() > 0
-        if self._adhoc_used or hooks_ran:  # (so did ad-hoc backwards' additions)
-            self.stats.layer_sq_norms, self.stats.grad_norms = {}, {}
-        if hooks_ran:  # any group's gradients may have changed
-            self.stats.late_groups.update([REST, *range(len(self.stack))])
-        return self.stats
-
-    @property
-    def late_grads(self) -> bool:
-        """In this step, a group's gradients may change after its final accumulation: an ad-hoc
-        pass added to them, or the user's post-accumulate-grad hooks run when the micro-batch ends.
-        Several processes then average the gradients after the micro-batch, not group by group as
-        they complete (core/grad_sync.py, Note: [overlapped all-reduce])."""
-        return self._adhoc_used or self._post_hooks
 
     # ---- transfers ---------------------------------------------------------------------------
     def _evict_lazy_slots(self) -> None:
