@@ -1,4 +1,4 @@
-"""A block's master used outside its block (Note: [a master used outside its block], engine/grad_writeback.py):
+"""A block's master used outside its block (Note: [a master used outside its block], engine/outside_uses.py):
 the hook that records autograd's gradient of that use reads ``.grad`` under the lock the host lane adopts
 gradients under. Were the host lane to adopt between the hook's read and its record (adding the gradient into
 the host view and setting ``.grad`` to the view), the record would name a gradient already counted, and

@@ -13,7 +13,9 @@ from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
 
-__all__ = ["ALIGN", "ParamEntry", "ParamGroup", "Slot", "aligned_end"]
+__all__ = ["ALIGN", "REST", "ParamEntry", "ParamGroup", "Slot", "aligned_end"]
+
+REST: Final[int] = -1  # group id of the non-block parameters (param_store.py)
 
 # Every parameter starts at a multiple of ALIGN elements of its group's packed buffer, and every group
 # ends at one (param_store.py explains why).
