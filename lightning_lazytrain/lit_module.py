@@ -249,7 +249,7 @@ class CausalLMModule(LightningModule):
         """Parameter name -> block index (for params inside the block stack); outside it, ``"embed"``
         for the embeddings' and ``"head"`` for the rest (final norm, LM head): two layers, so the
         strategy moves, updates and stages them as two parts that overlap in the step's tail (Note:
-        [non-block parts] in planner/schedule.py)."""
+        [non-block parts] in planner/schedule_windows.py)."""
         from .engine.blocks import BlockDiscoveryError, find_blocks
 
         embeddings = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}

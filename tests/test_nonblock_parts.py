@@ -1,4 +1,4 @@
-"""The non-block group in parts (Note: [non-block parts] in planner/schedule.py): T moves,
+"""The non-block group in parts (Note: [non-block parts] in planner/schedule_windows.py): T moves,
 accumulates, updates and stages the embedding and the final norm + LM head as two parts, so part 0's
 accumulation overlaps part 1's D2H and part 0's cast and fetch overlap part 1's update. Exact
 (bit-equal to one part and to plain autograd), the bytes the simulator counts, and a shorter T."""

@@ -14,7 +14,7 @@ solved one), its iteration time must equal the simulator's (``ScheduleModel.seed
 at their tight lower bounds).
 
 The defects found are the tests at the end, each with its instance built inline; all four are fixed:
-- milp.py (B{u} rows): with the updates in the backward the update of layer u+1 waits for its accumulate,
+- milp_times.py (B{u} rows): with the updates in the backward the update of layer u+1 waits for its accumulate,
   which queues (host FIFO) behind the window's casts; with a zero accumulate (``from_measured``'s default)
   the row ``cast_end + acc + update`` was left out and the MILP undercounted B{u} (now added for the last
   micro-batch's window whenever an update runs there).

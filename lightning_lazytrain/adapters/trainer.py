@@ -101,7 +101,7 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
         nonblock_parts: one process with a ``HybridAdamW`` whose layers split the non-block weights
             (``CausalLMModule``: ``embed``, ``head``): the step's tail moves, updates and stages them
             part by part, each part's transfers under the next part's host work (Note: [non-block
-            parts] in planner/schedule.py; bit-identical). False: one part (the ablation).
+            parts] in planner/schedule_windows.py; bit-identical). False: one part (the ablation).
         replan: re-profile and re-plan when the measured step time drifts from the prediction
             (``True``, ``False`` or a dict of ``replan.ReplanOptions``: threshold, patience,
             min_gain, max_replans, backoff, profile_check); only for ``policy="milp"``. Its

@@ -2,7 +2,7 @@
 
 Note: [early non-block parts]
     The non-block weights are staged for the whole step and their gradients are written back in T,
-    after the backward (Note: [non-block parts] in planner/schedule.py). With the updates in the backward
+    after the backward (Note: [non-block parts] in planner/schedule_windows.py). With the updates in the backward
     (Note: [updates in the backward pass] in core/optimizer_steps.py), a part whose gradients are complete
     while blocks' backwards are still to come -- an untied head with the final norm: autograd
     accumulates them before the last block's backward begins -- is written back at once (its D2H and
@@ -21,7 +21,7 @@ Note: [early non-block parts]
     after its part went) marks the non-block group late, and the training core raises
     (``PipelinedSteps.check_late``: an update cannot be taken back). The plan prices them where they run
     (``Workload.early_parts``, from ``PipelinedSteps.planned_early_parts``: the last micro-batch's first B
-    window, planner/schedule.py).
+    window, planner/schedule_windows.py).
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
         return self.params.keep_copies(on)
 
     def set_rest_parts(self, parts: list[list[nn.Parameter]]) -> bool:
-        """Run T's non-block work in these parts (Note: [non-block parts] in planner/schedule.py;
+        """Run T's non-block work in these parts (Note: [non-block parts] in planner/schedule_windows.py;
         ``ParamStore.set_rest_parts``); kept across ``set_schedule``. False: one part (the parts
         are not runs of the packed non-block buffer)."""
         if self._micro is not None:

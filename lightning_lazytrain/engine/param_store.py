@@ -340,7 +340,7 @@ class ParamStore(ParamSlots, ParamStaging, GradWriteBack, ParamBinding):
         """The module's own (master) parameters of group ``layer`` (REST: the non-block ones)."""
         return [p.param for p in self._group(layer).params]
 
-    # ---- the non-block group in parts (Note: [non-block parts] in planner/schedule.py) -----
+    # ---- the non-block group in parts (Note: [non-block parts] in planner/schedule_windows.py) -----
     def set_rest_parts(self, parts: Iterable[Iterable[nn.Parameter]]) -> bool:
         """Move, accumulate and stage the non-block group in ``parts`` (in that order), e.g. the
         embedding, then the final norm and LM head. Every non-block parameter must be in exactly one

@@ -190,7 +190,7 @@ class Workload:
     nonblock_allreduce_bytes: float = 0.0
     # the non-block group in parts (elements per part, in the order T moves and updates them; empty:
     # one part). One rank only (``data_parallel == "none"``): T pipelines the parts (Note: [non-block
-    # parts] in schedule.py); the costs of part ``p`` (op index ``-1 - p``) are its share of the
+    # parts] in schedule_windows.py); the costs of part ``p`` (op index ``-1 - p``) are its share of the
     # ``nonblock_*`` figures.
     nonblock_parts: tuple[int, ...] = ()
     # the host keeps each group's compute copy for a micro-batch (engine/param_store.py, Note: [kept
@@ -210,12 +210,12 @@ class Workload:
     device_overhead_bytes: float = 0.0
     # the run's optimizer updates each block during the backward, as soon as its gradient is complete (a
     # ``HybridAdamW(updates_in_backward=True)`` the fit lets do so; Note: [updates in the backward pass]
-    # in core/optimizer_steps.py): a pipelined schedule's updates run in the B windows (schedule.py)
+    # in core/optimizer_steps.py): a pipelined schedule's updates run in the B windows (schedule_windows.py)
     updates_in_backward: bool = False
     # with the updates in the backward: the parts of the non-block group (indices into
     # ``nonblock_parts``, never 0) whose gradients are complete before the blocks' backward (an untied
     # head with the final norm) -- written back, accumulated and updated in the last micro-batch's first
-    # B window instead of in T (schedule.py; Note: [early non-block parts] in engine/early_parts.py)
+    # B window instead of in T (schedule_windows.py; Note: [early non-block parts] in engine/early_parts.py)
     early_parts: tuple[int, ...] = ()
     # the host lane takes every gradient's norm at a step's last copy (engine/executor.py, Note: [norms
     # only when wanted]): False for a run that uses none (no clip, no non-finite skip, one process)
