@@ -348,7 +348,7 @@ def test_alternating_long_batches_hold_the_budget_from_the_first():
     watch has nothing to re-plan for. The defect as found: Dynamic padding alternates short (2, 4) and long (2, 64) batches;
     the plan comes from a short one (37.7 kB predicted, budget 140 kB). After each long step (191 kB) the
     memory watch fires ("memory: the allocator reserved 0.000191 GB ... against a budget of 0.00014 GB"),
-    but the re-profile is the *next* step (core/training_core.py:294 ``begin_microbatch``: ``replan_reason``
+    but the re-profile is the *next* step (core/microbatches.py ``begin_microbatch``: ``replan_reason``
     makes the next micro-batch the profile), a short one; its plan fits and the current schedule is kept
     (gain 0 < min_gain, core/planning.py:205 ``solve``: "keeping the current schedule", logged at debug level
     only); after ``MemoryWatch.max_replans`` = 3 (core/allocator.py:81, :118) the watch stops, and every later long
@@ -378,7 +378,7 @@ def test_a_profiled_step_with_accumulation_is_planned_for_its_largest_micro_batc
     micro-batch by overwriting (engine/executor.py:641 ``stats.boundary_bytes[j] = ...`` and :714 for
     boundary L; internal_bytes at :712/:861), so the workload (engine/profiler.py:79) holds the *last*
     micro-batch's, not the largest; the token count is the first micro-batch's only
-    (core/training_core.py:291)."""
+    (core/microbatches.py ``begin_microbatch``)."""
     pair = [SHORT, LONG] if order == "short_then_long" else [LONG, SHORT]
     shapes = pair * 4
     want = fit("auto", Net(), batches_of(shapes), steps=4, accum=2)

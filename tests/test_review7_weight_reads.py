@@ -15,7 +15,7 @@ of block 0 then reads read mid-update (now each block is released as the forward
 the weights taken earlier, optimizer states read in training_step, and metadata reached through ``p.data``
 waiting (the overlap lost, values exact). Also fixed: weights edited and gradients read in training_step before
 the forward (the micro-batch now begins at the model's call: Note: [the micro-batch begins at the model's call]
-in core/training_core.py), and ``p.grad`` checks waiting.
+in core/microbatches.py), and ``p.grad`` checks waiting.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class _CoreRouting:
 def _closed_after(core: Any, closure: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         result = closure(*args, **kwargs)
-        core.end_skipped_microbatch()  # Note: [a step's last micro-batch skipped] (core/training_core.py)
+        core.end_skipped_microbatch()  # Note: [a step's last micro-batch skipped] (core/microbatches.py)
         return result
 
     return run
