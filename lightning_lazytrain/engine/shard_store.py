@@ -368,7 +368,7 @@ class ShardedParamStore(ParamStore):
                           optimizers: list[Any]) -> dict[str, tuple]:
         """The entries of a Lightning checkpoint dict (``state_dict`` and ``optimizer_states`` as this
         store leaves them: shard-shaped) that hold this rank's rows of a whole tensor, or a state that
-        is this rank's own, keyed as ``sharded_checkpoint.split_tensors`` keys them: its ``layout``."""
+        is this rank's own, keyed as ``sharded_tensors.split_tensors`` keys them: its ``layout``."""
         layout: dict[str, tuple] = {f"state_dict/{name}": ("rows", tuple(info.shape), self.world, self.rank)
                                     for name, _, info in self._module_entries(checkpoint["state_dict"], module)}
         for i, (optimizer, state) in enumerate(zip(optimizers, checkpoint.get("optimizer_states", []))):
