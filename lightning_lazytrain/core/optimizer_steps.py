@@ -377,7 +377,7 @@ def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: 
     gradients arrived, so its clip needs no pass over the gradients and equals ``clip_grad_norm_``
     bit for bit (Note: [exact clip] in optim/clip.py). The step runs after this. A norm whose
     gradient changed since (a hook or callback edited it) is taken again at the step (Note: [stale
-    norms] in optim/hybrid_adamw.py); untrusted norms (user code that could edit gradients unseen,
+    norms] in optim/grad_norms.py); untrusted norms (user code that could edit gradients unseen,
     loss-scaled gradients, an ad-hoc backward without norms) are all taken again. ``recompute``
     (sharded gradients): the norms over every rank's shards, at the step."""
     norms: dict[torch.nn.Parameter, torch.Tensor] | None = None

@@ -349,7 +349,7 @@ def dequantized_moments(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
 def measure_adamw_8bit_params_per_s(numel: int = 1 << 22, repeats: int = 2) -> float | None:
     """Parameters per second of the 8-bit AdamW update on the host (bitsandbytes' CPU kernel, as
     HybridAdamW runs it), best of ``repeats`` after a warm-up; None without bitsandbytes. The plan
-    prices an 8-bit slice with it (Note: [planned 8-bit slice] in hybrid_adamw.py)."""
+    prices an 8-bit slice with it (Note: [planned 8-bit slice] in state_bits.py)."""
     import time
 
     if not bnb_available():

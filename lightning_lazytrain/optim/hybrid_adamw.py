@@ -15,8 +15,8 @@
 
 Layers: each param group has a ``"layer"`` key (default: the group's index). The serial step
 updates layer by layer in group order; the pipelined step in the order the caller gives. All
-state initialisation happens in the constructor, so :meth:`state_bytes` reports the real figure
-before the first step and the worker never allocates states.
+state initialisation happens in the constructor (state_bits.py), so :meth:`state_bytes` reports
+the real figure before the first step and the worker never allocates states.
 """
 
 from __future__ import annotations
@@ -32,15 +32,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from .adamw32 import Impl32, adamw32_update, init_32bit_state
-from .assign import (
-    DEFAULT_MIN_8BIT_NUMEL,
-    EightBitPolicy,
-    StateBytes,
-    assign_state_bits,
-    log_assignment,
-)
-from .bnb8bit import adamw_8bit_update, init_8bit_state, make_qmaps, validate_block_size
+from .adamw32 import Impl32, adamw32_update
+from .assign import DEFAULT_MIN_8BIT_NUMEL, EightBitPolicy
+from .bnb8bit import adamw_8bit_update, validate_block_size
 from .checkpoint import load_param_state, saved_bits
 from .clip import (
     ClipDecision,
@@ -51,6 +45,7 @@ from .clip import (
 from .backward_updates import BackwardUpdates
 from .grad_norms import GradNorms
 from .pipeline import LayerPipeline
+from .state_bits import StateBits
 from .torch_contract import (
     has_step_hooks,
     names_differ,
@@ -85,7 +80,7 @@ class _StepPlan:
     grads: dict[int, torch.Tensor]
 
 
-class HybridAdamW(BackwardUpdates, GradNorms, Optimizer):
+class HybridAdamW(StateBits, BackwardUpdates, GradNorms, Optimizer):
     """AdamW (decoupled weight decay, torch semantics) with hybrid 8/32-bit states.
 
     Args:
@@ -170,31 +165,7 @@ class HybridAdamW(BackwardUpdates, GradNorms, Optimizer):
         self._ready = True
         self._assign_and_init([p for g in self.param_groups for p in g["params"]])
 
-    @property
-    def bits_pending(self) -> bool:
-        """``eight_bit="plan"`` and no state allocated yet (:meth:`set_state_bits` decides)."""
-        return self.eight_bit == "plan"
-
-    def set_state_bits(self, policy: EightBitPolicy) -> StateBytes:
-        """Note: [planned 8-bit slice] Choose the states of an ``eight_bit="plan"`` optimizer (any
-        policy ``eight_bit`` takes, e.g. the fraction the plan found) and allocate them; before the
-        first step only. Returns the state bytes."""
-        if not self.bits_pending:
-            raise RuntimeError(f"set_state_bits() is for HybridAdamW(eight_bit='plan'); this one has "
-                               f"eight_bit={self.eight_bit!r} and its states already")
-        if policy == "plan":
-            raise ValueError("set_state_bits() needs a policy: 'none', 'all', a fraction or a predicate")
-        self.eight_bit = policy
-        self._assign_and_init([p for g in self.param_groups for p in g["params"]])
-        return self.state_bytes()
-
-    def _resolve_pending(self) -> None:
-        if self.bits_pending:  # no plan chose (not under strategy="lazytrain"): plain AdamW states
-            logger.info("HybridAdamW(eight_bit='plan'): no plan chose an 8-bit slice before the first step; "
-                        "32-bit states for every parameter")
-            self.set_state_bits("none")
-
-    # ----------------------------------------------------------------- groups, assignment, state
+    # ------------------------------------------- groups (their states' bits and bytes: state_bits.py)
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         refuse_unsupported(param_group, f"param group {len(self.param_groups)}")  # torch_contract.py
         if self._ready:  # a step in flight reads the groups as they were when it began
@@ -214,63 +185,10 @@ class HybridAdamW(BackwardUpdates, GradNorms, Optimizer):
         if self._ready:  # groups added after construction get assigned on their own
             self._assign_and_init(group["params"])
 
-    def _assign_and_init(self, params: Sequence[torch.Tensor]) -> None:
-        if self.bits_pending:  # Note: [planned 8-bit slice]: set_state_bits allocates them
-            return
-        named = [(self._names[p], p) for p in params]
-        bits = assign_state_bits(named, self.eight_bit, min_8bit_numel=self.min_8bit_numel)
-        for name, p in named:
-            self._bits[p] = bits[name]
-            self.state[p] = self._fresh_state(p)
-        log_assignment(bits, self.state_bytes(), policy=self.eight_bit)
-
-    def _fresh_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self._bits[p] == 8:
-            if p.device not in self._qmaps:
-                self._qmaps[p.device] = make_qmaps(p.device)
-            return init_8bit_state(p, *self._qmaps[p.device])
-        return init_32bit_state(p)
-
-    def bits_of(self, p: torch.Tensor) -> int | None:
-        """8 or 32: the bits of ``p``'s states (None: not one of this optimizer's, or still pending)."""
-        return self._bits.get(p)
-
-    @property
-    def assignment(self) -> dict[str, int]:
-        """``{parameter name: 8 or 32}`` as decided by :func:`assign_state_bits`."""
-        return {self._names[p]: b for p, b in self._bits.items()}
-
     @property
     def layers(self) -> list[Hashable]:
         """Layer ids in param-group order (the serial step's order)."""
         return list(self._layer_groups)
-
-    def state_bytes(self) -> StateBytes:
-        """Measured bytes of all optimizer-state tensors (shared qmaps counted once)."""
-        out = StateBytes(total=0)
-        seen_qmaps: set[tuple[torch.device, int]] = set()
-        for p, bits in self._bits.items():
-            nbytes = 0
-            for key, value in self.state[p].items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                size = value.numel() * value.element_size()
-                if key.startswith("qmap"):
-                    ident = (value.device, value.untyped_storage().data_ptr())
-                    if ident not in seen_qmaps:
-                        seen_qmaps.add(ident)
-                        out.qmap_bytes += size
-                else:
-                    nbytes += size
-            out.per_param[self._names[p]] = nbytes
-            out.numel += p.numel()
-            if bits == 8:
-                out.eight_bit_bytes += nbytes
-                out.eight_bit_numel += p.numel()
-            else:
-                out.full_bytes += nbytes
-        out.total = out.eight_bit_bytes + out.full_bytes + out.qmap_bytes
-        return out
 
     # ------------------------------------------------------------------------------ stepping
     def _prepare(self) -> _StepPlan:
