@@ -4,7 +4,9 @@
 Defects (xfail, strict, unless marked FIXED):
 - test_loss_on_intermediate_hidden_states_is_bit_equal: a loss term on a block boundary
   (``output_hidden_states=True``; ``hidden_states[2]``) gives gradients that differ from auto in the
-  last bits (every policy, keep_all too): the boundary's gradient is summed in another order.
+  last bits (every policy, keep_all too): the boundary's gradient is summed in another order. FIXED: the
+  block node returns each use's gradient of its input apart where the input is used elsewhere too
+  (engine/boundary_uses.py, Note: [one gradient per boundary use]).
 - test_deepcopy_of_the_set_up_module_is_an_independent_model: ``copy.deepcopy(model.module)`` after
   ``fabric.setup`` (a snapshot, an EMA/teacher copy) keeps the executor's patched block forwards: the copy
   computes with the live model's streamed block weights (silently wrong), and raises
@@ -174,10 +176,6 @@ def loop_hidden_state_loss(fabric, model, opt, steps):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a loss on a block boundary (output_hidden_states) gets gradients that "
-                   "differ from auto in the last bits under every policy (embed_tokens / layer 0-1 grads, ~1e-8): the "
-                   "block node returns its input's gradient already summed (residual + norm) and autograd then adds "
-                   "the outside use; plain autograd adds the outside use first")
 @pytest.mark.parametrize("policy", ["keep_all", "recompute_all"])
 def test_loss_on_intermediate_hidden_states_is_bit_equal(policy):
     check(loop_hidden_state_loss, policy, steps=2)

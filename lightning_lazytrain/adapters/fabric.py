@@ -349,6 +349,7 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
 
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self.core.before_backward(tensor)  # Note: [one gradient per boundary use] (engine/boundary_uses.py)
         super().backward(tensor, module, *args, **kwargs)
         self.core.end_microbatch()
 

@@ -8,11 +8,12 @@
 
 The core streams the blocks, plans and re-plans, syncs gradients and shapes checkpoints; this class
 is Lightning's side of it: devices and processes, setup, a training step's micro-batch, evaluation,
-the checkpoint hooks and the logged figures. The module's parameters stay on the host as the master
-copy, so ``configure_optimizers``, LR schedulers and checkpoints work unchanged; optimizer states
-stay on the host too. With several devices (``devices=N``, ``num_nodes=M``; Lightning's launcher,
-``torchrun`` or SLURM) every process streams the blocks of the same plan and gradients are averaged
-as under DDP (``core/grad_sync.py``, Note: [replicate mode]).
+the checkpoint hooks (a mixin: ``trainer_checkpoints.py``) and the logged figures. The module's
+parameters stay on the host as the master copy, so ``configure_optimizers``, LR schedulers and
+checkpoints work unchanged; optimizer states stay on the host too. With several devices
+(``devices=N``, ``num_nodes=M``; Lightning's launcher, ``torchrun`` or SLURM) every process streams
+the blocks of the same plan and gradients are averaged as under DDP (``core/grad_sync.py``,
+Note: [replicate mode]).
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lazytrain.adapters import lightning_internals, processes
 from lightning_lazytrain.adapters.options import CoreViews, option
-from lightning_lazytrain.adapters.precision import checkpoint_key, is_lazytrain_precision, lazytrain_precision
+from lightning_lazytrain.adapters.precision import is_lazytrain_precision, lazytrain_precision
+from lightning_lazytrain.adapters.trainer_checkpoints import CheckpointHooks, _trainer_of
 from lightning_lazytrain.adapters.trainer_outputs import StepMetrics, artifact_dir
 from lightning_lazytrain.adapters.weight_readers import gradients_read_after_step, weights_read_after_step
 from lightning_lazytrain.core import CoreOptions, FitSettings, TrainingCore
@@ -48,7 +50,7 @@ COMPUTE_DTYPES = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": t
                   "bf16-true": torch.bfloat16, "16-mixed": torch.float32, "16-true": torch.float16}
 
 
-class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
+class LazyTrainStrategy(CoreViews, CheckpointHooks, ParallelStrategy, metaclass=NamedOptions):
     """Train with weights streamed from host memory and a planned activation schedule, on one device
     or data parallel on several (one process per device; see ``core/grad_sync.py``).
 
@@ -379,11 +381,13 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """As Lightning's, but the core finishes the micro-batch right after the backward, so
-        ``on_after_backward`` sees the gradients on the host parameters, as under ``auto``."""
+        ``on_after_backward`` sees the gradients on the host parameters, as under ``auto``; before it, the
+        core marks the blocks whose input the loss also uses (Note: [one gradient per boundary use])."""
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.core.before_backward(closure_loss)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self.core.end_microbatch(step=module.trainer.global_step)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -415,83 +419,6 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
     def on_predict_end(self) -> None:
         self.core.end_inference()
 
-    # ---- checkpoints (core/checkpoint_state.py) ------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._finish_for_checkpoint()  # the host masters may still be being updated
-        # data_parallel="shard": each rank's rows of the sharded parameters, as they are (no gather); the
-        # masters, not the compute copies a bind holds in the modules (Note: [a state dict mid-bind])
-        with self.core.masters_in_modules():
-            return super().lightning_module_state_dict()
-
-    def _finish_for_checkpoint(self) -> None:
-        """Before a checkpoint reads the masters: the pipelined updates finished. A step begun in the
-        backward and still open raises (its blocks updated cannot be taken back) -- but while the run is
-        failing (Lightning's ``on_exception``: OnExceptionCheckpoint) raising would skip Lightning's
-        teardown and hide the user's error, so the step is given up and the checkpoint not written."""
-        trainer = _trainer_of(self.lightning_module)
-        failing = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        if self.core.finish_optimizer_steps(None if failing else "a checkpoint"):
-            self._half_step = True
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Sharded data parallel: restore a checkpoint after setup, into the shards, so a resume reads
-        each process's rows of the model (``load_sharded(model_rows=True)``), not the whole model on
-        every process. Unless a user ``on_fit_start`` (module or callback; it runs between setup and
-        a late restore) could look at the weights: then before setup, whole, as Lightning does.
-        ``fp32_masters`` too: restored before setup, the fp32 masters would go through the precision
-        plugin's bf16 conversion (``setup`` refuses that case, the weights-reading hook, by name)."""
-        if not ((self.is_distributed and self.data_parallel == "shard") or self.fp32_masters):
-            return False
-        module = self.lightning_module
-        trainer = _trainer_of(module)
-        if module is None or trainer is None or is_overridden("on_fit_start", module):
-            return False
-        return not any(is_overridden("on_fit_start", cb, parent=Callback)
-                       and not type(cb).__module__.startswith(("lightning.", "lightning_lazytrain."))
-                       for cb in trainer.callbacks)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        super().load_model_state_dict(self.core.checkpoints.model_state(checkpoint, self.lightning_module),
-                                      strict=strict)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Several processes (``checkpoint_format="sharded"``): every rank writes its share of one
-        directory through DCP, atomically (``core/sharded_checkpoint.py``). Otherwise rank 0 writes the
-        whole checkpoint through ``checkpoint_io`` (one verified file, atomically)."""
-        self._finish_for_checkpoint()
-        if self._half_step:
-            rank_zero_warn(f"lazytrain: the checkpoint {filepath} was not written: the run failed between a backward "
-                           "whose HybridAdamW(updates_in_backward=True) updates began and its optimizer step, so the "
-                           "weights hold that step half done; resume from the last checkpoint written before")
-            return
-        checkpoint_key(self.precision_plugin, checkpoint, saving=True)  # Note: [the plugin's checkpoint key]
-        full = self.core.checkpoints.save(checkpoint, filepath, storage_options, self.lightning_module,
-                                          self.optimizers)
-        if full is not None and self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(full, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded directory (any world size, one process included) or a single file (every rank
-        reads it through ``checkpoint_io``)."""
-        loaded = self.core.checkpoints.load(checkpoint_path, weights_only)
-        loaded = loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint_key(self.precision_plugin, loaded, saving=False)  # Note: [the plugin's checkpoint key]
-        return loaded
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """As Lightning's, but the states stay where the optimizer's parameters are -- on the host --
-        instead of moving to the root device (``load_state_dict`` places them, HybridAdamW keeps
-        8-bit dtypes; optim/checkpoint.py)."""
-        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(self.core.checkpoints.optimizer_state(optimizer, opt_state))
-
     # ---- end -----------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
@@ -508,16 +435,6 @@ class LazyTrainStrategy(CoreViews, ParallelStrategy, metaclass=NamedOptions):
                                    override=True)
         strategy_registry.register("lazytrain_megatrain", cls, description="layer streaming, MegaTrain's policy",
                                    policy="megatrain", override=True)
-
-
-def _trainer_of(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or None."""
-    if module is None:
-        return None
-    try:
-        return module.trainer
-    except RuntimeError:  # "... is not attached to a `Trainer`"
-        return None
 
 
 LazyTrainStrategy.register_strategies(StrategyRegistry)

@@ -107,6 +107,13 @@ class MicroBatches:
     # LightningModule holds parameters of its own (read in training_step without a module call, so no pre-hook
     # would stage them: on a GPU they would be the host masters), it begins when training_step does, as before.
 
+    def before_backward(self, loss: Any) -> None:
+        """The adapters' backward is about to run on ``loss``: a block input also used elsewhere gets each use's
+        gradient added in autograd's order (Note: [one gradient per boundary use] in engine/boundary_uses.py)."""
+        ex = self.executor
+        if ex is not None and ex.in_microbatch and isinstance(loss, torch.Tensor):
+            ex.mark_boundary_uses(loss)
+
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""
         ex = self.executor

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from lightning_lazytrain.engine.block_fn import BlockContext, CountingHooks, Grads, backprop
 from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
+from lightning_lazytrain.engine.boundary_uses import InputUses
 from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT, _most
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks
 from lightning_lazytrain.engine.user_grad_hooks import tensor_hook_names
@@ -108,7 +109,8 @@ class BackwardWindows:
                 partial = self._partial.pop(t, None)
                 if partial is not None:  # Note: [partial keep]: the backprop re-runs the elementwise ops
                     partial.recomputing = True
-                with self.trace.timed(name, "backward", t), _partial_rerun_named(t if partial is not None else None):
+                with self.trace.timed(name, "backward", t), _partial_rerun_named(t if partial is not None else None), \
+                        _input_uses(ctx, xg, roots) as uses:
                     backprop(roots, all_grads)
                 if t in self._internals:
                     self._internals.pop(t).free(self.acts)
@@ -139,11 +141,11 @@ class BackwardWindows:
                 _most(self.stats.internal_bytes, t, hooks.bytes + self._nbytes(x))
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
                 outs, all_grads = self._shared.with_running(ctx, rin, outs, list(grads))
-                with self.trace.timed(name, "backward", t):
+                with self.trace.timed(name, "backward", t), _input_uses(ctx, xg, outs) as uses:
                     backprop(outs, all_grads)
                 del outs, all_grads
                 self.tracker.drop(f"internals{t}")
-        grad_in = xg.grad
+        grad_in = _input_grad(ctx, xg, uses)
         self._free_boundary(t)
         if t in self.resident_slot and (t > 0 or self._micro[1]):
             # Its weights are done (layer 0's serve the next micro-batch's F0); its gradients leave
@@ -251,7 +253,8 @@ class BackwardWindows:
             with state.replay(), torch.enable_grad():
                 _, outs = self._run_block(j, xg, call, rin, first=False)
             ctx.check_outputs(outs)
-            backprop(outs, grads)
+            with _input_uses(ctx, xg, outs) as uses:
+                backprop(outs, grads)
         grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT, direct=False))
         self.params.evict(RECOMPUTE_SLOT)
         if j in self._adhoc_grads:  # in arrival order, as autograd's input buffer sums them
@@ -259,7 +262,7 @@ class BackwardWindows:
             grads_j = (acc.add_(grads_j[0]), touched | grads_j[1])
         self._adhoc_grads[j] = grads_j  # joins layer j's planned grads before the host grad
         self._adhoc_used = True
-        return xg.grad, [t.grad for t in rin]
+        return _input_grad(ctx, xg, uses), [t.grad for t in rin]
 
     # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
     # last user, B{t+1}, is done; only its grad buffer is still being read), so the recompute
@@ -361,3 +364,18 @@ def _partial_rerun_named(t: int | None):
             "state kept on the module). Plan without a partial keep (plan.partial_keep=false / "
             "MilpOptions(partial_keep=False)) or turn the model's cache off (use_cache=False)") from err
 
+
+def _input_uses(ctx: BlockContext, xg: torch.Tensor, roots) -> InputUses | contextlib.nullcontext:
+    """Around a block's backprop: each use's gradient of its input, where the node returns them apart (Note: [one
+    gradient per boundary use] in boundary_uses.py)."""
+    return InputUses(xg, roots) if ctx.split_input else contextlib.nullcontext()
+
+
+def _input_grad(ctx: BlockContext, xg: torch.Tensor, uses: InputUses | None) -> torch.Tensor | None:
+    """The gradient the node returns for its input: the sum (``xg.grad``), or the first use's, the others' in
+    ``ctx.extra_grads`` (Note: [one gradient per boundary use])."""
+    if not isinstance(uses, InputUses):
+        return xg.grad
+    slotted = uses.slotted(1 + ctx.extra_inputs)
+    ctx.extra_grads = slotted[1:]
+    return slotted[0]

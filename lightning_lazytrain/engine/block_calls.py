@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_lazytrain.engine.block_fn import BlockContext, BlockFunction, TrainableReads, run_block
+from lightning_lazytrain.engine.boundary_uses import EXTRA_INPUT_SLOTS
 from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, UnsupportedBlockPattern, rerun_call
 from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT
 
@@ -84,6 +85,9 @@ class BlockCalls:
 
     def _pass(self, j: int, node: BlockContext, call: BlockCall, adhoc: bool, x: torch.Tensor, routed: list) -> Any:
         """Block ``j``'s planned (or ad-hoc) pass through its node, or without it where no gradient reaches it."""
+        node.n_routed = len(routed)
+        node.extra_inputs = EXTRA_INPUT_SLOTS if x.requires_grad else 0  # Note: [one gradient per boundary use]
+        extra = [x] * node.extra_inputs
         if not adhoc and not self._reachable(j, x, routed):  # Note: [blocks no gradient reaches]
             self._unreachable.add(j)
             reads = self._reads = TrainableReads()  # around the block's own forward (forward_window)
@@ -96,9 +100,9 @@ class BlockCalls:
                 self._unreachable.discard(j)
                 self._reads_trainable.add(j)
                 node.precomputed = list(outs)
-                outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
+                outs = BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed, *extra)
             return outs
-        return BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed)
+        return BlockFunction.apply(self, node, call, adhoc, x, self._anchor, *routed, *extra)
 
     # Note: [blocks no gradient reaches] A block whose input requires no grad (nor any tensor routed into it:
     # BlockCall.pack routes those) and none of whose weights does -- a frozen first part of the stack, a

@@ -101,6 +101,18 @@ class BlockContext:
     # outputs of a forward window that already ran, for the node to return instead of running it (Note:
     # [blocks no gradient reaches] in block_calls.py: a block that read a trainable tensor it does not own)
     precomputed: list[torch.Tensor] | None = None
+    # Note: [one gradient per boundary use] (boundary_uses.py): the node takes ``x`` this many more times
+    # after its routed inputs (``n_routed``); ``split_input``: return each use's gradient of ``x`` in a slot
+    # of its own (set before the backward), the extra slots' in ``extra_grads``
+    extra_inputs: int = 0
+    n_routed: int = 0
+    split_input: bool = False
+    extra_grads: list[torch.Tensor | None] | None = None
+
+    def input_slots(self) -> frozenset[int]:
+        """The positions of ``x`` among the node's tensor inputs (x, anchor, routed..., the extra slots)."""
+        first = 2 + self.n_routed
+        return frozenset({0, *range(first, first + self.extra_inputs)})
 
     def check_outputs(self, outs: Sequence[torch.Tensor]) -> None:
         """A re-run must produce the node's outputs again, as many as the forward did."""
@@ -139,14 +151,17 @@ class BlockRunner(Protocol):
 
 
 class BlockFunction(torch.autograd.Function):
-    """``BlockFunction.apply(runner, ctx, call, adhoc, x, anchor, *routed)``: block ``ctx.j`` as one
-    autograd node (Note: [the block node]). Outputs: the hidden state, the routed output tensors and
+    """``BlockFunction.apply(runner, ctx, call, adhoc, x, anchor, *routed, *[x] * ctx.extra_inputs)``: block
+    ``ctx.j`` as one autograd node (Note: [the block node]; the extra ``x``: Note: [one gradient per boundary
+    use] in boundary_uses.py). Outputs: the hidden state, the routed output tensors and
     the tensors forward hooks saw; the backward returns gradients for every input."""
 
     @staticmethod
     def forward(fctx: Any, runner: BlockRunner, ctx: BlockContext, call: BlockCall, adhoc: bool, x: torch.Tensor,
-                anchor: torch.Tensor, *routed: torch.Tensor) -> tuple:
+                anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple:
         fctx.runner, fctx.block = runner, ctx
+        routed = inputs[:ctx.n_routed]  # then ``x`` again, ``ctx.extra_inputs`` times (Note: [one gradient per
+        # boundary use])
         fctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
         if ctx.precomputed is not None:  # the window ran already (Note: [blocks no gradient reaches])
             outs, ctx.precomputed = ctx.precomputed, None
@@ -164,7 +179,8 @@ class BlockFunction(torch.autograd.Function):
         else:
             grad_in, grad_routed = fctx.runner.backward_window(ctx, grads)
         ctx.kept = None
-        return (None, None, None, None, grad_in, None, *grad_routed)
+        extra, ctx.extra_grads = ctx.extra_grads or [None] * ctx.extra_inputs, None
+        return (None, None, None, None, grad_in, None, *grad_routed, *extra)
 
 
 class TrainableReads(torch.overrides.TorchFunctionMode):

@@ -57,6 +57,7 @@ from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.backward_windows import BackwardWindows
 from lightning_lazytrain.engine.block_calls import BlockCalls
 from lightning_lazytrain.engine.block_fn import TrainableReads
+from lightning_lazytrain.engine.boundary_uses import mark_boundary_uses
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.early_parts import EarlyParts, EarlyPartsWatch
@@ -326,6 +327,15 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
                     block.forward = original  # the block had an instance-level forward of its own
                 else:
                     del block.forward  # the class's forward again (a later class-level patch is seen)
+
+    def mark_boundary_uses(self, loss: torch.Tensor) -> int:
+        """Before the backward of ``loss`` in a training micro-batch: mark the block nodes whose input is also used
+        elsewhere, so each use's gradient is added as plain autograd adds it (Note: [one gradient per boundary
+        use] in boundary_uses.py; the strategies call it; an engine user calls it before ``loss.backward()``).
+        Returns how many were marked."""
+        if self._micro is None or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return 0
+        return mark_boundary_uses(loss)
 
     def slot_of(self, j: int) -> int:
         return self.resident_slot.get(j, j % 2)
