@@ -1,7 +1,7 @@
 """Note: [a kept gradient] (engine/kept_grads.py): a ``.grad`` tensor kept by reference from an earlier step keeps
 that step's values, as under ``strategy="auto"`` (``zero_grad()`` drops ``.grad``; the next backward makes a new
-tensor), though the store reuses its host gradient buffers; and an ordinary loop keeps none, so no buffer is
-renewed (a renewal costs an allocation of page-locked memory on CUDA). fp32 on CPU: bit for bit."""
+tensor), though the store reuses its host gradient buffers; and an ordinary loop keeps none, so nothing is moved
+(a move copies the kept values). fp32 on CPU: bit for bit."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from test_updates_in_backward import plan_file
 
 STEPS = 4
 LAYERS = 4  # CausalLMModule "tiny"
-GROUPS = LAYERS + 1  # the blocks and the non-block rest
 
 
 def plan(kind: str):
@@ -48,7 +47,7 @@ class Module(CausalLMModule):
         super().__init__(model_name="tiny", optimizer="hybrid_adamw", lr_schedule="constant", warmup_steps=0)
         self.keep, self.hybrid, self.in_backward, self.zero_to_none = keep, hybrid, in_backward, zero_to_none
         self.kept: list[dict[str, torch.Tensor]] = []
-        self.renewals: int | None = None
+        self.moved: int | None = None
 
     def configure_optimizers(self):
         if self.hybrid:
@@ -66,7 +65,7 @@ class Module(CausalLMModule):
     def on_train_end(self):
         executor = getattr(self.trainer.strategy, "executor", None)
         if executor is not None:
-            self.renewals = executor.params.kept_grad_renewals
+            self.moved = executor.params.kept_grads_moved
 
 
 def fit(strategy, module: Module, **trainer_kw) -> Module:
@@ -95,13 +94,13 @@ def assert_kept_same(got: Module, want: Module) -> None:
 
 @pytest.mark.parametrize("kind", ["keep_all", "recompute_all", "pipelined"])
 def test_gradients_kept_by_reference_keep_their_step_values(kind):
-    """Before: every kept tensor showed the last backward's gradient (the buffer was reused); now each step's
-    host gradients are renewed while the earlier ones are kept: one renewal per group per later step."""
+    """Before: every kept tensor showed the last backward's gradient (the buffer was reused); now each kept
+    tensor is moved out (onto a copy of its values) before the next backward writes its range."""
     hybrid = kind == "pipelined"
     want = fit("auto", module(keep=True, hybrid=hybrid))
     got = fit(LazyTrainStrategy(policy=plan(kind)), module(keep=True, hybrid=hybrid))
     assert_kept_same(got, want)
-    assert got.renewals == (STEPS - 1) * GROUPS
+    assert got.moved == (STEPS - 1) * len(got.kept[0])
 
 
 def test_gradients_kept_over_accumulated_micro_batches():
@@ -112,11 +111,11 @@ def test_gradients_kept_over_accumulated_micro_batches():
 
 def test_gradients_kept_without_set_to_none_change_as_under_auto():
     """``zero_grad(set_to_none=False)`` zeroes ``.grad`` in place, under auto too: every kept tensor is the same
-    one and ends with the last step's gradient. Nothing is renewed."""
+    one and ends with the last step's gradient. Nothing is moved."""
     want = fit("auto", module(keep=True, hybrid=False, zero_to_none=False))
     got = fit(LazyTrainStrategy(policy="recompute_all"), module(keep=True, hybrid=False, zero_to_none=False))
     assert_kept_same(got, want)
-    assert got.renewals == 0
+    assert got.moved == 0
 
 
 @pytest.mark.parametrize("kind,hybrid,clip,accum", [
@@ -126,27 +125,31 @@ def test_gradients_kept_without_set_to_none_change_as_under_auto():
     ("pipelined", True, 0.5, 2),
     ("in_backward", True, None, 1),
 ])
-def test_an_ordinary_loop_renews_no_host_gradient(kind, hybrid, clip, accum):
+def test_an_ordinary_loop_moves_no_gradient(kind, hybrid, clip, accum):
     """Nothing of the engine or the optimizer (a pipelined step's plan, a step begun in the backward, handed
-    norms) keeps a gradient past its step: the host gradient buffers are reused. Found holding them: the
-    pipelined step's plan and the early updates' edit check (released now)."""
+    norms) keeps a gradient past its step: nothing is moved (each move copies the kept values). Found holding
+    them: the pipelined step's plan and the early updates' edit check (released now)."""
     m = fit(LazyTrainStrategy(policy=plan(kind)), module(keep=False, hybrid=hybrid, in_backward=kind == "in_backward"),
             gradient_clip_val=clip, accumulate_grad_batches=accum)
-    assert m.renewals == 0
+    assert m.moved == 0
 
 
-def test_handed_grads_records_weakly():
+def test_handed_grads_moves_what_is_kept():
+    """``release`` gives every other live view of the parameter its own copy (the same tensor object, the same
+    values), keeps the current ``.grad``'s, and forgets the dead."""
+    buf = torch.arange(8.0)
     handed = HandedGrads()
-    assert not handed.any_alive(0)
-    kept = torch.zeros(4)
-    handed.record(0, kept)
-    for _ in range(200):  # views that die at once are forgotten as the list grows
-        handed.record(0, torch.zeros(2))
+    kept, current = buf[:4], buf[4:]
+    handed.record(1, kept)
+    handed.record(1, current)
+    handed.record(1, buf[:2])  # dies at once
     gc.collect()
-    assert handed.any_alive(0) and not handed.any_alive(1)
-    assert len(handed._refs[0]) == 1
-    del kept
-    assert not handed.any_alive(0)
-    handed.record(1, torch.zeros(1))
-    handed.forget(1)
-    assert not handed.any_alive(1)
+    handed.release(1, current)
+    assert handed.moved == 1
+    assert kept.data_ptr() != buf.data_ptr() and torch.equal(kept, torch.arange(4.0))
+    buf.zero_()
+    assert torch.equal(kept, torch.arange(4.0)) and current.abs().sum() == 0  # the current one stays a view
+    handed.release(1, None)
+    assert handed.moved == 2 and current.data_ptr() != buf.data_ptr()
+    handed.release(1, None)
+    assert handed.moved == 2  # forgotten once moved

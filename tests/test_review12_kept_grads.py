@@ -1,26 +1,30 @@
 """Review 12: ``.grad`` tensors kept or read by reference (Note: [a kept gradient] in engine/kept_grads.py), lazytrain
 against ``strategy="auto"``, fp32 on CPU, bit for bit (torch.equal); and what the change costs an ordinary loop
-(``kept_grad_renewals`` must stay 0 where no user keeps a gradient).
+(``kept_grads_moved`` must stay 0 where no user keeps a gradient).
 
 Trainer probes reuse tests/test_kept_grads.py's ``Module``/``fit``; Fabric probes reuse tests/test_review11_fabric.py's
 ``run``/``check``.
 
-Defects (xfail, strict, OPEN): a kept ``p.grad.detach()`` / ``p.grad.view(-1)``; a trainable weight left out of the
-optimizer (its group never "begins afresh"); one parameter's gradient taken out (``p.grad = None``) while the others
-are zeroed in place; a user tensor assigned as ``.grad`` before the backward; a weight thawed mid-run under
-``zero_grad(set_to_none=False)`` (the live ``.grad`` objects are replaced); an L2 penalty over the parameters (the
-outside use's ``.grad`` makes the group look begun). The training itself (final weights) matches auto in each.
+Defects found: 6. Open (xfail, strict): a kept ``p.grad.detach()`` / ``p.grad.view(-1)`` (another tensor over the
+same memory, not recorded). FIXED by moving each kept view out per parameter, before its range is written
+(``HandedGrads.release``: ``set_`` onto a copy), instead of renewing a group's buffer when all of its ``.grad`` were
+None: a trainable weight left out of the optimizer (its group never "began afresh"); one parameter's gradient taken
+out (``p.grad = None``) while the others are zeroed in place; an L2 penalty over the parameters (the outside use's
+``.grad`` made the group look begun); and, by the same ``set_``, a user tensor assigned as ``.grad`` before the
+backward (now the gradient is added into it, as under auto) and a weight thawed mid-run under
+``zero_grad(set_to_none=False)`` (the live ``.grad`` objects follow the grown buffer). The training itself (final
+weights) matched auto in each.
 
 Passing probes (regression): updates in the backward (early non-block parts); clipping (Trainer, kept tensors hold
 the clipped values; ``fabric.clip_gradients`` read and kept); ``.grad`` kept after each accumulated backward;
-``set_to_none`` switching False -> True mid-run; only some grads kept (renewals only for their groups); manual
+``set_to_none`` switching False -> True mid-run; only some grads kept (only they are moved); manual
 optimization; mixed / megatrain / milp / pipelined plans; tied embeddings; ``zero_grad`` first with HybridAdamW
 pipelined; thawing (set_to_none) a partly or wholly frozen block; two forwards per backward (the ad-hoc path);
 ordinary loops (Trainer with LearningRateMonitor, ModelCheckpoint(save_last), a grad-norm logger and validation,
 under keep_all / recompute_all / megatrain / milp / pipelined / in_backward, with accumulation and clipping; Fabric
-with clip_gradients and a scheduler; the optimizer-in-backward recipe of post-accumulate-grad hooks) renew nothing;
+with clip_gradients and a scheduler; the optimizer-in-backward recipe of post-accumulate-grad hooks) move nothing;
 grads kept inside those hooks keep their values. Cost documented: a loop-local ``grads = [p.grad ...]`` list
-that lives until the next iteration rebinds it is a kept gradient (a renewal per group per later step)."""
+that lives until the next iteration rebinds it is a kept gradient (each tensor moved, a copy, per later step)."""
 
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ transformers = pytest.importorskip("transformers")
 # =====================================================================================================================
 def test_kept_grads_with_updates_in_backward():
     """The non-block group's head part goes early (Note: [early non-block parts]) with the updates in the backward:
-    its send is a part > 0, for which ``send_grads`` does not renew."""
+    its send is a part > 0 (each kept view is moved out before its own range is written)."""
     want = fit("auto", module(keep=True, hybrid=True, in_backward=True))
     got = fit(LazyTrainStrategy(policy=plan("in_backward")), module(keep=True, hybrid=True, in_backward=True))
     assert_kept_same(got, want)
@@ -108,14 +112,14 @@ class KeepSome(Module):
         self.kept.append({n: named[n].grad for n in KEEP_SOME if named[n].grad is not None})
 
 
-def test_only_some_grads_kept_renews_only_their_groups():
+def test_only_some_grads_kept_moves_only_them():
     torch.manual_seed(0)
     want = fit("auto", KeepSome(keep=True, hybrid=False))
     torch.manual_seed(0)
     got = fit(LazyTrainStrategy(policy="recompute_all"), KeepSome(keep=True, hybrid=False))
     assert len(got.kept[0]) == 2
     assert_kept_same(got, want)
-    assert got.renewals == (STEPS - 1) * 2  # block 0's group and the non-block group
+    assert got.moved == (STEPS - 1) * 2  # the two kept tensors, once per later step
 
 
 class Manual(Module):
@@ -143,7 +147,7 @@ def test_kept_grads_under_manual_optimization():
     assert_kept_same(got, want)
 
 
-# --- an ordinary loop with common callbacks renews nothing ------------------------------------------------------------
+# --- an ordinary loop with common callbacks moves nothing --------------------------------------------------------------
 class GradNormLogger(Callback):
     """Reads every ``.grad`` (norms, logged) without keeping one."""
 
@@ -166,7 +170,7 @@ class WithVal(Module):
     ("milp", False, 1, None), ("megatrain", False, 2, 0.5), ("milp", False, 2, 0.5),
     ("pipelined", True, 1, 0.5), ("in_backward", True, 2, None),
 ])
-def test_ordinary_loop_with_callbacks_renews_nothing(policy, hybrid, accum, clip, tmp_path):
+def test_ordinary_loop_with_callbacks_moves_nothing(policy, hybrid, accum, clip, tmp_path):
     """LearningRateMonitor, ModelCheckpoint(save_last), a grad-norm logger reading every ``.grad``, validation."""
     torch.manual_seed(0)
     m = WithVal(keep=False, hybrid=hybrid, in_backward=policy == "in_backward")
@@ -179,7 +183,7 @@ def test_ordinary_loop_with_callbacks_renews_nothing(policy, hybrid, accum, clip
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(STEPS * accum)]
     trainer.fit(m, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-    assert m.renewals == 0
+    assert m.moved == 0
 
 
 # =====================================================================================================================
@@ -235,7 +239,6 @@ def loop_kept_all(fabric, model, opt, steps):
     return [g for grads in kept for g in grads]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a trainable weight left out of the optimizer keeps a .grad (it accumulates, as under auto), so its group never counts as begun afresh: the kept grads of block 0's and the non-block group are overwritten (20 of 117 entries, steps 0-1, max abs diff 0.22); renew_kept_host_grads' begun() sees any master's .grad")
 def test_kept_grads_with_a_trainable_weight_outside_the_optimizer():
     check(loop_kept_all, "recompute_all", opt_fn=adamw_without_two)
 
@@ -253,7 +256,6 @@ def loop_move_grad_out(fabric, model, opt, steps):
     return kept
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: kept = q.grad; q.grad = None with the others zeroed in place (set_to_none=False): the taken-out tensor is zeroed and overwritten by the next backward (steps 0-1 of 3 differ, max abs diff 7.1e-4); begun() is True for the group, and _ensure_host_grads zeroes the view the user holds")
 def test_grad_taken_out_of_one_parameter_keeps_its_values():
     check(loop_move_grad_out, "recompute_all")
 
@@ -274,7 +276,6 @@ def loop_own_grad_tensor(fabric, model, opt, steps):
     return mine
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a tensor the user assigns as p.grad before the backward does not receive the gradient (auto accumulates into it in place): all 6 kept tensors differ (they stay 0.5; max abs diff 0.004-0.055); _ensure_host_grads copies it into the host view and rebinds .grad")
 def test_own_tensor_assigned_as_grad_receives_the_gradient():
     check(loop_own_grad_tensor, "recompute_all")
 
@@ -318,7 +319,6 @@ def loop_thaw_kept_not_none(fabric, model, opt, steps):
     return [g for grads in kept for g in grads]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: zero_grad(set_to_none=False) and a weight thawed mid-run (block 0's MLP, frozen at setup): the group's host gradient grows and every .grad moves to a new view, so .grad tensors kept from steps 0-1 (under auto: the live .grad) stop changing: 12 of 150 entries differ (block 0's 6 trainable weights, max abs diff 0.056); _replace_host_grad(keep=True) rebinds .grad")
 def test_thaw_with_kept_grads_not_set_to_none():
     check(loop_thaw_kept_not_none, "recompute_all", steps=4, model_fn=frozen_block0_mlp)
 
@@ -371,7 +371,6 @@ def loop_kept_with_l2_penalty(fabric, model, opt, steps):
     return [g for grads in kept for g in grads]
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: an L2 penalty over model.parameters() after the forward: autograd sets the block masters' .grad (outside use) before the block's copy lands, so the group looks begun and is not renewed: kept grads of steps 0-1 of 3 of every block differ (72 of 117 entries, max abs diff 0.084)")
 def test_kept_grads_with_an_l2_penalty_outside_the_blocks():
     check(loop_kept_with_l2_penalty, "recompute_all")
 
@@ -393,12 +392,17 @@ def test_kept_grads_zero_grad_first_pipelined_hybrid():
     check(loop_zero_first_hybrid, "pipelined", opt_fn=hybrid)
 
 
-RENEWALS: dict[str, int] = {}
+MOVED: dict[str, int] = {}  # kept tensors moved (kept_grads_moved), by loop
 
 
-def _renewals(fabric) -> int | None:
+def n_params() -> int:
+    from models import tiny_llama
+    return len(list(tiny_llama(0).parameters()))
+
+
+def _moved(fabric) -> int | None:
     core = getattr(fabric.strategy, "core", None)
-    return None if core is None else core.executor.params.kept_grad_renewals
+    return None if core is None else core.executor.params.kept_grads_moved
 
 
 def loop_local_grads(fabric, model, opt, steps):
@@ -412,18 +416,18 @@ def loop_local_grads(fabric, model, opt, steps):
         fabric.clip_gradients(model, opt, max_norm=1.0)
         opt.step()
         opt.zero_grad()
-    r = _renewals(fabric)
+    r = _moved(fabric)
     if r is not None:
-        RENEWALS["local"] = r
+        MOVED["local"] = r
     return out
 
 
 def test_grads_read_into_a_loop_local_list():
-    """Documents the cost: a local list alive across the next backward is a kept gradient: a renewal per group
-    per later step (values equal auto's either way)."""
-    RENEWALS.clear()
+    """Documents the cost: a local list alive across the next backward is a kept gradient: each tensor is moved
+    (copied) once per later step (values equal auto's either way)."""
+    MOVED.clear()
     check(loop_local_grads, "recompute_all", steps=3)
-    assert RENEWALS["local"] == 2 * 5
+    assert MOVED["local"] == 2 * n_params()
 
 
 def loop_ordinary_fabric(fabric, model, opt, steps):
@@ -438,19 +442,19 @@ def loop_ordinary_fabric(fabric, model, opt, steps):
         sched.step()
         opt.zero_grad()
         out.append(loss)
-    r = _renewals(fabric)
+    r = _moved(fabric)
     if r is not None:
-        RENEWALS["ordinary"] = r
+        MOVED["ordinary"] = r
     return out
 
 
 @pytest.mark.parametrize("policy,opt_fn", [("mixed", "adamw"), ("pipelined", "hybrid"), ("milp", "adamw")])
-def test_ordinary_fabric_loop_renews_nothing(policy, opt_fn):
+def test_ordinary_fabric_loop_moves_nothing(policy, opt_fn):
     import test_review11_fabric as r11
 
-    RENEWALS.clear()
+    MOVED.clear()
     check(loop_ordinary_fabric, policy, opt_fn=getattr(r11, opt_fn))
-    assert RENEWALS["ordinary"] == 0
+    assert MOVED["ordinary"] == 0
 
 
 def frozen_block1():
@@ -489,16 +493,16 @@ def loop_two_forwards_kept(fabric, model, opt, steps):
         kept.append([p.grad for p in model.parameters()])
         opt.step()
         opt.zero_grad()
-    r = _renewals(fabric)
+    r = _moved(fabric)
     if r is not None:
-        RENEWALS["two"] = r
+        MOVED["two"] = r
     return [g for grads in kept for g in grads]
 
 
 def test_kept_grads_with_two_forwards_per_backward():
-    RENEWALS.clear()
+    MOVED.clear()
     check(loop_two_forwards_kept, "recompute_all")
-    assert RENEWALS["two"] == 2 * 5
+    assert MOVED["two"] == 2 * n_params()
 
 
 def loop_two_forwards_ordinary(fabric, model, opt, steps):
@@ -511,16 +515,16 @@ def loop_two_forwards_ordinary(fabric, model, opt, steps):
         opt.step()
         opt.zero_grad()
         out.append(loss)
-    r = _renewals(fabric)
+    r = _moved(fabric)
     if r is not None:
-        RENEWALS["two_ordinary"] = r
+        MOVED["two_ordinary"] = r
     return out
 
 
-def test_two_forwards_per_backward_renews_nothing():
-    RENEWALS.clear()
+def test_two_forwards_per_backward_moves_nothing():
+    MOVED.clear()
     check(loop_two_forwards_ordinary, "recompute_all")
-    assert RENEWALS["two_ordinary"] == 0
+    assert MOVED["two_ordinary"] == 0
 
 
 def test_partially_trainable_blocks_with_kept_grads():
@@ -551,9 +555,9 @@ def _hook_loop(fabric, model, opt, steps, keep):
         _fwd_bwd(fabric, model, s)
         opt.step()
         opt.zero_grad()
-    r = _renewals(fabric)
+    r = _moved(fabric)
     if r is not None:
-        RENEWALS["hooks"] = r
+        MOVED["hooks"] = r
     # per step, by name (the order the hooks fire in is not compared)
     order = sorted(range(len(raw._hook_log)), key=lambda i: (i // len(names), names[raw._hook_log[i][0]]))
     out = [raw._hook_log[i][1] for i in order]
@@ -571,11 +575,11 @@ def loop_hooks_ordinary(fabric, model, opt, steps):
 
 
 def test_optimizer_in_backward_hooks_keeping_grads():
-    RENEWALS.clear()
+    MOVED.clear()
     check(loop_hooks_kept, "recompute_all", opt_fn=sgd_with_hooks)
 
 
-def test_optimizer_in_backward_hooks_renew_nothing():
-    RENEWALS.clear()
+def test_optimizer_in_backward_hooks_move_nothing():
+    MOVED.clear()
     check(loop_hooks_ordinary, "recompute_all", opt_fn=sgd_with_hooks)
-    assert RENEWALS["hooks"] == 0
+    assert MOVED["hooks"] == 0

@@ -110,34 +110,18 @@ class GradWriteBack(OutsideUses):
         gradients for what trains]). On the training thread: waits for the group's host work and copies."""
         need = self._grad_capacity(g, also)
         if need > g.grad.numel():
-            self._replace_host_grad(g, need, keep=True)
+            self._replace_host_grad(g, need)
 
     @property
-    def kept_grad_renewals(self) -> int:
-        """Host gradients replaced because a ``.grad`` view of the old one was kept (Note: [a kept gradient])."""
-        return self._handed.renewed
+    def kept_grads_moved(self) -> int:
+        """Kept ``.grad`` tensors moved out of the host gradient before their range was written (Note: [a kept
+        gradient] in kept_grads.py); 0 in a loop that keeps none."""
+        return self._handed.moved
 
-    def renew_kept_host_grads(self, layer: int) -> None:
-        """Note: [a kept gradient] (kept_grads.py): before a step's first gradient of group ``layer`` lands (no
-        master of it has a ``.grad``), a new host gradient if a view of the old one handed out as ``.grad`` is
-        still alive. On the training thread."""
-        g = self._group(layer)
-
-        def begun() -> bool:
-            return any(i.param.grad is not None for i in g.params if self._has_host_grad(g, i))
-
-        if self.sharded(g.gid) or begun() or not self._handed.any_alive(g.gid):
-            return
-        if g.accumulating is not None:  # (an accumulation in flight may be handing out views right now)
-            g.accumulating.wait()
-            if begun():
-                return
-        self._replace_host_grad(g, g.grad.numel(), keep=False)
-        self._handed.renewed += 1
-
-    def _replace_host_grad(self, g: ParamGroup, numel: int, *, keep: bool) -> None:
-        """A new host gradient of ``numel`` elements for group ``g``, after the group's host work and copies;
-        ``keep``: its values and the ``.grad`` views in it move along (else the old buffer is left as it is)."""
+    def _replace_host_grad(self, g: ParamGroup, numel: int) -> None:
+        """A new host gradient of ``numel`` elements for group ``g`` (grown), after the group's host work and
+        copies; its values move along, and so do the live ``.grad`` tensors in it (the same objects, ``set_``
+        onto the new buffer: Note: [a kept gradient])."""
         if g.accumulating is not None:
             g.accumulating.wait()
         for s in self._slots:
@@ -147,13 +131,11 @@ class GradWriteBack(OutsideUses):
         new = torch.zeros(numel, dtype=old.dtype, pin_memory=self._pin)
         lo, hi = old.data_ptr(), old.data_ptr() + old.nbytes
         with torch.no_grad(), self._outside_lock:
-            self._handed.forget(g.gid)
-            if keep:
-                new[: old.numel()].copy_(old)
-                for info in g.params:
-                    cur = info.param.grad
-                    if cur is not None and lo <= cur.data_ptr() < hi:
-                        self._set_grad(g, info, self._view(new, info))
+            new[: old.numel()].copy_(old)
+            for info in g.params:
+                cur = info.param.grad
+                if cur is not None and lo <= cur.data_ptr() < hi:
+                    self._adopt_tensor(g, info, cur, self._view(new, info))
             g.grad = new
         if g.gid not in self._grown_grads:  # an arena slice stays reserved; a grown buffer before it is freed
             self._superseded_grad_bytes += old.nbytes
@@ -162,7 +144,18 @@ class GradWriteBack(OutsideUses):
     def _set_grad(self, g: ParamGroup, info: ParamEntry, view: torch.Tensor) -> None:
         """``.grad`` = a view of the group's host gradient, recorded (Note: [a kept gradient])."""
         info.param.grad = view
-        self._handed.record(g.gid, view)
+        self._handed.record(id(info), view)
+
+    def _adopt_tensor(self, g: ParamGroup, info: ParamEntry, cur: torch.Tensor, view: torch.Tensor) -> None:
+        """``info``'s ``.grad`` is ``cur``, not its view, and ``view`` holds its values now: ``cur`` becomes the
+        view (``set_``: the same tensor object, as plain autograd adds into a ``.grad`` in place), or, where it
+        cannot (a gradient with a graph, another shape or dtype, a shard), ``.grad`` is rebound to ``view``."""
+        if (self.sharded(g.gid) or cur.requires_grad or cur.dtype != view.dtype or cur.shape != view.shape
+                or cur.device != view.device):
+            self._set_grad(g, info, view)
+            return
+        cur.set_(view)
+        self._handed.record(id(info), cur)
 
     def _ensure_host_grads(self, g: ParamGroup, touched: frozenset | set = frozenset()) -> None:
         # optimizer.zero_grad(set_to_none=True) or user code may have replaced .grad. A parameter
@@ -178,12 +171,14 @@ class GradWriteBack(OutsideUses):
                 if g.gid != REST:
                     self._take_outside(info, view)  # an outside use's gradient is copied in below
                 if cur is None:
+                    self._handed.release(id(info), None)  # Note: [a kept gradient] (kept_grads.py)
                     view.zero_()
                     if id(info) in touched:
                         self._set_grad(g, info, view)
                 elif cur.data_ptr() != view.data_ptr():
+                    self._handed.release(id(info), cur)
                     view.copy_(cur)
-                    self._set_grad(g, info, view)
+                    self._adopt_tensor(g, info, cur, view)
 
     def write_back_grads(self, layer: int, slot: int | None = None, *, norm: bool = True,
                          param_norms: dict[nn.Parameter, torch.Tensor] | None = None,
@@ -221,8 +216,6 @@ class GradWriteBack(OutsideUses):
         g = self._group(layer)
         if not self.sharded(layer):  # Note: [host gradients for what trains]: weights thawed since it was sized
             self._fit_host_grads(g, [i for i in g.params if id(i) in s.touched])
-            if not part:
-                self.renew_kept_host_grads(layer)  # Note: [a kept gradient] (kept_grads.py)
         if s.grads is None and not any(w.requires_grad for _, w in s.wrappers):
             # a slot whose weights all ran frozen has no gradient buffer, and gets none for an empty copy: a
             # resident block no gradient reached (Note: [blocks no gradient reaches] in block_calls.py) would
@@ -242,6 +235,8 @@ class GradWriteBack(OutsideUses):
         if direct:
             landed = g.grad
             self.direct_landings += 1
+            for info in infos:  # the copy writes their ranges: kept views move out first (Note: [a kept gradient])
+                self._handed.release(id(info), None)
         touched = frozenset(s.touched) if part is None else frozenset(s.touched) & {id(i) for i in infos}
         s.touched -= touched  # Note: [gradients sent once]
         # Note: [only what trained crosses]: from the first parameter a gradient reached (offsets are aligned) up
@@ -411,14 +406,14 @@ class GradWriteBack(OutsideUses):
         g = self._group(layer)
         if wait:
             self.wait_host()
-        self.renew_kept_host_grads(layer)  # none has a gradient here: zeroed below (Note: [a kept gradient])
         with_grad = [i for i in g.params if i.param.grad is not None]
         self._fit_host_grads(g, with_grad)  # one set on a frozen weight too (Note: [host gradients for what trains])
         with torch.no_grad():
             self._ensure_host_grads(g, {id(i) for i in with_grad})
-        views = [(i.param, self._host_view(g.grad, i)) for i in g.params if self._has_host_grad(g, i)]
-        for _, view in views:  # the caller may make them .grad (core/grad_sync.py): Note: [a kept gradient]
-            self._handed.record(g.gid, view)
+        infos = [i for i in g.params if self._has_host_grad(g, i)]
+        views = [(i.param, self._host_view(g.grad, i)) for i in infos]
+        for info, (_, view) in zip(infos, views):  # the caller may make them .grad (core/grad_sync.py)
+            self._handed.record(id(info), view)  # Note: [a kept gradient]
         return g.grad, views
 
     def wait_host(self) -> None:

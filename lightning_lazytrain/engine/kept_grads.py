@@ -1,16 +1,24 @@
-"""Which host-gradient views a ``ParamStore`` handed out as ``.grad`` are still alive (grad_writeback.py).
+"""The host-gradient views a ``ParamStore`` handed out as ``.grad``, per parameter, and what to do with one still
+alive when its range is written again (grad_writeback.py).
 
 Note: [a kept gradient] A master's ``.grad`` is a view of its group's flat host gradient, and the buffer is
 reused from step to step. Under plain autograd, ``zero_grad()`` (``set_to_none=True``) drops ``.grad`` and the
 next backward makes a new tensor: a gradient kept by reference from an earlier step (a gradient-similarity log,
 ``[p.grad for p in model.parameters()]``) keeps its step's values. Here the next backward would write into the
-same buffer the kept view shows. So every view the store hands out as ``.grad`` is recorded here (a weak
-reference); when a group's gradients begin afresh (no master of it has a ``.grad``, on the training thread,
-before the step's first copy lands in it: ``GradWriteBack.renew_kept_host_grads``) and a view handed out
-earlier is still alive, the group gets a new host gradient and the old one stays with whoever kept it. An
-ordinary loop keeps none (its ``.grad`` tensors go at ``zero_grad``; the engine keeps no gradient across a
-step): no buffer is renewed, which ``renewed`` counts. ``zero_grad(set_to_none=False)`` zeroes ``.grad`` in
-place under plain autograd too (a kept tensor then changes with it): nothing to do.
+range the kept view shows. So every view the store hands out as ``.grad`` is recorded here (a weak reference,
+per parameter), and before the store writes a parameter's range while its ``.grad`` is not that range's view
+(None after ``zero_grad``, a tensor the user assigned, autograd's from a use outside the block), each earlier
+view still alive is moved out: ``set_`` onto a copy of its values (``release``). The user's tensor object stays
+the same, with the same values, and the store keeps its buffer (page-locked on CUDA). An ordinary loop keeps
+none (its ``.grad`` tensors go at ``zero_grad``; the engine and optimizer keep no gradient past its step): nothing
+moves, which ``moved`` counts. ``zero_grad(set_to_none=False)`` zeroes ``.grad`` in place under plain autograd
+too (a kept tensor then changes with it): nothing to do.
+
+The same ``set_`` keeps a ``.grad`` object where the store used to rebind it: a tensor the user assigned as
+``.grad`` before the backward becomes the view of its range (under plain autograd the gradient is added into
+it in place), and a group whose host gradient grows (weights thawed) moves its live ``.grad`` tensors into the
+new buffer. Not seen: other tensors over the same memory made from a handed view (``p.grad.detach()``,
+``p.grad.view(-1)``) are not recorded; kept across ``zero_grad`` they are overwritten (README's limitations).
 """
 
 from __future__ import annotations
@@ -23,26 +31,35 @@ __all__ = ["HandedGrads"]
 
 
 class HandedGrads:
-    """Weak references to the ``.grad`` views handed out, per group id."""
+    """Weak references to the ``.grad`` views handed out, per parameter entry (its ``id``)."""
 
     def __init__(self) -> None:
         self._refs: dict[int, list[weakref.ref]] = {}
-        self.renewed = 0  # host gradients replaced because a view of the old one was kept
+        self.moved = 0  # kept tensors moved out of the host gradient before their range was written
 
-    def record(self, gid: int, view: torch.Tensor) -> None:
-        refs = self._refs.setdefault(gid, [])
+    def record(self, key: int, view: torch.Tensor) -> None:
+        refs = self._refs.setdefault(key, [])
+        if any(r() is view for r in refs):
+            return
         refs.append(weakref.ref(view))
-        if len(refs) > 64 and len(refs) & (len(refs) - 1) == 0:  # every doubling: drop the dead
+        if len(refs) > 8:  # drop the dead
             refs[:] = [r for r in refs if r() is not None]
 
-    def any_alive(self, gid: int) -> bool:
-        """Is a view handed out for group ``gid`` still referenced? Forgets the dead ones."""
-        refs = self._refs.get(gid)
+    def release(self, key: int, current: torch.Tensor | None) -> None:
+        """The parameter's range is about to be written while its ``.grad`` is ``current``: every other view
+        handed out for it that is still alive gets its own copy of its values (``set_``), and is forgotten."""
+        refs = self._refs.get(key)
         if not refs:
-            return False
-        refs[:] = [r for r in refs if r() is not None]
-        return bool(refs)
-
-    def forget(self, gid: int) -> None:
-        """The group's views are of a buffer the store no longer writes."""
-        self._refs.pop(gid, None)
+            return
+        keep = []
+        for r in refs:
+            t = r()
+            if t is None:
+                continue
+            if t is current:
+                keep.append(r)
+                continue
+            with torch.no_grad():
+                t.set_(t.clone())
+            self.moved += 1
+        refs[:] = keep
