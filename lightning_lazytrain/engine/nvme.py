@@ -1,7 +1,8 @@
 """NVMe tier: spill-file I/O -- a host tensor's bytes written to a spill file and read back
-(``write_tensor``, ``read_tensor``), the O_DIRECT probe (``probe_direct_io``) and the readable error
+(``write_tensor``, ``read_tensor``) and the readable error
 of a failed transfer (``spill_io_error``). The spill directory (the ``nvme_dir`` check, this process's
-subdirectory and the removal of dead runs' ones) is spill_dir.py; its names are importable from here too.
+subdirectory and the removal of dead runs' ones) is spill_dir.py, the O_DIRECT probe (``probe_direct_io``)
+direct_io.py; their names are importable from here too.
 
 File I/O (run on the copy engine's NVMe lanes):
     A spill file holds the raw bytes of one contiguous host tensor. With
@@ -20,12 +21,12 @@ import errno
 import logging
 import mmap
 import os
-import secrets
 import shutil
 import threading
 
 import torch
 
+from lightning_lazytrain.engine.direct_io import _O_DIRECT, ALIGN, probe_direct_io
 from lightning_lazytrain.engine.spill_dir import (
     SPILL_PREFIX,
     NvmeDirError,
@@ -51,9 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # covers 512 B and 4 KiB logical blocks
 _CHUNK = 16 << 20  # bounce-buffer size and max bytes per syscall (multiple of ALIGN)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 # --------------------------------------------------------------------------- I/O
@@ -246,25 +245,3 @@ def spill_io_error(write: bool, path: str, err: OSError | EOFError) -> SpillIOEr
     return SpillIOError(f"{what}; {why}. Fix: {fix}.", err, path)
 
 
-def probe_direct_io(directory: str | os.PathLike[str]) -> tuple[bool, str]:
-    """Can ``directory`` do O_DIRECT with ALIGN-aligned buffers? Returns (ok, reason)."""
-    if not _O_DIRECT:
-        return False, "O_DIRECT is not available on this platform"
-    path = os.path.join(os.fspath(directory), f".odirect-probe-{os.getpid()}-{secrets.token_hex(4)}")
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o600)
-        try:
-            if os.write(fd, buf) != ALIGN or os.preadv(fd, [buf], 0) != ALIGN:
-                return False, "short O_DIRECT transfer"
-        finally:
-            os.close(fd)
-        return True, f"alignment {ALIGN}"
-    except OSError as e:
-        return False, f"{e.strerror or e} (errno {e.errno})"
-    finally:
-        buf.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass

@@ -25,6 +25,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from lightning_lazytrain.engine.direct_io import probe_direct_io
 from lightning_lazytrain.planner.units import format_bytes
 
 try:
@@ -227,8 +228,6 @@ class SpillDir:
         self.path = self.root / name
         os.rename(tmp, self.path)
         self._closed = False
-        from lightning_lazytrain.engine.nvme import probe_direct_io  # here, not at the top: nvme.py imports this module
-
         ok, why = probe_direct_io(self.path) if direct is not False else (False, "disabled by caller")
         self.direct = ok
         if ok:
