@@ -374,7 +374,7 @@ def _input_uses(ctx: BlockContext, xg: torch.Tensor, roots) -> InputUses | conte
 def _input_grad(ctx: BlockContext, xg: torch.Tensor, uses: InputUses | None) -> torch.Tensor | None:
     """The gradient the node returns for its input: the sum (``xg.grad``), or the first use's, the others' in
     ``ctx.extra_grads`` (Note: [one gradient per boundary use])."""
-    if not isinstance(uses, InputUses):
+    if not isinstance(uses, InputUses) or uses.whole:
         return xg.grad
     slotted = uses.slotted(1 + ctx.extra_inputs)
     ctx.extra_grads = slotted[1:]

@@ -17,11 +17,17 @@ block node whose input has another consumer (``BlockContext.split_input``). Such
 each use's gradient of its input as the backward of the block's inside produces it (``InputUses``: a
 post-hook on every node of the block's graph with an edge to the input's leaf, in the order autograd runs
 them, which is plain autograd's order: the graph is the same) and returns them one per input slot: the node
-takes ``x`` once more for each of ``EXTRA_INPUT_SLOTS`` further slots (``BlockFunction.apply``), and autograd
+takes ``x`` once more for each of ``EXTRA_INPUT_SLOTS`` (7) further slots (``BlockFunction.apply``), and autograd
 adds a node's input gradients into their producer's buffer in input order -- after the outside use's, when
 its node ran first, as under plain autograd, or before it, when it ran after. A block with more uses than
-slots sums the last ones (rounding again; none of the zoo's decoder layers has more). Unmarked nodes return
-the sum in the first slot, as before: the walk is the only cost where nothing else reads a boundary.
+slots sums the last ones (rounding again; none of the zoo's decoder layers has more). A kept graph's input leaf
+that a forward hook inside the block handed out, and user code then read, is such a use too (its gradient
+reaches the leaf before the block's backward: it comes first). Unmarked nodes return the sum in the first slot,
+as before: the walk is the only cost where nothing else reads a boundary.
+
+Not covered (rounding-level, tests/test_review13_boundary_uses.py): an input routed into blocks as a keyword
+(the encoder's output into every decoder block, a skip connection) and also used outside them: its gradient
+is chained through the blocks (Note: [one gradient per shared input]) and returned as one sum.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 __all__ = ["EXTRA_INPUT_SLOTS", "InputUses", "mark_boundary_uses"]
 
-EXTRA_INPUT_SLOTS: Final[int] = 3  # a block node takes its input this many more times (4 uses returned apart)
+EXTRA_INPUT_SLOTS: Final[int] = 7  # a block node takes its input this many more times (8 uses returned apart)
 
 
 def _block_of(node: Any) -> Any:
@@ -50,14 +56,19 @@ def mark_boundary_uses(loss: torch.Tensor) -> int:
         return 0
     consumers: dict[tuple[int, int], int] = {}  # (id of producer node, output) -> uses outside the input slots
     inputs: list[tuple[Any, tuple[int, int]]] = []  # (block context, its input's edge)
+    leaves: dict[int, Any] = {}  # id of a kept graph's input leaf -> its block (a hook in the block handed it out)
+    accumulators: list[Any] = []  # leaves' gradient accumulators the graph reaches
     seen, todo = {id(root)}, [root]
     while todo:
         node = todo.pop()
         ctx = _block_of(node)
         slots = ctx.input_slots() if ctx is not None else frozenset()
         nexts = node.next_functions
-        if ctx is not None and nexts and nexts[0][0] is not None:
-            inputs.append((ctx, (id(nexts[0][0]), nexts[0][1])))
+        if ctx is not None:
+            if nexts and nexts[0][0] is not None:
+                inputs.append((ctx, (id(nexts[0][0]), nexts[0][1])))
+            if ctx.kept is not None:
+                leaves[id(ctx.kept.x)] = ctx
         for k, (prev, nr) in enumerate(nexts):
             if prev is None:
                 continue
@@ -67,12 +78,16 @@ def mark_boundary_uses(loss: torch.Tensor) -> int:
             if id(prev) not in seen:
                 seen.add(id(prev))
                 todo.append(prev)
-    marked = 0
-    for ctx, edge in inputs:
-        if consumers.get(edge, 0) or sum(e == edge for _, e in inputs) > 1:
-            ctx.split_input = True
-            marked += 1
-    return marked
+                if hasattr(prev, "variable"):
+                    accumulators.append(prev)
+    marked = {id(ctx): ctx for ctx, edge in inputs if consumers.get(edge, 0) or sum(e == edge for _, e in inputs) > 1}
+    for acc in accumulators:  # the kept leaf itself read outside the node (a forward hook inside the block kept it)
+        ctx = leaves.get(id(acc.variable))
+        if ctx is not None:
+            marked[id(ctx)] = ctx
+    for ctx in marked.values():
+        ctx.split_input = True
+    return len(marked)
 
 
 class InputUses:
@@ -82,11 +97,19 @@ class InputUses:
     def __init__(self, x: torch.Tensor, roots: Iterable[torch.Tensor | GradientEdge | None]) -> None:
         self.grads: list[torch.Tensor] = []
         self._handles: list[Any] = []
+        self.whole = False  # a root is the leaf itself: its gradient reaches the leaf unrecorded; return the sum
         if not x.requires_grad:
             return
         acc = get_gradient_edge(x).node
-        starts = [r.node if isinstance(r, GradientEdge) else r.grad_fn for r in roots
-                  if r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
+        roots = [r for r in roots if r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
+        self.whole = any(r is x or (isinstance(r, GradientEdge) and r.node is acc) for r in roots)
+        if x.grad is not None and not self.whole:
+            # what reached the leaf before this backward (a use of it outside the node: a forward hook inside the
+            # block handed it out) comes first, as autograd added it first; taken off the leaf, which would add
+            # the block's uses into it in place
+            self.grads.append(x.grad)
+            x.grad = None
+        starts = [r.node if isinstance(r, GradientEdge) else r.grad_fn for r in roots]
         seen: set[int] = set()
         todo = [n for n in starts if n is not None]
         while todo:
