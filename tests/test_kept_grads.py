@@ -48,6 +48,7 @@ class Module(CausalLMModule):
         self.keep, self.hybrid, self.in_backward, self.zero_to_none = keep, hybrid, in_backward, zero_to_none
         self.kept: list[dict[str, torch.Tensor]] = []
         self.moved: int | None = None
+        self.renewed: int | None = None
 
     def configure_optimizers(self):
         if self.hybrid:
@@ -66,6 +67,7 @@ class Module(CausalLMModule):
         executor = getattr(self.trainer.strategy, "executor", None)
         if executor is not None:
             self.moved = executor.params.kept_grads_moved
+            self.renewed = executor.params.kept_grad_renewals
 
 
 def fit(strategy, module: Module, **trainer_kw) -> Module:
@@ -101,6 +103,7 @@ def test_gradients_kept_by_reference_keep_their_step_values(kind):
     got = fit(LazyTrainStrategy(policy=plan(kind)), module(keep=True, hybrid=hybrid))
     assert_kept_same(got, want)
     assert got.moved == (STEPS - 1) * len(got.kept[0])
+    assert got.renewed == 0  # only the handed tensors themselves were kept: moved, no buffer renewed
 
 
 def test_gradients_kept_over_accumulated_micro_batches():
@@ -115,7 +118,7 @@ def test_gradients_kept_without_set_to_none_change_as_under_auto():
     want = fit("auto", module(keep=True, hybrid=False, zero_to_none=False))
     got = fit(LazyTrainStrategy(policy="recompute_all"), module(keep=True, hybrid=False, zero_to_none=False))
     assert_kept_same(got, want)
-    assert got.moved == 0
+    assert got.moved == 0 and got.renewed == 0
 
 
 @pytest.mark.parametrize("kind,hybrid,clip,accum", [
@@ -131,7 +134,7 @@ def test_an_ordinary_loop_moves_no_gradient(kind, hybrid, clip, accum):
     them: the pipelined step's plan and the early updates' edit check (released now)."""
     m = fit(LazyTrainStrategy(policy=plan(kind)), module(keep=False, hybrid=hybrid, in_backward=kind == "in_backward"),
             gradient_clip_val=clip, accumulate_grad_batches=accum)
-    assert m.moved == 0
+    assert m.moved == 0 and m.renewed == 0
 
 
 def test_handed_grads_moves_what_is_kept():
@@ -194,3 +197,22 @@ def test_gradients_kept_on_a_gpu_keep_their_step_values(policy):
         for x, y in zip(a, b):
             err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
             assert err <= 1e-5, (step, err)
+
+
+class KeepsDetached(Module):
+    def on_before_optimizer_step(self, optimizer):  # a logging idiom: on the host, .cpu() copies nothing here
+        self.kept.append({n: p.grad.detach().cpu() for n, p in self.named_parameters() if p.grad is not None})
+
+
+@pytest.mark.parametrize("kind", ["keep_all", "pipelined"])
+def test_detached_gradients_kept_keep_their_step_values(kind):
+    """``p.grad.detach().cpu()`` kept: another tensor over the host gradient's memory, not the one handed out.
+    The group's references are counted; once its gradients begin afresh with such a tensor alive, the group
+    gets a new host gradient (one renewal per group per later step)."""
+    hybrid = kind == "pipelined"
+    torch.manual_seed(0)
+    want = fit("auto", KeepsDetached(keep=True, hybrid=hybrid))
+    torch.manual_seed(0)
+    got = fit(LazyTrainStrategy(policy=plan(kind)), KeepsDetached(keep=True, hybrid=hybrid))
+    assert_kept_same(got, want)
+    assert got.renewed == (STEPS - 1) * (LAYERS + 1) and got.moved == 0

@@ -376,6 +376,7 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
         if self._adhoc_grads:
             self.params.wait_host()  # after the host lane's accumulations, in order
         for j, (grads, touched) in self._adhoc_grads.items():
+            self.params.renew_aliased_host_grads(j)  # Note: [a kept gradient] (kept_grads.py)
             self.params.accumulate_host(j, grads, touched)
             self.stats.late_groups.add(j)
         self._adhoc_grads = {}

@@ -46,6 +46,7 @@ move to the new one (values kept). A sharded group keeps its whole shard (engine
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
@@ -53,10 +54,13 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
+from lightning_lazytrain.engine.kept_grads import storage_refs
 from lightning_lazytrain.engine.outside_uses import OutsideUses
 from lightning_lazytrain.engine.param_groups import REST, ParamEntry, ParamGroup, Slot, aligned_end, aligned_span
 
 __all__ = ["REST", "GradWriteBack", "PendingGrads", "sq_sum"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -117,6 +121,43 @@ class GradWriteBack(OutsideUses):
         """Kept ``.grad`` tensors moved out of the host gradient before their range was written (Note: [a kept
         gradient] in kept_grads.py); 0 in a loop that keeps none."""
         return self._handed.moved
+
+    @property
+    def kept_grad_renewals(self) -> int:
+        """Host gradients replaced because other tensors over their memory were kept (Note: [a kept gradient])."""
+        return self._handed.renewed
+
+    def renew_aliased_host_grads(self, layer: int) -> None:
+        """Note: [a kept gradient] (kept_grads.py): before a step's first gradient of group ``layer`` lands (none
+        of its masters has a ``.grad``), a new host gradient if tensors the store does not know of still hold the
+        old one's memory. On the training thread."""
+        g = self._group(layer)
+        infos = [i for i in g.params if self._has_host_grad(g, i)]
+
+        def unknown() -> int:
+            if any(i.param.grad is not None for i in infos):
+                return 0
+            return storage_refs(g.grad) - 1 - self._handed.alive_in((id(i) for i in infos), g.grad)
+
+        if self.sharded(g.gid) or unknown() <= 0:
+            return
+        if g.accumulating is not None:  # finished copies and host work let their references go
+            g.accumulating.wait()
+        for s in self._slots:
+            if s.gid == g.gid and s.sending is not None:
+                s.sending.wait()
+        if unknown() <= 0:
+            return
+        old = g.grad
+        with self._outside_lock:
+            g.grad = torch.zeros(old.numel(), dtype=old.dtype, pin_memory=self._pin)
+            self._handed.forget(id(i) for i in infos)  # their views stay with the old memory
+        self._handed.renewed += 1
+        if g.gid not in self._grown_grads:  # an arena slice stays reserved; a later buffer is freed with its views
+            self._superseded_grad_bytes += old.nbytes
+            self._grown_grads.add(g.gid)
+        log.info("lazytrain: tensors over layer %s's host gradient were kept across zero_grad() (e.g. "
+                 "p.grad.detach()); it got a new one (%d so far)", layer, self._handed.renewed)
 
     def _replace_host_grad(self, g: ParamGroup, numel: int) -> None:
         """A new host gradient of ``numel`` elements for group ``g`` (grown), after the group's host work and
@@ -216,6 +257,8 @@ class GradWriteBack(OutsideUses):
         g = self._group(layer)
         if not self.sharded(layer):  # Note: [host gradients for what trains]: weights thawed since it was sized
             self._fit_host_grads(g, [i for i in g.params if id(i) in s.touched])
+            if not part:
+                self.renew_aliased_host_grads(layer)  # Note: [a kept gradient] (kept_grads.py)
         if s.grads is None and not any(w.requires_grad for _, w in s.wrappers):
             # a slot whose weights all ran frozen has no gradient buffer, and gets none for an empty copy: a
             # resident block no gradient reached (Note: [blocks no gradient reaches] in block_calls.py) would
@@ -406,6 +449,7 @@ class GradWriteBack(OutsideUses):
         g = self._group(layer)
         if wait:
             self.wait_host()
+        self.renew_aliased_host_grads(layer)  # Note: [a kept gradient]
         with_grad = [i for i in g.params if i.param.grad is not None]
         self._fit_host_grads(g, with_grad)  # one set on a frozen weight too (Note: [host gradients for what trains])
         with torch.no_grad():

@@ -17,8 +17,17 @@ too (a kept tensor then changes with it): nothing to do.
 The same ``set_`` keeps a ``.grad`` object where the store used to rebind it: a tensor the user assigned as
 ``.grad`` before the backward becomes the view of its range (under plain autograd the gradient is added into
 it in place), and a group whose host gradient grows (weights thawed) moves its live ``.grad`` tensors into the
-new buffer. Not seen: other tensors over the same memory made from a handed view (``p.grad.detach()``,
-``p.grad.view(-1)``) are not recorded; kept across ``zero_grad`` they are overwritten (README's limitations).
+new buffer.
+
+Other tensors over the same memory made from a handed view (``p.grad.detach()``, ``p.grad.view(-1)``, or
+``p.grad.detach().cpu()``, which copies nothing: the gradients live on the host) are not recorded. They are
+counted: each group's host gradient has a storage of its own (``own_storage``: the arena's bytes, DLPack keeping
+the arena alive), whose use count is the references to it. When a group's gradients begin afresh (none of its
+masters has a ``.grad``; on the training thread, before the step's first copy lands in it) and the count is
+more than the store's own reference and the recorded views alive (``unknown_refs``), the group's copies in
+flight and host work are waited for (their references go) and, if the count still says so, the group gets a
+new host gradient (``renewed``); the old one stays with whoever kept it. A loop that keeps nothing renews
+nothing (tests/test_kept_grads.py).
 """
 
 from __future__ import annotations
@@ -27,7 +36,21 @@ import weakref
 
 import torch
 
-__all__ = ["HandedGrads"]
+__all__ = ["HandedGrads", "own_storage", "storage_refs"]
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a tensor with a storage of its own (the DLPack capsule keeps ``t``, and so an arena slice's
+    memory, alive): its use count then counts the references to this memory only."""
+    if t.numel() == 0:
+        return t
+    return torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """Tensors referencing ``t``'s storage (``t`` included)."""
+    st = t.untyped_storage()
+    return torch._C._storage_Use_Count(st._cdata) - 1  # (less the ``st`` object itself)
 
 
 class HandedGrads:
@@ -36,6 +59,22 @@ class HandedGrads:
     def __init__(self) -> None:
         self._refs: dict[int, list[weakref.ref]] = {}
         self.moved = 0  # kept tensors moved out of the host gradient before their range was written
+        self.renewed = 0  # host gradients replaced: other tensors over their memory were kept
+
+    def alive_in(self, keys, buf: torch.Tensor) -> int:
+        """The recorded views of these parameters still alive and over ``buf``'s storage."""
+        ptr = buf.untyped_storage().data_ptr()
+        n = 0
+        for key in keys:
+            for r in self._refs.get(key, ()):
+                t = r()
+                if t is not None and t.untyped_storage().data_ptr() == ptr:
+                    n += 1
+        return n
+
+    def forget(self, keys) -> None:
+        for key in keys:
+            self._refs.pop(key, None)
 
     def record(self, key: int, view: torch.Tensor) -> None:
         refs = self._refs.setdefault(key, [])

@@ -67,7 +67,7 @@ from lightning_lazytrain.engine.copy_engine import CopyEngine, CopyHandle
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
 from lightning_lazytrain.engine.grad_writeback import REST, GradWriteBack, PendingGrads, sq_sum
 from lightning_lazytrain.engine.host_arena import HostArena
-from lightning_lazytrain.engine.kept_grads import HandedGrads
+from lightning_lazytrain.engine.kept_grads import HandedGrads, own_storage
 from lightning_lazytrain.engine.host_ops import HostOps, default_host_ops
 from lightning_lazytrain.engine.param_groups import ALIGN, ParamEntry, ParamGroup, aligned_span
 from lightning_lazytrain.engine.param_binding import ParamBinding
@@ -297,7 +297,8 @@ class ParamStore(ParamSlots, ParamStaging, GradWriteBack, ParamBinding):
     def _pack(self, g: ParamGroup, arena: HostArena) -> None:
         n = self._host_numel(g)
         g.master = arena.take(n, g.dtype)
-        g.grad = self._grads_arena.take(self._grad_capacity(g), g.dtype)  # zero-filled
+        # zero-filled; a storage of its own, whose references are counted (Note: [a kept gradient] in kept_grads.py)
+        g.grad = own_storage(self._grads_arena.take(self._grad_capacity(g), g.dtype))
         with torch.no_grad():
             for info in g.params:
                 view = self._host_view(g.master, info)
