@@ -216,3 +216,31 @@ def test_detached_gradients_kept_keep_their_step_values(kind):
     got = fit(LazyTrainStrategy(policy=plan(kind)), KeepsDetached(keep=True, hybrid=hybrid))
     assert_kept_same(got, want)
     assert got.renewed == (STEPS - 1) * (LAYERS + 1) and got.moved == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_gradients_stay_page_locked_and_unrenewed_on_a_gpu():
+    """Each group's host gradient is the arena's bytes through DLPack (a storage of its own, whose references are
+    counted): still page-locked (``is_pinned``: the copies land in it directly), and an ordinary loop on the GPU
+    moves and renews nothing."""
+    from models import tiny_llama
+
+    from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy
+
+    model = tiny_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fabric = L.Fabric(accelerator="cuda", devices=1, precision="32-true",
+                      strategy=LazyTrainFabricStrategy(policy="recompute_all"))
+    model, opt = fabric.setup(model, opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        b = torch.randint(0, 256, (4, 32), generator=g).to(fabric.device)
+        fabric.backward(model(input_ids=b, labels=b).loss)
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+    store = fabric.strategy.core.executor.params
+    assert store.kept_grads_moved == 0 and store.kept_grad_renewals == 0
+    assert all(grp.grad.is_pinned() for grp in store._groups.values() if grp.grad.numel())
+    fabric.strategy.teardown()
