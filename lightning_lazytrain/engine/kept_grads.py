@@ -47,10 +47,15 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # (torch's own; absent: nothing is counted)
+
+
 def storage_refs(t: torch.Tensor) -> int:
-    """Tensors referencing ``t``'s storage (``t`` included)."""
+    """Tensors referencing ``t``'s storage (``t`` included); 1 where this torch cannot count them."""
+    if _USE_COUNT is None:
+        return 1
     st = t.untyped_storage()
-    return torch._C._storage_Use_Count(st._cdata) - 1  # (less the ``st`` object itself)
+    return _USE_COUNT(st._cdata) - 1  # (less the ``st`` object itself)
 
 
 class HandedGrads:
