@@ -196,7 +196,7 @@ class UsesLaterBlockInForward(CausalLMModule):
 def test_a_forward_using_a_later_blocks_weight_with_grad():
     """Losses from step 3 and the final state differ from auto. With a serial plan (keep_all or recompute_all,
     optimizer="serial") the same model is exact, so the gradients are right and the values read are stale.
-    grad_writeback._outside_use returns early when autograd accumulated into the host view in place, so
+    outside_uses._outside_use returns early when autograd accumulated into the host view in place, so
     ``outside_uses_seen`` never turns on and TrainingCore._step_waits keeps the step pipelined."""
     ref, want = fit("auto", UsesLaterBlockInForward)
     got, have = fit(lazy(), UsesLaterBlockInForward)

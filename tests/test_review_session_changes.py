@@ -300,7 +300,7 @@ def _early_instance(seed):
 
 
 def test_milp_t_with_serial_layers_equals_the_simulator_with_early_parts():
-    """DEFECT. MilpOptions(serial_layers=True): ScheduleModel._t_window (planner/milp.py) keeps the per-layer
+    """DEFECT. MilpOptions(serial_layers=True): ScheduleModel._t_window (planner/milp_times.py) keeps the per-layer
     mode's row ``cpu_end["pipelined"] * pipe + sum(opt * y)``, the CPU lane's end of the pipelined T, which
     updates the early parts in T; with bwd = 1 (y = 0) it still binds, so a schedule with its updates in the
     backward is priced with the early parts' updates in T (the third T constant is gated by bwd, this row is

@@ -7,7 +7,8 @@ training_core.py: it reads and writes the core's per-step state).
 ``begin_microbatch`` opens one (Note: [the micro-batch begins at the model's call]; the profiled
 step chosen: Note: [profiled first step] in training_core.py), ``end_microbatch`` closes it,
 ``end_skipped_microbatch`` ends a step's last one whose ``training_step`` returned None (Note: [a step's
-last micro-batch skipped]) and ``abort_microbatch`` drops one whose backward never ran.
+last micro-batch skipped]), ``abort_microbatch`` drops one whose backward never ran, and ``before_backward``
+marks the blocks whose input the loss also reads (Note: [one gradient per boundary use] in engine/boundary_uses.py).
 """
 
 from __future__ import annotations

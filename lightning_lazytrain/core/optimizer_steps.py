@@ -393,7 +393,7 @@ def hand_over_norms(optimizers: list, stats: StepStats, *, clip: bool, trusted: 
 
 def split_rest_parts(ex: Executor, optimizers: list) -> None:
     """T moves, updates and stages the non-block weights in the parts of the first ``HybridAdamW``'s
-    layers (e.g. ``embed``, ``head``; Note: [non-block parts] in planner/schedule.py), in that
+    layers (e.g. ``embed``, ``head``; Note: [non-block parts] in planner/schedule_windows.py), in that
     optimizer's layer order, when they are runs of the packed buffer; otherwise in one part."""
     if ex.params is None:
         return

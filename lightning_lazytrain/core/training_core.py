@@ -12,7 +12,8 @@ into this API::
     core.connect_processes(layout, device)            # several processes: GradSync
     core.build(module, device, compute_dtype=..., precision="32-true", automatic=True, measure=True)
     core.start_fit(optimizers, FitSettings(grad_accum=2))
-    core.begin_microbatch(lambda: count_tokens(batch), last=...)   # then the user's forward + backward
+    core.begin_microbatch(lambda: count_tokens(batch), last=...)   # then the user's forward,
+    core.before_backward(loss)                                      # and the backward
     stats = core.end_microbatch(step=...)             # StepStats when the executor's step ended
     with core.inference(): ...                       # evaluation
     core.teardown()
@@ -294,7 +295,7 @@ class TrainingCore(MicroBatches, ScheduleControl):
     def _step_waits(self) -> str | None:
         """Why the optimizer step must have updated every weight when it returns: a hook of the fit
         (``FitSettings.step_waits``), or a block's master used outside its block (Note: [a master used
-        outside its block] in engine/grad_writeback.py: the code that does so reads the master itself,
+        outside its block] in engine/outside_uses.py: the code that does so reads the master itself,
         before the forward would wait for its update)."""
         if self.fit.step_waits is not None:
             return self.fit.step_waits

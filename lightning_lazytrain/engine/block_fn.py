@@ -4,8 +4,9 @@ interface the executor gives it, and the saved-tensor hooks that keep a block's 
 Note: [the block node]
     The executor patches each block's ``forward``; a call with grad inside a training micro-batch
     becomes one ``BlockFunction`` node (the only path between the block's inside and the rest of
-    the graph: block_io.py). Inputs: the hidden state ``x``, the grad anchor and the call's routed
-    tensors (``block_io.BlockCall``). Outputs: the hidden state, the routed output tensors and the
+    the graph: block_io.py). Inputs: the hidden state ``x``, the grad anchor, the call's routed
+    tensors (``block_io.BlockCall``) and ``x`` again ``extra_inputs`` times (Note: [one gradient per boundary
+    use] in boundary_uses.py). Outputs: the hidden state, the routed output tensors and the
     tensors the block's forward hooks stored (``run_block``). The caller makes the node's
     ``BlockContext`` and passes it in; everything the backward needs is in it, typed.
 
@@ -20,8 +21,8 @@ Note: [the block node]
     Backward (``BlockFunction.backward``): ``adhoc_backward`` while the context holds an ad-hoc pass,
     else ``backward_window`` (window ``B{j}``). Each first checks that the node belongs to the
     running micro-batch and counts the block's backprops, runs the window (transfers, re-runs,
-    backprop of the kept graph or of the re-run), and returns the gradient of ``x`` and of each
-    routed input (a shared input's only from the last block that uses it). The anchor gets None;
+    backprop of the kept graph or of the re-run), and returns the gradient of ``x`` (a marked node: each
+    use's in a slot of its own) and of each routed input (a shared input's only from the last block that uses it). The anchor gets None;
     the kept graph is released after the backward.
 
     The anchor is a 0-dim tensor that requires grad, so the node gets a backward even when ``x``

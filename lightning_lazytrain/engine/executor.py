@@ -19,7 +19,7 @@ Protocol for one optimizer step of ``g`` micro-batches::
 
     for k in range(g):
         ex.begin_microbatch(first=k == 0, last=k == g - 1)
-        loss = model(...); loss.backward()
+        loss = model(...); ex.mark_boundary_uses(loss); loss.backward()  # (Note: [one gradient per boundary use])
         ex.end_microbatch()
     optimizer.step(); optimizer.zero_grad()
 

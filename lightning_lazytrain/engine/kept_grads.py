@@ -24,7 +24,7 @@ Other tensors over the same memory made from a handed view (``p.grad.detach()``,
 counted: each group's host gradient has a storage of its own (``own_storage``: the arena's bytes, DLPack keeping
 the arena alive), whose use count is the references to it. When a group's gradients begin afresh (none of its
 masters has a ``.grad``; on the training thread, before the step's first copy lands in it) and the count is
-more than the store's own reference and the recorded views alive (``unknown_refs``), the group's copies in
+more than the store's own reference and the recorded views alive (``unknown()`` in ``GradWriteBack.renew_aliased_host_grads``), the group's copies in
 flight and host work are waited for (their references go) and, if the count still says so, the group gets a
 new host gradient (``renewed``); the old one stays with whoever kept it. A loop that keeps nothing renews
 nothing (tests/test_kept_grads.py).

@@ -7,7 +7,8 @@ Layout
     group is packed into one flat host buffer and the module's own
     ``param.data`` is re-pointed to views into it, so the optimizer keeps
     updating the module's parameters and a group is one contiguous H2D. Each
-    group also has a flat fp32 host gradient buffer (ordinary memory); the
+    group also has a flat host gradient buffer in the masters' dtype (its own "grads" arena, page-locked on
+    CUDA); the
     masters' ``.grad`` are views into it and accumulate across micro-batches.
 
 Host memory (``host_pinned_bytes``)
@@ -412,7 +413,7 @@ class ParamStore(ParamSlots, ParamStaging, GradWriteBack, ParamBinding):
 
     @property
     def host_grad_bytes(self) -> int:
-        """Host bytes of the flat gradient buffers (ordinary memory, master dtype)."""
+        """Host bytes of the flat gradient buffers (the "grads" arena, page-locked on CUDA; master dtype)."""
         return sum(g.grad.nbytes for g in self._groups.values()) + self._superseded_grad_bytes
 
     def host_arenas(self) -> list[dict[str, Any]]:

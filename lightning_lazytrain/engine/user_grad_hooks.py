@@ -77,7 +77,7 @@ def run_tensor_hooks(master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor |
 
 def user_post_accumulate_hooks(p: nn.Parameter) -> list:
     """``p``'s post-accumulate-grad hooks but the engine's own (marked ``_lazytrain_internal``: Note: [a
-    master used outside its block] in grad_writeback.py)."""
+    master used outside its block] in outside_uses.py)."""
     hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
     return [fn for fn in hooks.values() if not getattr(fn, "_lazytrain_internal", False)]
 

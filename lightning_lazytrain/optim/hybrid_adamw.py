@@ -258,8 +258,8 @@ class HybridAdamW(StateBits, BackwardUpdates, GradNorms, Optimizer):
                 eps=hp.eps, weight_decay=hp.weight_decay, clip_coef=coef, impl=self.impl,
             )
         # the layer's gradients are the user's again: a pipelined step's plan lives until the next step, and a
-        # reference kept here would make the store renew the host gradients it sees still in use (Note: [a kept
-        # gradient] in engine/kept_grads.py)
+        # reference kept here would make the store move those .grad tensors onto copies every step
+        # (HandedGrads.release, counted by kept_grads_moved: Note: [a kept gradient] in engine/kept_grads.py)
         for gi in self._layer_groups[layer]:
             for p in self.param_groups[gi]["params"]:
                 plan.grads.pop(id(p), None)
