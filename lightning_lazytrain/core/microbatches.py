@@ -111,9 +111,8 @@ class MicroBatches:
     def before_backward(self, loss: Any) -> None:
         """The adapters' backward is about to run on ``loss``: a block input also used elsewhere gets each use's
         gradient added in autograd's order (Note: [one gradient per boundary use] in engine/boundary_uses.py)."""
-        ex = self.executor
-        if ex is not None and ex.in_microbatch and isinstance(loss, torch.Tensor):
-            ex.mark_boundary_uses(loss)
+        if self.executor is not None:  # (the executor checks the micro-batch and the loss)
+            self.executor.mark_boundary_uses(loss)
 
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""

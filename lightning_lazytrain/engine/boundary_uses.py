@@ -32,6 +32,7 @@ is chained through the blocks (Note: [one gradient per shared input]) and return
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -80,7 +81,8 @@ def mark_boundary_uses(loss: torch.Tensor) -> int:
                 todo.append(prev)
                 if hasattr(prev, "variable"):
                     accumulators.append(prev)
-    marked = {id(ctx): ctx for ctx, edge in inputs if consumers.get(edge, 0) or sum(e == edge for _, e in inputs) > 1}
+    as_input = Counter(edge for _, edge in inputs)  # an edge that is two nodes' input: each is the other's outside use
+    marked = {id(ctx): ctx for ctx, edge in inputs if consumers.get(edge, 0) or as_input[edge] > 1}
     for acc in accumulators:  # the kept leaf itself read outside the node (a forward hook inside the block kept it)
         ctx = leaves.get(id(acc.variable))
         if ctx is not None:

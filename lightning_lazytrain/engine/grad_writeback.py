@@ -141,11 +141,7 @@ class GradWriteBack(OutsideUses):
 
         if self.sharded(g.gid) or unknown() <= 0:
             return
-        if g.accumulating is not None:  # finished copies and host work let their references go
-            g.accumulating.wait()
-        for s in self._slots:
-            if s.gid == g.gid and s.sending is not None:
-                s.sending.wait()
+        self._quiesce(g)  # finished copies and host work let their references go
         if unknown() <= 0:
             return
         old = g.grad
@@ -153,9 +149,7 @@ class GradWriteBack(OutsideUses):
             g.grad = torch.zeros(old.numel(), dtype=old.dtype, pin_memory=self._pin)
             self._handed.forget(id(i) for i in infos)  # their views stay with the old memory
         self._handed.renewed += 1
-        if g.gid not in self._grown_grads:  # an arena slice stays reserved; a later buffer is freed with its views
-            self._superseded_grad_bytes += old.nbytes
-            self._grown_grads.add(g.gid)
+        self._supersede(g, old)
         log.info("lazytrain: tensors over layer %s's host gradient were kept across zero_grad() (e.g. "
                  "p.grad.detach()); it got a new one (%d so far)", layer, self._handed.renewed)
 
@@ -163,11 +157,7 @@ class GradWriteBack(OutsideUses):
         """A new host gradient of ``numel`` elements for group ``g`` (grown), after the group's host work and
         copies; its values move along, and so do the live ``.grad`` tensors in it (the same objects, ``set_``
         onto the new buffer: Note: [a kept gradient])."""
-        if g.accumulating is not None:
-            g.accumulating.wait()
-        for s in self._slots:
-            if s.gid == g.gid and s.sending is not None:
-                s.sending.wait()
+        self._quiesce(g)
         old = g.grad
         new = torch.zeros(numel, dtype=old.dtype, pin_memory=self._pin)
         lo, hi = old.data_ptr(), old.data_ptr() + old.nbytes
@@ -178,7 +168,20 @@ class GradWriteBack(OutsideUses):
                 if cur is not None and lo <= cur.data_ptr() < hi:
                     self._adopt_tensor(g, info, cur, self._view(new, info))
             g.grad = new
-        if g.gid not in self._grown_grads:  # an arena slice stays reserved; a grown buffer before it is freed
+        self._supersede(g, old)
+
+    def _quiesce(self, g: ParamGroup) -> None:
+        """Wait for group ``g``'s host work and its slots' gradient copies (on the training thread)."""
+        if g.accumulating is not None:
+            g.accumulating.wait()
+        for s in self._slots:
+            if s.gid == g.gid and s.sending is not None:
+                s.sending.wait()
+
+    def _supersede(self, g: ParamGroup, old: torch.Tensor) -> None:
+        """Count the host bytes of ``g``'s replaced host gradient: its arena slice stays reserved; a later buffer
+        is freed with its views."""
+        if g.gid not in self._grown_grads:
             self._superseded_grad_bytes += old.nbytes
             self._grown_grads.add(g.gid)
 
