@@ -162,23 +162,12 @@ def step(fabric, model, opt, b, *, set_to_none=True):
 # =====================================================================================================================
 # defects
 # =====================================================================================================================
-def loop_hidden_state_loss(fabric, model, opt, steps):
-    """Deep supervision / distillation of a middle layer: a loss term on ``hidden_states[2]`` (block 2's input)."""
-    out = []
-    for s in range(steps):
-        o = model(input_ids=DATA[s], labels=DATA[s], output_hidden_states=True)
-        loss = o.loss + 0.1 * o.hidden_states[2].pow(2).mean()
-        fabric.backward(loss)
-        out.append(loss)
-        out += [p.grad.clone() for p in model.parameters()]
-        opt.step()
-        opt.zero_grad()
-    return out
-
-
 @pytest.mark.parametrize("policy", ["keep_all", "recompute_all"])
 def test_loss_on_intermediate_hidden_states_is_bit_equal(policy):
-    check(loop_hidden_state_loss, policy, steps=2)
+    """Deep supervision / distillation of a middle layer: a loss term on ``hidden_states[2]`` (block 2's input)."""
+    from test_boundary_uses import loop_on  # (it imports this module)
+
+    check(loop_on(2), policy, steps=2)
 
 
 def test_deepcopy_of_the_set_up_module_is_an_independent_model():

@@ -292,26 +292,42 @@ def test_fabric_leaf_inputs_embeds_in_the_loss(policy):
     check(loop_leaf_inputs_embeds, policy, steps=2)
 
 
-def hooked_norm_input_loop(fabric, model, opt, steps):
-    """A user forward hook on block 2's ``input_layernorm`` keeps its input (= block 2's input, the boundary) and
-    the loss has a term on it (a probe of a layer's input: activation regularisation)."""
-    raw = model.module if hasattr(model, "module") else model
-    seen = []
-    handle = raw.model.layers[2].input_layernorm.register_forward_hook(lambda m, a, o: seen.append(a[0]))
-    out = []
-    try:
-        for s in range(steps):
-            seen.clear()
-            o = model(input_ids=DATA[s], labels=DATA[s])
-            loss = o.loss + 0.1 * seen[0].pow(2).mean()
-            fabric.backward(loss)
-            out.append(loss)
-            out += [p.grad.clone() for p in model.parameters()]
-            opt.step()
-            opt.zero_grad()
-    finally:
-        handle.remove()
-    return out
+def hooked_input_loop(name, register):
+    """A loop whose loss has a term on what a user hook keeps (``register(raw_model, seen)`` adds the hook and returns
+    its handle); ``name`` keys auto's cached run (test_review11_fabric.auto)."""
+
+    def loop(fabric, model, opt, steps):
+        raw = model.module if hasattr(model, "module") else model
+        seen = []
+        handle = register(raw, seen)
+        out = []
+        try:
+            for s in range(steps):
+                seen.clear()
+                o = model(input_ids=DATA[s], labels=DATA[s])
+                loss = o.loss + 0.1 * seen[0].pow(2).mean()
+                fabric.backward(loss)
+                out.append(loss)
+                out += [p.grad.clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+        finally:
+            handle.remove()
+        return out
+
+    loop.__name__ = name
+    return loop
+
+
+# a user forward hook on block 2's ``input_layernorm`` keeps its input (= block 2's input, the boundary): a probe of a
+# layer's input (activation regularisation)
+hooked_norm_input_loop = hooked_input_loop(
+    "hooked_norm_input_loop",
+    lambda raw, seen: raw.model.layers[2].input_layernorm.register_forward_hook(lambda m, a, o: seen.append(a[0])))
+# a forward pre-hook on block 2 itself keeps its input (the boundary, outside the node)
+hooked_block_input_loop = hooked_input_loop(
+    "hooked_block_input_loop",
+    lambda raw, seen: raw.model.layers[2].register_forward_pre_hook(lambda m, a: seen.append(a[0])))
 
 
 @pytest.mark.parametrize("policy", [
@@ -319,27 +335,6 @@ def hooked_norm_input_loop(fabric, model, opt, steps):
     "keep_all"])
 def test_fabric_a_submodule_hook_reads_the_block_input(policy):
     check(hooked_norm_input_loop, policy, steps=2)
-
-
-def hooked_block_input_loop(fabric, model, opt, steps):
-    """A forward pre-hook on block 2 itself keeps its input (the boundary, outside the node) for a loss term."""
-    raw = model.module if hasattr(model, "module") else model
-    seen = []
-    handle = raw.model.layers[2].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-    out = []
-    try:
-        for s in range(steps):
-            seen.clear()
-            o = model(input_ids=DATA[s], labels=DATA[s])
-            loss = o.loss + 0.1 * seen[0].pow(2).mean()
-            fabric.backward(loss)
-            out.append(loss)
-            out += [p.grad.clone() for p in model.parameters()]
-            opt.step()
-            opt.zero_grad()
-    finally:
-        handle.remove()
-    return out
 
 
 @pytest.mark.parametrize("policy", ["keep_all", "recompute_all"])
