@@ -137,7 +137,7 @@ def test_the_walk_marks_only_inputs_used_elsewhere():
 
     def block(x, r):
         ctx = BlockContext(0)
-        ctx.n_routed, ctx.extra_inputs = 1, 1
+        ctx.n_routed, ctx.extra_inputs, ctx.routed_keys = 1, 1, [id(r)]  # r chained (a key: the planned pass's)
         return Node.apply(ctx, x, torch.ones((), requires_grad=True), r, x), ctx
 
     x = torch.randn(3, requires_grad=True)
@@ -149,6 +149,11 @@ def test_the_walk_marks_only_inputs_used_elsewhere():
     assert mark_boundary_uses((z.sum() + y.pow(2).sum())) == 1 and second.split_input and not first.split_input
     y2, third = block(h, r)
     assert mark_boundary_uses(y2.sum() + h.sum()) == 1 and third.split_input
+    # r routed into the blocks and read outside them: every node taking it returns its uses apart (no chain)
+    y3, fourth = block(h * 2, r)
+    y4, fifth = block(y3, r)
+    assert mark_boundary_uses(y4.sum() + r.sum()) == 2 and fourth.split == fifth.split == [(0,)]
+    assert fourth.split_routed() == {0} and not fourth.split_input
 
 
 def test_input_uses_come_in_autograd_order():

@@ -5,11 +5,13 @@ ordinary run.
 
 Probes that show a defect are strict xfails whose reason starts with "OPEN"; the others are regression tests.
 
-Defects (xfail, strict):
-- a loss term on the encoder's output routed into every decoder block (BART, T5): the shared-input chain returns the
-  decoder blocks' summed gradient, added to the outside use's in one addition (up to 7.5e-9 / 2.9e-8);
+FIXED later (a later session: slots for routed tensors too): a routed input also used outside the blocks
+- a loss term on the encoder's output routed into every decoder block (BART, T5): the shared-input chain returned
+  the decoder blocks' summed gradient, added to the outside use's in one addition (up to 7.5e-9 / 2.9e-8);
 - a boundary that is a block's input AND routed (``skip=``) into a later block or into its own block, with a loss
-  term on it: the routed uses come back summed (~1.5e-8 .. 3e-8); read once there it is exact;
+  term on it: the routed uses came back summed (~1.5e-8 .. 3e-8).
+  Now the node takes each routed tensor 8 times too, and the walk marks every node taking a tensor whose uses it
+  cannot return as one sum: each use's gradient comes back in a slot of its own (no chain for it).
 FIXED after the review (8 slots, and the kept leaf's own uses):
 - a block reading its input 6 times (> 4 slots) with an outside use (1.5e-8): the node now takes x 8 times;
 - keep_all, step >= 1: a forward hook on a block's submodule sees the kept forward's inner input leaf, not the
@@ -116,13 +118,13 @@ def test_seq2seq_loss_on_a_decoder_boundary(tmp_path, name):
     exec_check(tmp_path, name, "recompute_all", on_decoder_hidden(2))
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a loss term on the encoder's output (routed into every decoder block: "
-                   "encoder_last_hidden_state) gives encoder gradients that differ from plain autograd in the last "
-                   "bits (BART: 36/143 grads, up to 7.5e-9 in model.shared.weight; T5: 19/73, up to 2.9e-8 in encoder.*): the shared-input chain returns the "
-                   "decoder blocks' summed gradient, added to the outside use's as o + (k_N + v_N + ...), where "
-                   "autograd adds use by use ((o + k_N) + v_N) + ...")
 @pytest.mark.parametrize("name", ["bart", "t5-nocache"])
 def test_seq2seq_loss_on_the_routed_encoder_output(tmp_path, name):
+    """Was open (review 13), fixed: a loss term on the encoder's output (routed into every decoder block:
+    encoder_last_hidden_state) gives encoder gradients that differ from plain autograd in the last bits (BART:
+    36/143 grads, up to 7.5e-9 in model.shared.weight; T5: 19/73, up to 2.9e-8 in encoder.*): the shared-input
+    chain returns the decoder blocks' summed gradient, added to the outside use's as o + (k_N + v_N + ...),
+    where autograd adds use by use ((o + k_N) + v_N) + .... Now each use comes back in a slot of its own."""
     exec_check(tmp_path, name, "recompute_all", on_encoder_output)
 
 
@@ -477,11 +479,11 @@ def test_boundary_routed_into_later_blocks_without_outside_use():
     check(custom_loop(None), "recompute_all", steps=2, model_fn=skip_net, opt_fn=sgd)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a boundary that is block 1's input, routed (skip=) into blocks 2 and "
-                   "3 and also in a loss term: its routed uses come back summed over the blocks (shared-input "
-                   "chain), so o + (s3a + s3b + s2a + s2b) where autograd adds use by use; emb's gradient and "
-                   "layers.0's differ in the last bits")
 def test_boundary_routed_into_later_blocks_and_in_the_loss():
+    """Was open (review 13), fixed: a boundary that is block 1's input, routed (skip=) into blocks 2 and 3 and
+    also in a loss term: its routed uses come back summed over the blocks (shared-input chain), so o + (s3a +
+    s3b + s2a + s2b) where autograd adds use by use; emb's gradient and layers.0's differ in the last bits. Now
+    each use comes back in a slot of its own."""
     check(custom_loop(1), "recompute_all", steps=2, model_fn=skip_net, opt_fn=sgd)
 
 
@@ -512,11 +514,11 @@ def plain_skip_net():
     return Net(SkipBlock)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a boundary (block 1's input) routed as skip= into block 3 only, read "
-                   "twice there, plus a loss term on it: block 3's node returns the routed input's two uses summed, "
-                   "added after the outside use's as o + (s1 + s2) where autograd computes (o + s1) + s2; emb's and "
-                   "layers.0's gradients differ by ~1.5e-8")
 def test_boundary_routed_into_one_later_block_and_in_the_loss():
+    """Was open (review 13), fixed: a boundary (block 1's input) routed as skip= into block 3 only, read twice
+    there, plus a loss term on it: block 3's node returns the routed input's two uses summed, added after the
+    outside use's as o + (s1 + s2) where autograd computes (o + s1) + s2; emb's and layers.0's gradients differ
+    by ~1.5e-8. Now each use comes back in a slot of its own."""
     check(custom_loop(1), "recompute_all", steps=2, model_fn=skip_into_3_net, opt_fn=sgd)
 
 
@@ -524,10 +526,10 @@ def test_boundary_also_routed_into_its_own_block_without_outside_use():
     check(custom_loop(None), "keep_all", steps=2, model_fn=skip_into_own_net, opt_fn=sgd)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: block 1 called as b(h1, skip=h1) (its input also routed into the same "
-                   "node) plus a loss term on h1: the routed slot's uses come back summed; emb's and layers.0's "
-                   "gradients differ from auto by ~1.5e-8 (keep_all and recompute_all)")
 def test_boundary_also_routed_into_its_own_block():
+    """Was open (review 13), fixed: block 1 called as b(h1, skip=h1) (its input also routed into the same node)
+    plus a loss term on h1: the routed slot's uses come back summed; emb's and layers.0's gradients differ from
+    auto by ~1.5e-8 (keep_all and recompute_all). Now each use comes back in a slot of its own."""
     check(custom_loop(1), "keep_all", steps=2, model_fn=skip_into_own_net, opt_fn=sgd)
 
 

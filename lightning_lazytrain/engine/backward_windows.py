@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from lightning_lazytrain.engine.block_fn import BlockContext, CountingHooks, Grads, backprop
 from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
-from lightning_lazytrain.engine.boundary_uses import InputUses
+from lightning_lazytrain.engine.boundary_uses import SplitUses
 from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT, _most
 from lightning_lazytrain.engine.partial_keep import MatmulOutputs, OverlapHooks
 from lightning_lazytrain.engine.user_grad_hooks import tensor_hook_names
@@ -110,7 +110,7 @@ class BackwardWindows:
                 if partial is not None:  # Note: [partial keep]: the backprop re-runs the elementwise ops
                     partial.recomputing = True
                 with self.trace.timed(name, "backward", t), _partial_rerun_named(t if partial is not None else None), \
-                        _input_uses(ctx, xg, roots) as uses:
+                        _input_uses(ctx, xg, rin, roots) as uses:
                     backprop(roots, all_grads)
                 if t in self._internals:
                     self._internals.pop(t).free(self.acts)
@@ -141,11 +141,10 @@ class BackwardWindows:
                 _most(self.stats.internal_bytes, t, hooks.bytes + self._nbytes(x))
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
                 outs, all_grads = self._shared.with_running(ctx, rin, outs, list(grads))
-                with self.trace.timed(name, "backward", t), _input_uses(ctx, xg, outs) as uses:
+                with self.trace.timed(name, "backward", t), _input_uses(ctx, xg, rin, outs) as uses:
                     backprop(outs, all_grads)
                 del outs, all_grads
                 self.tracker.drop(f"internals{t}")
-        grad_in = _input_grad(ctx, xg, uses)
         self._free_boundary(t)
         if t in self.resident_slot and (t > 0 or self._micro[1]):
             # Its weights are done (layer 0's serve the next micro-batch's F0); its gradients leave
@@ -153,7 +152,7 @@ class BackwardWindows:
             self.params.evict(slot, keep_grads=True)
             self.tracker.drop(f"resident{t}")
             self.tracker.add(f"resident{t}", self.params.slot_bytes(t, slot))
-        return grad_in, self._shared.input_grads(ctx, rin)
+        return _node_grads(xg, uses, self._shared.input_grads(ctx, rin))
 
     # Note: [unreached blocks] A forward with grad enabled whose output is never backpropagated (a
     # detached result: a GAN's fake batch for its critic, a target computed with grad on; or an output
@@ -253,7 +252,7 @@ class BackwardWindows:
             with state.replay(), torch.enable_grad():
                 _, outs = self._run_block(j, xg, call, rin, first=False)
             ctx.check_outputs(outs)
-            with _input_uses(ctx, xg, outs) as uses:
+            with _input_uses(ctx, xg, rin, outs) as uses:
                 backprop(outs, grads)
         grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT, direct=False))
         self.params.evict(RECOMPUTE_SLOT)
@@ -262,7 +261,7 @@ class BackwardWindows:
             grads_j = (acc.add_(grads_j[0]), touched | grads_j[1])
         self._adhoc_grads[j] = grads_j  # joins layer j's planned grads before the host grad
         self._adhoc_used = True
-        return _input_grad(ctx, xg, uses), [t.grad for t in rin]
+        return _node_grads(xg, uses, [t.grad for t in rin])
 
     # Note: [recompute double buffer] During a block recompute the slot of layer t-1 is idle (its
     # last user, B{t+1}, is done; only its grad buffer is still being read), so the recompute
@@ -365,17 +364,16 @@ def _partial_rerun_named(t: int | None):
             "MilpOptions(partial_keep=False)) or turn the model's cache off (use_cache=False)") from err
 
 
-def _input_uses(ctx: BlockContext, xg: torch.Tensor, roots) -> InputUses | contextlib.nullcontext:
-    """Around a block's backprop: each use's gradient of its input, where the node returns them apart (Note: [one
-    gradient per boundary use] in boundary_uses.py)."""
-    return InputUses(xg, roots) if ctx.split_input else contextlib.nullcontext()
+def _input_uses(ctx: BlockContext, xg: torch.Tensor, rin: list[torch.Tensor], roots) -> SplitUses | contextlib.nullcontext:
+    """Around a block's backprop: each use's gradient of its input (and of routed tensors), where the node returns
+    them apart (Note: [one gradient per boundary use] in boundary_uses.py)."""
+    return SplitUses(ctx, xg, rin, roots) if ctx.split else contextlib.nullcontext()
 
 
-def _input_grad(ctx: BlockContext, xg: torch.Tensor, uses: InputUses | None) -> torch.Tensor | None:
-    """The gradient the node returns for its input: the sum (``xg.grad``), or the first use's, the others' in
-    ``ctx.extra_grads`` (Note: [one gradient per boundary use])."""
-    if not isinstance(uses, InputUses) or uses.whole:
-        return xg.grad
-    slotted = uses.slotted(1 + ctx.extra_inputs)
-    ctx.extra_grads = slotted[1:]
-    return slotted[0]
+def _node_grads(xg: torch.Tensor, uses: SplitUses | None, grad_routed: list) -> tuple[torch.Tensor | None, list]:
+    """The gradients the node returns for its input and routed tensors: the sums (``xg.grad``; ``grad_routed``),
+    or each use's in a slot of its own, the extra slots' in ``ctx.extra_grads`` (Note: [one gradient per boundary
+    use])."""
+    if not isinstance(uses, SplitUses):
+        return xg.grad, grad_routed
+    return uses.returned(grad_routed)

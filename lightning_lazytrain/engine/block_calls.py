@@ -87,7 +87,8 @@ class BlockCalls:
         """Block ``j``'s planned (or ad-hoc) pass through its node, or without it where no gradient reaches it."""
         node.n_routed = len(routed)
         node.extra_inputs = EXTRA_INPUT_SLOTS if x.requires_grad else 0  # Note: [one gradient per boundary use]
-        extra = [x] * node.extra_inputs
+        node.routed_extra = EXTRA_INPUT_SLOTS  # routed tensors all require grad (BlockCall.pack)
+        extra = [x] * node.extra_inputs + [r for r in routed for _ in range(node.routed_extra)]
         if not adhoc and not self._reachable(j, x, routed):  # Note: [blocks no gradient reaches]
             self._unreachable.add(j)
             reads = self._reads = TrainableReads()  # around the block's own forward (forward_window)

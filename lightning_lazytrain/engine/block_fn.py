@@ -5,8 +5,8 @@ Note: [the block node]
     The executor patches each block's ``forward``; a call with grad inside a training micro-batch
     becomes one ``BlockFunction`` node (the only path between the block's inside and the rest of
     the graph: block_io.py). Inputs: the hidden state ``x``, the grad anchor, the call's routed
-    tensors (``block_io.BlockCall``) and ``x`` again ``extra_inputs`` times (Note: [one gradient per boundary
-    use] in boundary_uses.py). Outputs: the hidden state, the routed output tensors and the
+    tensors (``block_io.BlockCall``), then ``x`` and each routed tensor again, 7 times each (Note: [one gradient
+    per boundary use] in boundary_uses.py). Outputs: the hidden state, the routed output tensors and the
     tensors the block's forward hooks stored (``run_block``). The caller makes the node's
     ``BlockContext`` and passes it in; everything the backward needs is in it, typed.
 
@@ -21,9 +21,10 @@ Note: [the block node]
     Backward (``BlockFunction.backward``): ``adhoc_backward`` while the context holds an ad-hoc pass,
     else ``backward_window`` (window ``B{j}``). Each first checks that the node belongs to the
     running micro-batch and counts the block's backprops, runs the window (transfers, re-runs,
-    backprop of the kept graph or of the re-run), and returns the gradient of ``x`` (a marked node: each
-    use's in a slot of its own) and of each routed input (a shared input's only from the last block that uses it). The anchor gets None;
-    the kept graph is released after the backward.
+    backprop of the kept graph or of the re-run), and returns the gradient of ``x`` and of each routed
+    input (a shared input's only from the last block that uses it; a marked node: each use's in a slot of
+    its own, for ``x`` and for routed inputs used elsewhere). The anchor gets None; the kept graph is
+    released after the backward.
 
     The anchor is a 0-dim tensor that requires grad, so the node gets a backward even when ``x``
     does not (frozen embeddings): the block's own weights still need gradients.
@@ -102,18 +103,41 @@ class BlockContext:
     # outputs of a forward window that already ran, for the node to return instead of running it (Note:
     # [blocks no gradient reaches] in block_calls.py: a block that read a trainable tensor it does not own)
     precomputed: list[torch.Tensor] | None = None
-    # Note: [one gradient per boundary use] (boundary_uses.py): the node takes ``x`` this many more times
-    # after its routed inputs (``n_routed``); ``split_input``: return each use's gradient of ``x`` in a slot
-    # of its own (set before the backward), the extra slots' in ``extra_grads``
+    # Note: [one gradient per boundary use] (boundary_uses.py): after its routed inputs (``n_routed``) the
+    # node takes ``x`` ``extra_inputs`` more times, then each routed input ``routed_extra`` more times;
+    # ``split``: groups of its tensors (-1: ``x``, i: routed input i) that share one producer, each use's
+    # gradient returned in a slot of its own (set before the backward), the extra slots' in ``extra_grads``
     extra_inputs: int = 0
     n_routed: int = 0
-    split_input: bool = False
+    routed_extra: int = 0
+    split: list[tuple[int, ...]] = field(default_factory=list)
     extra_grads: list[torch.Tensor | None] | None = None
 
-    def input_slots(self) -> frozenset[int]:
-        """The positions of ``x`` among the node's tensor inputs (x, anchor, routed..., the extra slots)."""
+    @property
+    def split_input(self) -> bool:
+        """Are the uses of ``x`` returned apart?"""
+        return any(-1 in group for group in self.split)
+
+    def split_routed(self) -> set[int]:
+        """The routed inputs whose uses are returned apart (not chained: Note: [one gradient per shared input])."""
+        return {k for group in self.split for k in group if k >= 0}
+
+    def positions_of(self, k: int) -> list[int]:
+        """The positions of tensor ``k`` (-1: ``x``, i: routed input i) among the node's tensor inputs (x,
+        anchor, routed..., ``x``'s extra slots, each routed input's extra slots); its own position first."""
         first = 2 + self.n_routed
-        return frozenset({0, *range(first, first + self.extra_inputs)})
+        if k < 0:
+            return [0, *range(first, first + self.extra_inputs)]
+        start = first + self.extra_inputs + k * self.routed_extra
+        return [2 + k, *range(start, start + self.routed_extra)]
+
+    def tensor_at(self) -> dict[int, int]:
+        """Position among the node's tensor inputs -> its tensor (-1: ``x``, i: routed input i); not the anchor."""
+        return {pos: k for k in range(-1, self.n_routed) for pos in self.positions_of(k)}
+
+    def n_extra(self) -> int:
+        """The extra slots after the routed inputs (``x``'s, then each routed input's)."""
+        return self.extra_inputs + self.n_routed * self.routed_extra
 
     def check_outputs(self, outs: Sequence[torch.Tensor]) -> None:
         """A re-run must produce the node's outputs again, as many as the forward did."""
@@ -152,8 +176,9 @@ class BlockRunner(Protocol):
 
 
 class BlockFunction(torch.autograd.Function):
-    """``BlockFunction.apply(runner, ctx, call, adhoc, x, anchor, *routed, *[x] * ctx.extra_inputs)``: block
-    ``ctx.j`` as one autograd node (Note: [the block node]; the extra ``x``: Note: [one gradient per boundary
+    """``BlockFunction.apply(runner, ctx, call, adhoc, x, anchor, *routed, *extra)``: block
+    ``ctx.j`` as one autograd node (Note: [the block node]; ``extra``: ``x`` and the routed tensors again, Note:
+    [one gradient per boundary
     use] in boundary_uses.py). Outputs: the hidden state, the routed output tensors and
     the tensors forward hooks saw; the backward returns gradients for every input."""
 
@@ -161,7 +186,7 @@ class BlockFunction(torch.autograd.Function):
     def forward(fctx: Any, runner: BlockRunner, ctx: BlockContext, call: BlockCall, adhoc: bool, x: torch.Tensor,
                 anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple:
         fctx.runner, fctx.block = runner, ctx
-        routed = inputs[:ctx.n_routed]  # then ``x`` again, ``ctx.extra_inputs`` times (Note: [one gradient per
+        routed = inputs[:ctx.n_routed]  # then ``x`` and each routed input again (Note: [one gradient per
         # boundary use])
         fctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
         if ctx.precomputed is not None:  # the window ran already (Note: [blocks no gradient reaches])
@@ -180,7 +205,7 @@ class BlockFunction(torch.autograd.Function):
         else:
             grad_in, grad_routed = fctx.runner.backward_window(ctx, grads)
         ctx.kept = None
-        extra, ctx.extra_grads = ctx.extra_grads or [None] * ctx.extra_inputs, None
+        extra, ctx.extra_grads = ctx.extra_grads or [None] * ctx.n_extra(), None
         return (None, None, None, None, grad_in, None, *grad_routed, *extra)
 
 
@@ -259,20 +284,24 @@ class SharedInputs:
         return list(keys)
 
     def with_running(self, ctx: BlockContext, rin: list[torch.Tensor], roots: list, grads: list) -> tuple[list, list]:
-        """``roots``/``grads`` plus, per shared input, its leaf's alias and the running total."""
+        """``roots``/``grads`` plus, per shared input, its leaf's alias and the running total (none for an input
+        whose uses the node returns apart: Note: [one gradient per boundary use])."""
+        split = ctx.split_routed()
         with torch.enable_grad():
-            for leaf, key in zip(rin, ctx.routed_keys):
-                running = self._running.pop(key, None) if key is not None else None
+            for k, (leaf, key) in enumerate(zip(rin, ctx.routed_keys)):
+                running = self._running.pop(key, None) if key is not None and k not in split else None
                 if running is not None:
                     roots.append(leaf.view_as(leaf))
                     grads.append(running)
         return roots, grads
 
     def input_grads(self, ctx: BlockContext, rin: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The routed inputs' gradients this node returns (a shared one only from its last block)."""
+        """The routed inputs' gradients this node returns (a shared one only from its last block; the sum where
+        the node returns the uses apart, which replace it)."""
         out: list[torch.Tensor | None] = []
-        for leaf, key in zip(rin, ctx.routed_keys):
-            if key is None:
+        split = ctx.split_routed()
+        for k, (leaf, key) in enumerate(zip(rin, ctx.routed_keys)):
+            if key is None or k in split:
                 out.append(leaf.grad)
                 continue
             self._pending[key] -= 1

@@ -13,7 +13,7 @@ bits.
 So before the backward, the strategy (``TrainingCore.before_backward``; an engine user calls
 ``Executor.mark_boundary_uses(loss)``) walks the graph from the loss (``mark_boundary_uses`` here: the
 block nodes are opaque, so the walk is the graph outside the blocks, a few nodes per block) and marks each
-block node whose input has another consumer (``BlockContext.split_input``). Such a node's backward records
+block node whose input has another consumer (``BlockContext.split``). Such a node's backward records
 each use's gradient of its input as the backward of the block's inside produces it (``InputUses``: a
 post-hook on every node of the block's graph with an edge to the input's leaf, in the order autograd runs
 them, which is plain autograd's order: the graph is the same) and returns them one per input slot: the node
@@ -25,9 +25,13 @@ that a forward hook inside the block handed out, and user code then read, is suc
 reaches the leaf before the block's backward: it comes first). Unmarked nodes return the sum in the first slot,
 as before: the walk is the only cost where nothing else reads a boundary.
 
-Not covered (rounding-level, tests/test_review13_boundary_uses.py): an input routed into blocks as a keyword
-(the encoder's output into every decoder block, a skip connection) and also used outside them: its gradient
-is chained through the blocks (Note: [one gradient per shared input]) and returned as one sum.
+Tensors routed into a block (``BlockCall``: the encoder's output into every decoder block, a skip connection
+passed as a keyword) take 8 slots each too. A routed tensor that only blocks take, once per node, is chained
+through them (Note: [one gradient per shared input]: exact, nothing to mark). One also used elsewhere -- outside
+the blocks, as a block's input ``x``, or twice in one call (``b(h, skip=h)``) -- marks every node that takes it
+(``_own_sum_exact``): each returns that tensor's uses apart and none chains it. The tensors of one node over the
+same producer (``x`` and ``skip=x``) are one group (``SplitUses``): their uses, recorded together in the order
+autograd runs them, fill the group's slots in input order, as they all add into that producer's buffer.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any, Final
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["EXTRA_INPUT_SLOTS", "InputUses", "mark_boundary_uses"]
+__all__ = ["EXTRA_INPUT_SLOTS", "InputUses", "SplitUses", "mark_boundary_uses"]
 
 EXTRA_INPUT_SLOTS: Final[int] = 7  # a block node takes its input this many more times (8 uses returned apart)
 
@@ -50,76 +54,97 @@ def _block_of(node: Any) -> Any:
 
 
 def mark_boundary_uses(loss: torch.Tensor) -> int:
-    """Mark each block node reached from ``loss`` whose input has a consumer besides the node's own input
-    slots (Note: [one gradient per boundary use]); returns how many were marked."""
+    """Mark each block node reached from ``loss`` whose input, or a tensor routed into it, has a consumer the
+    node's own sum cannot stand for (Note: [one gradient per boundary use]); returns how many were marked."""
     root = loss.grad_fn
     if root is None:
         return 0
-    consumers: dict[tuple[int, int], int] = {}  # (id of producer node, output) -> uses outside the input slots
-    inputs: list[tuple[Any, tuple[int, int]]] = []  # (block context, its input's edge)
-    leaves: dict[int, Any] = {}  # id of a kept graph's input leaf -> its block (a hook in the block handed it out)
+    others: Counter[tuple[int, int]] = Counter()  # (id of producer node, output) -> consumers but block tensors
+    uses: dict[tuple[int, int], dict[tuple[int, int], tuple[Any, int]]] = {}  # edge -> the block tensors taking it
+    edge_of: dict[tuple[int, int], tuple[int, int]] = {}  # (id of block context, tensor) -> its edge
+    leaves: dict[int, tuple[Any, int]] = {}  # id of a kept graph's leaf -> (its block, tensor): a hook handed it out
     accumulators: list[Any] = []  # leaves' gradient accumulators the graph reaches
     seen, todo = {id(root)}, [root]
     while todo:
         node = todo.pop()
         ctx = _block_of(node)
-        slots = ctx.input_slots() if ctx is not None else frozenset()
-        nexts = node.next_functions
-        if ctx is not None:
-            if nexts and nexts[0][0] is not None:
-                inputs.append((ctx, (id(nexts[0][0]), nexts[0][1])))
-            if ctx.kept is not None:
-                leaves[id(ctx.kept.x)] = ctx
-        for k, (prev, nr) in enumerate(nexts):
+        tensor_at = ctx.tensor_at() if ctx is not None else {}
+        if ctx is not None and ctx.kept is not None:
+            leaves[id(ctx.kept.x)] = (ctx, -1)
+            leaves.update((id(r), (ctx, k)) for k, r in enumerate(ctx.kept.routed))
+        for pos, (prev, nr) in enumerate(node.next_functions):
             if prev is None:
                 continue
-            if k not in slots:
-                key = (id(prev), nr)
-                consumers[key] = consumers.get(key, 0) + 1
+            edge = (id(prev), nr)
+            k = tensor_at.get(pos)
+            if k is None:
+                others[edge] += 1
+            else:
+                uses.setdefault(edge, {})[(id(ctx), k)] = (ctx, k)
+                edge_of[(id(ctx), k)] = edge
             if id(prev) not in seen:
                 seen.add(id(prev))
                 todo.append(prev)
                 if hasattr(prev, "variable"):
                     accumulators.append(prev)
-    as_input = Counter(edge for _, edge in inputs)  # an edge that is two nodes' input: each is the other's outside use
-    marked = {id(ctx): ctx for ctx, edge in inputs if consumers.get(edge, 0) or as_input[edge] > 1}
-    for acc in accumulators:  # the kept leaf itself read outside the node (a forward hook inside the block kept it)
-        ctx = leaves.get(id(acc.variable))
-        if ctx is not None:
-            marked[id(ctx)] = ctx
-    for ctx in marked.values():
-        ctx.split_input = True
-    return len(marked)
+    split = {edge for edge, taken in uses.items() if others[edge] or not _own_sum_exact(list(taken.values()))}
+    for acc in accumulators:  # a kept leaf itself read outside the node (a forward hook inside the block kept it)
+        hit = leaves.get(id(acc.variable))
+        if hit is not None and (id(hit[0]), hit[1]) in edge_of:
+            split.add(edge_of[(id(hit[0]), hit[1])])
+    groups: dict[int, tuple[Any, dict[tuple[int, int], list[int]]]] = {}  # id of context -> (context, edge -> tensors)
+    for edge in split:
+        for ctx, k in uses[edge].values():
+            groups.setdefault(id(ctx), (ctx, {}))[1].setdefault(edge, []).append(k)
+    for ctx, by_edge in groups.values():
+        ctx.split = [tuple(sorted(ks)) for ks in by_edge.values()]
+    return len(groups)
+
+
+def _own_sum_exact(taken: list[tuple[Any, int]]) -> bool:
+    """Does autograd add the same as plain autograd when each node returns its own sum of a tensor's uses? For a
+    tensor one block node takes once and nothing else does, and for a tensor routed into blocks alone, once per
+    node, each with a key (their gradient chained: Note: [one gradient per shared input])."""
+    if len(taken) == 1:
+        return True
+    nodes = {id(ctx) for ctx, _ in taken}
+    return len(nodes) == len(taken) and all(0 <= k < len(ctx.routed_keys) and ctx.routed_keys[k] is not None
+                                           for ctx, k in taken)
 
 
 class InputUses:
-    """While the backward of a block's inside runs (``with``), each use's gradient of its input leaf ``x``, in
-    the order autograd delivers them (Note: [one gradient per boundary use])."""
+    """While the backward of a block's inside runs (``with``), each use's gradient of its input leaf ``x`` -- or
+    of any of several leaves over one producer (``x`` and a routed tensor that is ``x`` again) -- in the order
+    autograd delivers them (Note: [one gradient per boundary use])."""
 
-    def __init__(self, x: torch.Tensor, roots: Iterable[torch.Tensor | GradientEdge | None]) -> None:
+    def __init__(self, leaves: torch.Tensor | Sequence[torch.Tensor],
+                 roots: Iterable[torch.Tensor | GradientEdge | None]) -> None:
         self.grads: list[torch.Tensor] = []
         self._handles: list[Any] = []
-        self.whole = False  # a root is the leaf itself: its gradient reaches the leaf unrecorded; return the sum
-        if not x.requires_grad:
+        self.whole = False  # a root is a leaf itself: its gradient reaches the leaf unrecorded; return the sums
+        live = [x for x in ([leaves] if isinstance(leaves, torch.Tensor) else leaves) if x.requires_grad]
+        if not live:
             return
-        acc = get_gradient_edge(x).node
+        accs = [get_gradient_edge(x).node for x in live]
         roots = [r for r in roots if r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
-        self.whole = any(r is x or (isinstance(r, GradientEdge) and r.node is acc) for r in roots)
-        if x.grad is not None and not self.whole:
-            # what reached the leaf before this backward (a use of it outside the node: a forward hook inside the
-            # block handed it out) comes first, as autograd added it first; taken off the leaf, which would add
-            # the block's uses into it in place
-            self.grads.append(x.grad)
-            x.grad = None
+        self.whole = any(r is x for r in roots for x in live) or any(
+            isinstance(r, GradientEdge) and any(r.node is a for a in accs) for r in roots)
+        for x in live:
+            if x.grad is not None and not self.whole:
+                # what reached the leaf before this backward (a use of it outside the node: a forward hook inside
+                # the block handed it out) comes first, as autograd added it first; taken off the leaf, which
+                # would add the block's uses into it in place
+                self.grads.append(x.grad)
+                x.grad = None
         starts = [r.node if isinstance(r, GradientEdge) else r.grad_fn for r in roots]
         seen: set[int] = set()
         todo = [n for n in starts if n is not None]
         while todo:
             node = todo.pop()
-            if id(node) in seen or node is acc:
+            if id(node) in seen or any(node is a for a in accs):
                 continue
             seen.add(id(node))
-            edges = [k for k, (prev, _) in enumerate(node.next_functions) if prev is acc]
+            edges = [k for k, (prev, _) in enumerate(node.next_functions) if any(prev is a for a in accs)]
             if edges:
                 self._handles.append(node.register_hook(self._recorder(edges)))
             todo.extend(prev for prev, _ in node.next_functions if prev is not None and id(prev) not in seen)
@@ -147,3 +172,42 @@ class InputUses:
                 tail = tail + g
             out[-1] = tail
         return out + [None] * (slots - len(out))
+
+
+class SplitUses:
+    """Around a marked block node's backprop (``with``): the uses of each of its split groups (``ctx.split``), then
+    the gradients the node returns for ``x``, its routed tensors and its extra slots (Note: [one gradient per
+    boundary use])."""
+
+    def __init__(self, ctx: Any, x: torch.Tensor, routed: Sequence[torch.Tensor],
+                 roots: Iterable[torch.Tensor | GradientEdge | None]) -> None:
+        self.ctx = ctx
+        self.leaves = {-1: x, **dict(enumerate(routed))}
+        roots = list(roots)
+        self.groups = [(group, InputUses([self.leaves[k] for k in group], roots)) for group in ctx.split]
+
+    def __enter__(self) -> SplitUses:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for _, uses in self.groups:
+            uses.__exit__(*exc)
+
+    def returned(self, grad_routed: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, list]:
+        """The node's gradients: of ``x`` and of the routed tensors (``grad_routed``: what it would return without
+        the split), the extra slots' in ``ctx.extra_grads``. A split group's uses go to its tensors' positions in
+        input order (autograd adds a node's input gradients into their producer in that order)."""
+        ctx = self.ctx
+        first_extra = 2 + ctx.n_routed
+        out: dict[int, torch.Tensor | None] = {0: self.leaves[-1].grad}
+        out.update((2 + k, g) for k, g in enumerate(grad_routed))
+        for group, uses in self.groups:
+            positions = sorted(p for k in group for p in ctx.positions_of(k))
+            if uses.whole:  # each tensor's sum in its own position
+                values = {p: None for p in positions}
+                values.update((ctx.positions_of(k)[0], self.leaves[k].grad) for k in group)
+                out.update(values)
+            else:
+                out.update(zip(positions, uses.slotted(len(positions))))
+        ctx.extra_grads = [out.get(first_extra + i) for i in range(ctx.n_extra())]
+        return out[0], [out[2 + k] for k in range(ctx.n_routed)]

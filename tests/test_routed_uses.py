@@ -1,0 +1,106 @@
+"""A tensor routed into blocks (a keyword: the encoder's output, a skip connection) that is also used elsewhere: each
+use's gradient added as plain autograd adds it (Note: [one gradient per boundary use], engine/boundary_uses.py).
+
+Bit for bit against plain autograd / ``strategy="auto"`` in fp32 on CPU (``torch.equal`` on losses and every
+``.grad``), and the walk's restraint: a routed tensor only blocks take (chained: Note: [one gradient per shared
+input]) marks no node."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_hf_matrix import SCHEDULES, build, compare
+from test_review11_fabric import check
+from test_review13_boundary_uses import XS, Net, SkipBlock, grad_of, sgd
+
+from lightning_lazytrain.engine.executor import Executor
+
+transformers = pytest.importorskip("transformers")
+
+
+def marked_and_exact(name: str, sched: str, extra, tmp_path) -> int:
+    """``out.loss + extra(out)`` through the Executor against plain autograd (asserted equal); returns how many block
+    nodes the walk marked."""
+    model, batch = build(name)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(7)
+    out = ref(**batch)
+    want_loss = out.loss + extra(out)
+    want_loss.backward()
+    want = {n: (None if p.grad is None else p.grad.clone()) for n, p in ref.named_parameters()}
+    m = copy.deepcopy(model)
+    ex = Executor(m, SCHEDULES[sched], nvme_dir=tmp_path)
+    try:
+        torch.manual_seed(7)
+        ex.begin_microbatch()
+        out = m(**batch)
+        loss = out.loss + extra(out)
+        marked = ex.mark_boundary_uses(loss)
+        loss.backward()
+        ex.end_microbatch()
+    finally:
+        ex.close()
+    compare(loss.detach(), want_loss.detach(), m, want)
+    return marked
+
+
+@pytest.mark.parametrize("name", ["bart", "t5-nocache"])
+def test_routed_tensors_only_blocks_take_mark_nothing(tmp_path, name):
+    """The model's own loss: the encoder's output (and T5's position bias) are routed into every decoder block and
+    chained through them; nothing else reads them, so no node is marked (no cost)."""
+    assert marked_and_exact(name, "recompute_all", lambda out: 0.0 * out.loss, tmp_path) == 0
+
+
+@pytest.mark.parametrize("sched", ["mixed", "recompute_all", "partial_keep"])
+@pytest.mark.parametrize("name", ["bart", "t5-nocache"])
+def test_a_term_on_the_routed_encoder_output_marks_every_decoder_block(tmp_path, name, sched):
+    """A loss term on the encoder's output: every decoder block that takes it returns its uses apart."""
+    model, _ = build(name)
+    n_dec = len(model.get_decoder().layers if hasattr(model.get_decoder(), "layers") else model.get_decoder().block)
+    extra = lambda out: 0.1 * out.encoder_last_hidden_state.pow(2).mean()  # noqa: E731
+    assert marked_and_exact(name, sched, extra, tmp_path) >= n_dec
+
+
+def two_forward_loop(fabric, model, opt, steps):
+    """Two forwards before one backward (the second block passes run ad hoc), a term on the routed boundary of each."""
+    out = []
+    for s in range(steps):
+        pred_a, hid_a = model(XS[s])
+        pred_b, hid_b = model(XS[s + 1] * 0.5)
+        loss = pred_a.square().mean() + pred_b.abs().mean() + 0.1 * hid_a[1].pow(2).mean() + 0.2 * hid_b[1].sin().mean()
+        fabric.backward(loss)
+        out.append(loss)
+        out += [grad_of(p) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def routed_term_loop(fabric, model, opt, steps):
+    """One forward; a term on the routed boundary hidden[1] (block 1's input, skip= into blocks 2 and 3)."""
+    out = []
+    for s in range(steps):
+        pred, hidden = model(XS[s])
+        loss = pred.square().mean() + 0.1 * hidden[1].pow(2).mean()
+        fabric.backward(loss)
+        out.append(loss)
+        out += [grad_of(p) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def skip_net():
+    return Net(SkipBlock, skip_from=1, skip_into=(2, 3))
+
+
+def test_two_forwards_with_a_routed_boundary_in_the_loss():
+    """The ad-hoc passes' nodes take the routed boundary without a chain key: they are marked and exact too."""
+    check(two_forward_loop, "recompute_all", steps=2, model_fn=skip_net, opt_fn=sgd)
+
+
+@pytest.mark.parametrize("policy", ["keep_all", "megatrain"])
+def test_routed_boundary_in_the_loss_other_schedules(policy):
+    check(routed_term_loop, policy, steps=2, model_fn=skip_net, opt_fn=sgd)
