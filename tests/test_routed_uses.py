@@ -15,6 +15,7 @@ from test_hf_matrix import SCHEDULES, build, compare
 from test_review11_fabric import check
 from test_review13_boundary_uses import XS, Net, SkipBlock, grad_of, sgd
 
+from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
 from lightning_lazytrain.engine.executor import Executor
 
 transformers = pytest.importorskip("transformers")
@@ -104,3 +105,74 @@ def test_two_forwards_with_a_routed_boundary_in_the_loss():
 @pytest.mark.parametrize("policy", ["keep_all", "megatrain"])
 def test_routed_boundary_in_the_loss_other_schedules(policy):
     check(routed_term_loop, policy, steps=2, model_fn=skip_net, opt_fn=sgd)
+
+
+class DetachedNet(Net):
+    """``side`` (no block's input) routed as ``skip=`` into blocks 1..3; ``cut``: block 1's output detached before
+    block 2 (the backward reaches blocks 3 and 2, not 1 and 0); ``loss_at``: the boundary the loss reads."""
+
+    def __init__(self, cut):
+        super().__init__(SkipBlock)
+        self.side = torch.nn.Linear(6, 16)
+        self.cut = cut
+
+    def forward(self, x):
+        h = self.emb(x)
+        side = torch.tanh(self.side(x))
+        hidden = [h]
+        for j, b in enumerate(self.layers):
+            h = b(h, skip=side) if j >= 1 else b(h)
+            if self.cut and j == 1:
+                h = h.detach()
+            hidden.append(h)
+        return self.head(h), hidden
+
+
+def engine_run(model, loss_of, *, walk: bool, sched="recompute_all"):
+    """One micro-batch through the Executor (``walk``: ``mark_boundary_uses`` before the backward, as the strategies
+    call it); returns the parameters' gradients."""
+    ex = Executor(model, SCHEDULES[sched])
+    try:
+        ex.begin_microbatch()
+        loss = loss_of(model(XS[0]))
+        if walk:
+            ex.mark_boundary_uses(loss)
+        loss.backward()
+        ex.end_microbatch()
+    finally:
+        ex.close()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def plain_grads(model, loss_of):
+    loss_of(model(XS[0])).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_equal_grads(got, want):
+    assert got.keys() == want.keys()
+    bad = [n for n in want if (got[n] is None) != (want[n] is None) or (want[n] is not None
+                                                                         and not torch.equal(got[n], want[n]))]
+    assert bad == []
+
+
+@pytest.mark.parametrize("walk", [True, False])
+def test_a_chained_tensor_when_the_loss_does_not_reach_the_top_blocks(walk):
+    """The loss on hidden[2] (block 1's output): blocks 2 and 3 take ``side`` but get no backward. Their windows pass
+    (their claim on the chain goes with them), so block 1 returns the whole gradient, with or without the walk."""
+    loss_of = lambda out: out[1][2].pow(2).mean()  # noqa: E731
+    want = plain_grads(DetachedNet(cut=False), loss_of)
+    got = engine_run(DetachedNet(cut=False), loss_of, walk=walk)
+    assert want["side.weight"] is not None and want["side.weight"].abs().sum() > 0
+    assert_equal_grads(got, want)
+
+
+def test_a_chained_tensor_when_the_backward_does_not_reach_the_lowest_block_taking_it():
+    """Block 1's output detached: the backward runs blocks 3 and 2 only. With the walk (the strategies' path) block 2
+    knows it is the last and returns the total; without it, the total would be lost: refused by name."""
+    loss_of = lambda out: out[0].square().mean()  # noqa: E731
+    want = plain_grads(DetachedNet(cut=True), loss_of)
+    assert want["side.weight"].abs().sum() > 0
+    assert_equal_grads(engine_run(DetachedNet(cut=True), loss_of, walk=True), want)
+    with pytest.raises(UnsupportedBlockPattern, match="mark_boundary_uses"):
+        engine_run(DetachedNet(cut=True), loss_of, walk=False)

@@ -110,7 +110,7 @@ class BackwardWindows:
                 if partial is not None:  # Note: [partial keep]: the backprop re-runs the elementwise ops
                     partial.recomputing = True
                 with self.trace.timed(name, "backward", t), _partial_rerun_named(t if partial is not None else None), \
-                        _input_uses(ctx, xg, rin, roots) as uses:
+                        _input_uses(ctx, xg, rin, roots, all_grads) as uses:
                     backprop(roots, all_grads)
                 if t in self._internals:
                     self._internals.pop(t).free(self.acts)
@@ -141,7 +141,7 @@ class BackwardWindows:
                 _most(self.stats.internal_bytes, t, hooks.bytes + self._nbytes(x))
                 self.stats.recomputed_forwards[t] = self.stats.recomputed_forwards.get(t, 0) + 1
                 outs, all_grads = self._shared.with_running(ctx, rin, outs, list(grads))
-                with self.trace.timed(name, "backward", t), _input_uses(ctx, xg, rin, outs) as uses:
+                with self.trace.timed(name, "backward", t), _input_uses(ctx, xg, rin, outs, all_grads) as uses:
                     backprop(outs, all_grads)
                 del outs, all_grads
                 self.tracker.drop(f"internals{t}")
@@ -178,6 +178,7 @@ class BackwardWindows:
         self._transfers_and_rerun(name, t, s.block_ending_at(t + 1) if rerun else None)
         self._finish_grads(slot=self.slot_of(t))  # as a real window's bind: the slot's next send waits for it
         ctx = self._ctxs.pop(t, None)
+        self._shared.passed(t)  # Note: [one gradient per shared input] (block_fn.py)
         if ctx is not None:
             ctx.kept = None  # its saved graph (kept internals) goes now, not when the user drops the output
         self._calls.pop(t, None)
@@ -252,7 +253,7 @@ class BackwardWindows:
             with state.replay(), torch.enable_grad():
                 _, outs = self._run_block(j, xg, call, rin, first=False)
             ctx.check_outputs(outs)
-            with _input_uses(ctx, xg, rin, outs) as uses:
+            with _input_uses(ctx, xg, rin, outs, grads) as uses:
                 backprop(outs, grads)
         grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT, direct=False))
         self.params.evict(RECOMPUTE_SLOT)
@@ -364,10 +365,11 @@ def _partial_rerun_named(t: int | None):
             "MilpOptions(partial_keep=False)) or turn the model's cache off (use_cache=False)") from err
 
 
-def _input_uses(ctx: BlockContext, xg: torch.Tensor, rin: list[torch.Tensor], roots) -> SplitUses | contextlib.nullcontext:
-    """Around a block's backprop: each use's gradient of its input (and of routed tensors), where the node returns
-    them apart (Note: [one gradient per boundary use] in boundary_uses.py)."""
-    return SplitUses(ctx, xg, rin, roots) if ctx.split else contextlib.nullcontext()
+def _input_uses(ctx: BlockContext, xg: torch.Tensor, rin: list[torch.Tensor], roots: list,
+                grads) -> SplitUses | contextlib.nullcontext:
+    """Around a block's backprop of ``grads`` from ``roots``: each use's gradient of its input (and of routed
+    tensors), where the node returns them apart (Note: [one gradient per boundary use] in boundary_uses.py)."""
+    return SplitUses(ctx, xg, rin, roots, grads) if ctx.split else contextlib.nullcontext()
 
 
 def _node_grads(xg: torch.Tensor, uses: SplitUses | None, grad_routed: list) -> tuple[torch.Tensor | None, list]:

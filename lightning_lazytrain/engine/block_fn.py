@@ -265,23 +265,46 @@ class SharedInputs:
     per-block sums: the same value up to rounding. So the blocks that share such an input chain
     its gradient: each re-run backpropagates the running total into the input's leaf first (an
     alias made after the re-run is the newest node, so autograd runs it first), and only the last
-    block to run its backward returns the total; the others return None. One per micro-batch."""
+    block to run its backward returns the total; the others return None. One per micro-batch.
+    The blocks still to come are the planned passes that took the input (``share``) less those whose
+    backward ran or whose window passed without one (``passed``: Note: [unreached blocks]), and, once the
+    walk before the backward has seen the graph (``reached``), less those the backward will not reach: a loss
+    on a middle boundary reaches neither the blocks above it nor, with a detached boundary, those below."""
 
     def __init__(self) -> None:
         self._refs: dict[int, torch.Tensor] = {}  # keeps each key's id unique for the micro-batch
-        self._pending: dict[int, int] = {}  # key -> planned blocks whose backward is still to come
+        self._pending: dict[int, set[int]] = {}  # key -> planned blocks whose backward is still to come
         self._running: dict[int, torch.Tensor] = {}  # key -> the gradient summed so far
 
-    def share(self, routed: list[torch.Tensor]) -> list[int | None]:
-        """Count a planned block's routed inputs; returns their keys (all None when the same tensor
-        is passed twice in one call: each position on its own)."""
+    def share(self, j: int, routed: list[torch.Tensor]) -> list[int | None]:
+        """Count block ``j``'s planned pass for its routed inputs; returns their keys (all None when the same
+        tensor is passed twice in one call: each position on its own)."""
         keys = [id(t) for t in routed]
         if len(set(keys)) != len(keys):
             return [None] * len(keys)
         for key, t in zip(keys, routed):
             self._refs[key] = t
-            self._pending[key] = self._pending.get(key, 0) + 1
+            self._pending.setdefault(key, set()).add(j)
         return list(keys)
+
+    def passed(self, j: int) -> None:
+        """Block ``j``'s planned pass gets no backward (its window passed)."""
+        for blocks in self._pending.values():
+            blocks.discard(j)
+
+    def reached(self, blocks: set[int]) -> None:
+        """The planned passes the coming backward reaches (the walk before it); the others get none."""
+        for pending in self._pending.values():
+            pending &= blocks
+
+    def check_delivered(self) -> None:
+        """At the micro-batch's end: a running total no block returned is a gradient the routed tensor lost."""
+        if self._running:
+            raise UnsupportedBlockPattern(
+                "a tensor routed into several blocks got gradient from the upper ones, but the backward did not "
+                "reach the lowest block that takes it (its input was detached), so its gradient could not be "
+                "returned. The strategies see this coming (they walk the graph before the backward); an Executor "
+                "user calls executor.mark_boundary_uses(loss) before loss.backward().")
 
     def with_running(self, ctx: BlockContext, rin: list[torch.Tensor], roots: list, grads: list) -> tuple[list, list]:
         """``roots``/``grads`` plus, per shared input, its leaf's alias and the running total (none for an input
@@ -304,9 +327,11 @@ class SharedInputs:
             if key is None or k in split:
                 out.append(leaf.grad)
                 continue
-            self._pending[key] -= 1
-            if self._pending[key] == 0:
-                del self._pending[key]
+            pending = self._pending.get(key, set())
+            pending.discard(ctx.j)
+            if not pending:
+                self._pending.pop(key, None)
+                self._running.pop(key, None)
                 out.append(leaf.grad)
             else:
                 if leaf.grad is not None:

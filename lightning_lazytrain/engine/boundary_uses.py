@@ -37,7 +37,7 @@ autograd runs them, fill the group's slots in input order, as they all add into 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
@@ -53,9 +53,10 @@ def _block_of(node: Any) -> Any:
     return getattr(node, "block", None) if node is not None else None
 
 
-def mark_boundary_uses(loss: torch.Tensor) -> int:
+def mark_boundary_uses(loss: torch.Tensor, reached: list | None = None) -> int:
     """Mark each block node reached from ``loss`` whose input, or a tensor routed into it, has a consumer the
-    node's own sum cannot stand for (Note: [one gradient per boundary use]); returns how many were marked."""
+    node's own sum cannot stand for (Note: [one gradient per boundary use]); returns how many were marked.
+    ``reached``: a list to which the contexts of every block node reached are appended."""
     root = loss.grad_fn
     if root is None:
         return 0
@@ -69,6 +70,8 @@ def mark_boundary_uses(loss: torch.Tensor) -> int:
         node = todo.pop()
         ctx = _block_of(node)
         tensor_at = ctx.tensor_at() if ctx is not None else {}
+        if ctx is not None and reached is not None:
+            reached.append(ctx)
         if ctx is not None and ctx.kept is not None:
             leaves[id(ctx.kept.x)] = (ctx, -1)
             leaves.update((id(r), (ctx, k)) for k, r in enumerate(ctx.kept.routed))
@@ -118,24 +121,39 @@ class InputUses:
     autograd delivers them (Note: [one gradient per boundary use])."""
 
     def __init__(self, leaves: torch.Tensor | Sequence[torch.Tensor],
-                 roots: Iterable[torch.Tensor | GradientEdge | None]) -> None:
+                 roots: Sequence[torch.Tensor | GradientEdge | None],
+                 root_grads: Sequence[torch.Tensor | None] | None = None) -> None:
         self.grads: list[torch.Tensor] = []
         self._handles: list[Any] = []
-        self.whole = False  # a root is a leaf itself: its gradient reaches the leaf unrecorded; return the sums
+        self.whole = False  # a root is a leaf itself, its gradient unknown here: return the sums
         live = [x for x in ([leaves] if isinstance(leaves, torch.Tensor) else leaves) if x.requires_grad]
         if not live:
             return
         accs = [get_gradient_edge(x).node for x in live]
-        roots = [r for r in roots if r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
-        self.whole = any(r is x for r in roots for x in live) or any(
-            isinstance(r, GradientEdge) and any(r.node is a for a in accs) for r in roots)
+        if root_grads is None:
+            root_grads = [None] * len(roots)
+            unknown = True
+        else:
+            unknown = False
+        pairs = [(r, g) for r, g in zip(roots, root_grads, strict=True)
+                 if r is not None and (isinstance(r, GradientEdge) or r.requires_grad)]
+        # a root that IS a leaf (the block hands back a routed tensor unchanged, as T5's blocks do their position
+        # bias): the gradient of that output reaches the leaf straight from the backward's root, before any node of
+        # the block's inside runs -- as the output's consumers, under plain autograd, add into the tensor first
+        direct = [g for r, g in pairs
+                  if any(r is x for x in live) or (isinstance(r, GradientEdge) and any(r.node is a for a in accs))]
+        self.whole = unknown and bool(direct)
+        if self.whole:
+            return
         for x in live:
-            if x.grad is not None and not self.whole:
+            if x.grad is not None:
                 # what reached the leaf before this backward (a use of it outside the node: a forward hook inside
                 # the block handed it out) comes first, as autograd added it first; taken off the leaf, which
                 # would add the block's uses into it in place
                 self.grads.append(x.grad)
                 x.grad = None
+        self.grads.extend(g for g in direct if g is not None)
+        roots = [r for r, _ in pairs]
         starts = [r.node if isinstance(r, GradientEdge) else r.grad_fn for r in roots]
         seen: set[int] = set()
         todo = [n for n in starts if n is not None]
@@ -180,11 +198,10 @@ class SplitUses:
     boundary use])."""
 
     def __init__(self, ctx: Any, x: torch.Tensor, routed: Sequence[torch.Tensor],
-                 roots: Iterable[torch.Tensor | GradientEdge | None]) -> None:
+                 roots: Sequence[torch.Tensor | GradientEdge | None], root_grads: Sequence[torch.Tensor | None]) -> None:
         self.ctx = ctx
         self.leaves = {-1: x, **dict(enumerate(routed))}
-        roots = list(roots)
-        self.groups = [(group, InputUses([self.leaves[k] for k in group], roots)) for group in ctx.split]
+        self.groups = [(group, InputUses([self.leaves[k] for k in group], roots, root_grads)) for group in ctx.split]
 
     def __enter__(self) -> SplitUses:
         return self

@@ -335,7 +335,11 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
         Returns how many were marked."""
         if self._micro is None or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             return 0
-        return mark_boundary_uses(loss)
+        reached: list = []
+        marked = mark_boundary_uses(loss, reached)
+        # the planned passes this backward reaches (Note: [one gradient per shared input] in block_fn.py)
+        self._shared.reached({ctx.j for ctx in reached if self._ctxs.get(ctx.j) is ctx})
+        return marked
 
     def slot_of(self, j: int) -> int:
         return self.resident_slot.get(j, j % 2)

@@ -84,7 +84,7 @@ class ForwardWindows:
         self._window(name)
         sent: list[PendingGrads] = []
         self._store_call(j, call, routed)
-        ctx.routed_keys = self._shared.share(routed)
+        ctx.routed_keys = self._shared.share(j, routed)
         _most(self.stats.boundary_bytes, j, self._nbytes(x))
         for op in self._windows[name].ops:
             if op.lane == "d2h" and op.kind == "offload":

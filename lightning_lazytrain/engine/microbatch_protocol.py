@@ -232,6 +232,7 @@ class MicroBatchProtocol:
         if self._forwarded:  # Note: [unreached blocks]: windows the backward did not reach
             for t in range(self._b_next, -1, -1):
                 self._pass_backward_window(t, rerun=False)
+        self._shared.check_delivered()  # Note: [one gradient per shared input] (block_fn.py)
         # the step's blocks no gradient reached in any of its micro-batches (the profile's no_backward)
         self.stats.no_backward = set(self._unreachable) if first else self.stats.no_backward & self._unreachable
         self._finish_grads()
