@@ -65,7 +65,10 @@ def mark_boundary_uses(loss: torch.Tensor, reached: list | None = None) -> int:
     edge_of: dict[tuple[int, int], tuple[int, int]] = {}  # (id of block context, tensor) -> its edge
     leaves: dict[int, tuple[Any, int]] = {}  # id of a kept graph's leaf -> (its block, tensor): a hook handed it out
     accumulators: list[Any] = []  # leaves' gradient accumulators the graph reaches
-    seen, todo = {id(root)}, [root]
+    # the nodes seen, kept alive for the walk: torch before 2.12 makes a node's Python object afresh when the last
+    # one is gone, and a new object can take a dead one's id
+    seen: dict[int, Any] = {id(root): root}
+    todo = [root]
     while todo:
         node = todo.pop()
         ctx = _block_of(node)
@@ -86,7 +89,7 @@ def mark_boundary_uses(loss: torch.Tensor, reached: list | None = None) -> int:
                 uses.setdefault(edge, {})[(id(ctx), k)] = (ctx, k)
                 edge_of[(id(ctx), k)] = edge
             if id(prev) not in seen:
-                seen.add(id(prev))
+                seen[id(prev)] = prev
                 todo.append(prev)
                 if hasattr(prev, "variable"):
                     accumulators.append(prev)
@@ -155,13 +158,13 @@ class InputUses:
         self.grads.extend(g for g in direct if g is not None)
         roots = [r for r, _ in pairs]
         starts = [r.node if isinstance(r, GradientEdge) else r.grad_fn for r in roots]
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}  # kept alive for the walk (see mark_boundary_uses)
         todo = [n for n in starts if n is not None]
         while todo:
             node = todo.pop()
             if id(node) in seen or any(node is a for a in accs):
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             edges = [k for k, (prev, _) in enumerate(node.next_functions) if any(prev is a for a in accs)]
             if edges:
                 self._handles.append(node.register_hook(self._recorder(edges)))

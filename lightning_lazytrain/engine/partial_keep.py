@@ -7,7 +7,7 @@ Note: [partial keep]
     ``policy`` answers ``MUST_SAVE`` for matmul-class aten ops (``MATMUL_OPS``: mm, addmm, bmm,
     baddbmm, grouped mm and every ``_scaled_dot_product_*attention*`` kernel, whose outputs include
     the log-sum-exp) and ``PREFER_RECOMPUTE`` for everything else. The checkpoint keeps those outputs
-    (counted once per storage, from ``ctx.op_output``, as the layer's partial bytes) and nothing else
+    (counted once per storage, by ``MatmulOutputs`` inside the checkpoint's mode, as the layer's partial bytes) and nothing else
     but its inputs; the autograd graph of the forward stays (no saved tensors in it). When ``B{j}``'s
     backprop first unpacks a saved tensor, the checkpoint re-runs the forward function: the matmul
     ops hand back their stored outputs, the elementwise ops run again. Bit-exact: the same kernels on
@@ -77,24 +77,26 @@ class PartialForward:
         self.recomputing = False
         self.recomputes = 0
 
-    def policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if not is_matmul(func):
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        if not ctx.is_recompute:
-            for storage in _storages(ctx.op_output):
-                ptr = storage.data_ptr()
-                if storage.device == self.device and ptr not in self.seen and storage.nbytes():
-                    self.seen.add(ptr)
-                    self.nbytes += storage.nbytes()
-                    self.count(storage.nbytes())
-        return CheckpointPolicy.MUST_SAVE
+    @staticmethod
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if is_matmul(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def stored(self, storage: torch.UntypedStorage) -> None:
+        """A matmul-class op's output in the forward (``MatmulOutputs``, inside the checkpoint's mode): the policy
+        keeps it; counted once per storage. (Not from the policy's context: torch before 2.12 calls the policy
+        before the op runs, without its output.)"""
+        ptr = storage.data_ptr()
+        if ptr not in self.seen:
+            self.seen.add(ptr)
+            self.nbytes += storage.nbytes()
+            self.count(storage.nbytes())
 
     def run(self, forward: Callable[..., list[torch.Tensor]], rerun: Callable[..., list[torch.Tensor]],
             x: torch.Tensor, routed: list[torch.Tensor]) -> list[torch.Tensor]:
         """``forward(x, routed)``: the block's forward (hooks fire); ``rerun(x, routed)``: its re-run
         (the stored re-run call, hooks silenced, the forward's state replayed). Returns the node's
         outputs as ``forward`` does."""
-        watch = MatmulOutputs(self.device, timed=False)
+        watch = MatmulOutputs(self.device, timed=False, on_output=self.stored)
 
         def fn(xx: torch.Tensor, *rr: torch.Tensor) -> tuple:
             if self.recomputing:
@@ -126,10 +128,12 @@ class MatmulOutputs(TorchDispatchMode):
     address means the old one is gone), and the seconds the other ops take (``elementwise_seconds``;
     on CUDA each op is synchronised, so the figure includes launch overheads: an upper bound)."""
 
-    def __init__(self, device: torch.device, *, timed: bool = True) -> None:
+    def __init__(self, device: torch.device, *, timed: bool = True,
+                 on_output: Callable[[torch.UntypedStorage], None] | None = None) -> None:
         super().__init__()
         self.device = device
         self.timed = timed
+        self.on_output = on_output  # called with each new matmul output storage
         self.alive: dict[int, int] = {}
         self.nbytes = 0
         self.elementwise_seconds = 0.0
@@ -162,6 +166,8 @@ class MatmulOutputs(TorchDispatchMode):
             if matmul:
                 self.alive[ptr] = storage.nbytes()
                 self.nbytes += storage.nbytes()
+                if self.on_output is not None:
+                    self.on_output(storage)
             else:
                 self.alive.pop(ptr, None)
         return out
