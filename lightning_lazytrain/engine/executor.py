@@ -52,11 +52,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
+from lightning_lazytrain.engine import layer_checkpointing
 from lightning_lazytrain.engine.activation_store import ActivationStore
 from lightning_lazytrain.engine.backward_windows import BackwardWindows
 from lightning_lazytrain.engine.block_calls import BlockCalls
 from lightning_lazytrain.engine.block_fn import TrainableReads
+from lightning_lazytrain.engine.blocks import BlockStack, find_blocks
 from lightning_lazytrain.engine.boundary_uses import mark_boundary_uses
 from lightning_lazytrain.engine.copy_engine import CopyError, LinkSpec
 from lightning_lazytrain.engine.copy_factory import make_copy_engine
@@ -280,6 +281,8 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
             except (TypeError, ValueError):
                 self._signatures[j] = None
             block.forward = self._make_forward(j)
+        self._layer_ckpt: dict[int, bool] = {}
+        layer_checkpointing.quiet(self.stack, self._layer_ckpt)  # Note: [a block's own checkpointing]
 
     def _make_forward(self, j: int) -> Callable:
         # The hidden state is the block's first parameter; callers may pass it by keyword
@@ -320,6 +323,7 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
             raise errors[0]
 
     def _restore_blocks(self) -> None:
+        layer_checkpointing.restore(self.stack, self._layer_ckpt)
         for j, block in enumerate(self.stack):
             if j in self._orig:
                 original = self._orig.pop(j)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_lazytrain.engine import layer_checkpointing
 from lightning_lazytrain.engine.armed_hook import ArmedHook
 from lightning_lazytrain.engine.block_fn import SharedInputs
 from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
@@ -69,6 +70,7 @@ class MicroBatchProtocol:
     _between_microbatches: bool
     _exit: contextlib.ExitStack
     _shared_checked: bool
+    _layer_ckpt: dict[int, bool]
     _adhoc_used: bool
     _post_hooks: bool
     _serial: int
@@ -166,6 +168,7 @@ class MicroBatchProtocol:
         if self._micro is not None:
             raise RuntimeError("begin_microbatch() twice without end_microbatch()")
         self.disarm()
+        layer_checkpointing.quiet(self.stack, self._layer_ckpt)  # Note: [a block's own checkpointing]
         self.params.invalidate_copies()  # Note: [kept compute copy]: valid for one micro-batch
         self._micro = (first, last)
         self._windows = {w.name: w for w in self.schedule.windows(first_microbatch=first, last_microbatch=last)}
