@@ -12,7 +12,7 @@ shift || true
 PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q -U setuptools wheel  # the packaging tests build a wheel without isolation
+  "$VENV/bin/pip" install -q -U "setuptools<82" wheel  # the packaging tests build a wheel without isolation
   "$VENV/bin/pip" install -q torch==2.11.0
   "$VENV/bin/pip" install -q "lightning==2.6.6" "transformers==5.17.0" "pyomo>=6.7" "highspy>=1.7" \
     "hydra-core>=1.3" "omegaconf>=2.3" "matplotlib>=3.7" "bitsandbytes>=0.50" "jsonargparse[signatures]>=4.27" \
