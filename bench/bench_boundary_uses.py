@@ -46,9 +46,9 @@ def run(args) -> dict[str, tuple[list[float], list[float], int]]:
     walks: list[float] = []
     marked: list[int] = []
 
-    def timed_walk(loss):
+    def timed_walk(loss, *rest):
         t = time.perf_counter()
-        n = boundary_uses.mark_boundary_uses(loss) if state["mark"] else 0
+        n = boundary_uses.mark_boundary_uses(loss, *rest) if state["mark"] else 0
         walks.append(time.perf_counter() - t)
         marked.append(n)
         return n
