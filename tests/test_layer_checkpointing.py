@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from test_hf_matrix import SCHEDULES
 from test_review11_fabric import check
 from test_review13_boundary_uses import XS, Net, SkipBlock, grad_of, sgd
@@ -73,3 +72,20 @@ def test_the_flag_is_off_while_streaming_and_back_at_close():
     finally:
         ex.close()
     assert [b.gradient_checkpointing for b in net.layers] == [True] * 4
+
+
+def test_checkpointing_the_user_turns_off_mid_run_stays_off():
+    """``gradient_checkpointing_disable()`` while streaming (transformers binds the function afresh and writes False):
+    close leaves it off, as under auto; a block left alone is turned back on."""
+    net = checkpointed_net(True)
+    ex = Executor(net, SCHEDULES["recompute_all"])
+    try:
+        for b in net.layers[:2]:  # what transformers' disable does to each module with the flag
+            b._gradient_checkpointing_func = checkpoint
+            b.gradient_checkpointing = False
+        ex.begin_microbatch()
+        net(XS[0])[0].square().mean().backward()
+        ex.end_microbatch()
+    finally:
+        ex.close()
+    assert [b.gradient_checkpointing for b in net.layers] == [False, False, True, True]

@@ -281,7 +281,7 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
             except (TypeError, ValueError):
                 self._signatures[j] = None
             block.forward = self._make_forward(j)
-        self._layer_ckpt: dict[int, bool] = {}
+        self._layer_ckpt: dict[int, Any] = {}
         layer_checkpointing.quiet(self.stack, self._layer_ckpt)  # Note: [a block's own checkpointing]
 
     def _make_forward(self, j: int) -> Callable:

@@ -10,14 +10,17 @@ again in the backward, where the checkpoint re-runs it with grad -- a second, ou
 a third time in the backward (our re-run, then the checkpoint's). Either way the plan's re-runs (recompute
 boundaries, local re-runs, partial keep) already are the activation checkpointing: so while the executor streams
 the blocks, their own flag is off (``quiet``, at install and at each micro-batch: a flag set later is caught too)
-and the value the user set is back at ``close`` (``restore``). Exact either way: a checkpoint's re-run gives the
-same values.
+and the value the user set is back at ``close`` (``restore``) -- unless the user changed the block's checkpointing
+since (``gradient_checkpointing_disable()`` mid-run: transformers binds ``_gradient_checkpointing_func`` afresh on
+each enable or disable, so a block whose function is no longer the one seen when the flag went off keeps what the
+user last set). Exact either way: a checkpoint's re-run gives the same values.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -26,13 +29,13 @@ __all__ = ["quiet", "restore"]
 log = logging.getLogger("lightning_lazytrain")
 
 
-def quiet(blocks: Sequence[nn.Module], saved: dict[int, bool]) -> None:
-    """Turn off the per-layer checkpointing flag of each block that has it on; ``saved``: block -> the user's value
-    (the first one seen)."""
+def quiet(blocks: Sequence[nn.Module], saved: dict[int, Any]) -> None:
+    """Turn off the per-layer checkpointing flag of each block that has it on; ``saved``: block -> its checkpoint
+    function when the flag went off (the latest time)."""
     turned = []
     for j, block in enumerate(blocks):
         if getattr(block, "gradient_checkpointing", False) is True and hasattr(block, "_gradient_checkpointing_func"):
-            saved.setdefault(j, True)
+            saved[j] = block._gradient_checkpointing_func
             block.gradient_checkpointing = False
             turned.append(j)
     if turned:
@@ -40,9 +43,9 @@ def quiet(blocks: Sequence[nn.Module], saved: dict[int, bool]) -> None:
                  "re-runs are the activation checkpointing); it is back on when the strategy closes", turned)
 
 
-def restore(blocks: Sequence[nn.Module], saved: dict[int, bool]) -> None:
-    """Give the blocks back the flags ``quiet`` turned off."""
-    for j, value in saved.items():
-        if j < len(blocks):
-            blocks[j].gradient_checkpointing = value
+def restore(blocks: Sequence[nn.Module], saved: dict[int, Any]) -> None:
+    """Turn back on the flags ``quiet`` turned off, on the blocks whose checkpointing the user has not changed since."""
+    for j, func in saved.items():
+        if j < len(blocks) and getattr(blocks[j], "_gradient_checkpointing_func", None) is func:
+            blocks[j].gradient_checkpointing = True
     saved.clear()

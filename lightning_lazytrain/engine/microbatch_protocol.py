@@ -70,7 +70,7 @@ class MicroBatchProtocol:
     _between_microbatches: bool
     _exit: contextlib.ExitStack
     _shared_checked: bool
-    _layer_ckpt: dict[int, bool]
+    _layer_ckpt: dict[int, Any]
     _adhoc_used: bool
     _post_hooks: bool
     _serial: int
