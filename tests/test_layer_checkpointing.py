@@ -12,7 +12,7 @@ import functools
 import pytest
 from test_hf_matrix import SCHEDULES
 from test_review11_fabric import check
-from test_review13_boundary_uses import XS, Net, SkipBlock, grad_of, sgd
+from test_review13_boundary_uses import XS, Net, SkipBlock, custom_loop, sgd
 from torch.utils.checkpoint import checkpoint
 
 from lightning_lazytrain.engine.executor import Executor
@@ -37,25 +37,11 @@ def checkpointed_net(reentrant: bool):
     return net
 
 
-def plain_loop(fabric, model, opt, steps):
-    out = []
-    for s in range(steps):
-        pred, _ = model(XS[s])
-        loss = pred.square().mean()
-        fabric.backward(loss)
-        out.append(loss)
-        out += [grad_of(p) for p in model.parameters()]
-        opt.step()
-        opt.zero_grad()
-    return out
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("policy", ["recompute_all", "keep_all"])
 def test_blocks_that_checkpoint_themselves_train_as_under_auto(policy, reentrant):
     """Under ``auto`` the blocks checkpoint themselves; under lazytrain the plan's re-runs do: bit for bit the same."""
-    plain_loop.__name__ = f"layer_ckpt_loop_{reentrant}"
-    check(plain_loop, policy, steps=2, model_fn=functools.partial(checkpointed_net, reentrant), opt_fn=sgd)
+    check(custom_loop(None), policy, steps=2, model_fn=functools.partial(checkpointed_net, reentrant), opt_fn=sgd)
 
 
 def test_the_flag_is_off_while_streaming_and_back_at_close():

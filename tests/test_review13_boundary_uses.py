@@ -54,15 +54,17 @@ transformers = pytest.importorskip("transformers")
 # =====================================================================================================================
 # executor level: other Hugging Face architectures, a loss term on a boundary
 # =====================================================================================================================
-def exec_check(tmp_path, name: str, sched: str, extra) -> None:
+def exec_check(tmp_path, name: str, sched: str, extra, *, hidden: bool = True, own_loss: bool = True):
     """Plain autograd against the Executor (``mark_boundary_uses`` before the backward, as the adapters call it) on
-    ``out.loss + extra(out)`` with ``output_hidden_states=True``: loss and every gradient exactly equal."""
+    ``out.loss + extra(out)`` (``own_loss`` False: ``extra(out)`` alone) with ``output_hidden_states=hidden``: loss and
+    every gradient exactly equal. Returns (block nodes the walk marked, seconds it took)."""
     model, batch = build(name)
-    batch = dict(batch, output_hidden_states=True)
+    if hidden:
+        batch = dict(batch, output_hidden_states=True)
     ref = copy.deepcopy(model)
     torch.manual_seed(7)
     out = ref(**batch)
-    want_loss = out.loss + extra(out)
+    want_loss = (out.loss if own_loss else 0.0) + extra(out)
     want_loss.backward()
     want = {n: (None if p.grad is None else p.grad.clone()) for n, p in ref.named_parameters()}
     m = copy.deepcopy(model)
@@ -71,13 +73,16 @@ def exec_check(tmp_path, name: str, sched: str, extra) -> None:
         torch.manual_seed(7)
         ex.begin_microbatch()
         out = m(**batch)
-        loss = out.loss + extra(out)
-        ex.mark_boundary_uses(loss)
+        loss = (out.loss if own_loss else 0.0) + extra(out)
+        t0 = time.perf_counter()
+        marked = ex.mark_boundary_uses(loss)
+        took = time.perf_counter() - t0
         loss.backward()
         ex.end_microbatch()
     finally:
         ex.close()
     compare(loss.detach(), want_loss.detach(), m, want)
+    return marked, took
 
 
 def on_hidden(i):

@@ -46,18 +46,15 @@ recompute_all); a block the backward never reaches where the routed tensor is sp
 
 from __future__ import annotations
 
-import copy
-import time
 
 import lightning as L
 import pytest
 import torch
-from test_hf_matrix import SCHEDULES, build, compare
+from test_hf_matrix import SCHEDULES
 from test_review11_fabric import _plan_json, check
-from test_review13_boundary_uses import XS, D, Net, SkipBlock, grad_of, sgd
+from test_review13_boundary_uses import XS, D, Net, SkipBlock, exec_check, grad_of, sgd
 from torch import nn
 
-from lightning_lazytrain.engine.executor import Executor
 from lightning_lazytrain.planner.policies import min_memory
 from lightning_lazytrain.strategy import LazyTrainStrategy
 
@@ -590,33 +587,9 @@ def test_a_block_output_routed_into_later_blocks(policy, loop):
 # 6. BART / T5: a term on the routed encoder output under other schedules; the walk's cost on ordinary losses
 # =====================================================================================================================
 def exec_marked(name, sched, extra, tmp_path, *, hidden=False, own_loss=True):
-    """``out.loss + extra(out)`` through the Executor against plain autograd (asserted equal); returns (marked nodes,
-    seconds the walk took)."""
-    model, batch = build(name)
-    if hidden:
-        batch = dict(batch, output_hidden_states=True)
-    ref = copy.deepcopy(model)
-    torch.manual_seed(7)
-    out = ref(**batch)
-    want_loss = (out.loss if own_loss else 0.0) + extra(out)
-    want_loss.backward()
-    want = {n: (None if p.grad is None else p.grad.clone()) for n, p in ref.named_parameters()}
-    m = copy.deepcopy(model)
-    ex = Executor(m, SCHEDULES[sched], nvme_dir=tmp_path)
-    try:
-        torch.manual_seed(7)
-        ex.begin_microbatch()
-        out = m(**batch)
-        loss = (out.loss if own_loss else 0.0) + extra(out)
-        t0 = time.perf_counter()
-        marked = ex.mark_boundary_uses(loss)
-        took = time.perf_counter() - t0
-        loss.backward()
-        ex.end_microbatch()
-    finally:
-        ex.close()
-    compare(loss.detach(), want_loss.detach(), m, want)
-    return marked, took
+    """review 13's ``exec_check`` (asserted equal to plain autograd), without hidden states unless asked; returns
+    (marked nodes, seconds the walk took)."""
+    return exec_check(tmp_path, name, sched, extra, hidden=hidden, own_loss=own_loss)
 
 
 def on_encoder_output(out):

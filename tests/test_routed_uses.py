@@ -7,13 +7,12 @@ input]) marks no node."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-from test_hf_matrix import SCHEDULES, build, compare
+from test_hf_matrix import SCHEDULES, build
 from test_review11_fabric import check
-from test_review13_boundary_uses import XS, Net, SkipBlock, grad_of, sgd
+from test_review13_boundary_uses import XS, Net, SkipBlock, custom_loop, exec_check, grad_of, sgd, skip_net
 
 from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
 from lightning_lazytrain.engine.executor import Executor
@@ -24,27 +23,7 @@ transformers = pytest.importorskip("transformers")
 def marked_and_exact(name: str, sched: str, extra, tmp_path) -> int:
     """``out.loss + extra(out)`` through the Executor against plain autograd (asserted equal); returns how many block
     nodes the walk marked."""
-    model, batch = build(name)
-    ref = copy.deepcopy(model)
-    torch.manual_seed(7)
-    out = ref(**batch)
-    want_loss = out.loss + extra(out)
-    want_loss.backward()
-    want = {n: (None if p.grad is None else p.grad.clone()) for n, p in ref.named_parameters()}
-    m = copy.deepcopy(model)
-    ex = Executor(m, SCHEDULES[sched], nvme_dir=tmp_path)
-    try:
-        torch.manual_seed(7)
-        ex.begin_microbatch()
-        out = m(**batch)
-        loss = out.loss + extra(out)
-        marked = ex.mark_boundary_uses(loss)
-        loss.backward()
-        ex.end_microbatch()
-    finally:
-        ex.close()
-    compare(loss.detach(), want_loss.detach(), m, want)
-    return marked
+    return exec_check(tmp_path, name, sched, extra, hidden=False)[0]
 
 
 @pytest.mark.parametrize("name", ["bart", "t5-nocache"])
@@ -79,24 +58,6 @@ def two_forward_loop(fabric, model, opt, steps):
     return out
 
 
-def routed_term_loop(fabric, model, opt, steps):
-    """One forward; a term on the routed boundary hidden[1] (block 1's input, skip= into blocks 2 and 3)."""
-    out = []
-    for s in range(steps):
-        pred, hidden = model(XS[s])
-        loss = pred.square().mean() + 0.1 * hidden[1].pow(2).mean()
-        fabric.backward(loss)
-        out.append(loss)
-        out += [grad_of(p) for p in model.parameters()]
-        opt.step()
-        opt.zero_grad()
-    return out
-
-
-def skip_net():
-    return Net(SkipBlock, skip_from=1, skip_into=(2, 3))
-
-
 def test_two_forwards_with_a_routed_boundary_in_the_loss():
     """The ad-hoc passes' nodes take the routed boundary without a chain key: they are marked and exact too."""
     check(two_forward_loop, "recompute_all", steps=2, model_fn=skip_net, opt_fn=sgd)
@@ -104,7 +65,7 @@ def test_two_forwards_with_a_routed_boundary_in_the_loss():
 
 @pytest.mark.parametrize("policy", ["keep_all", "megatrain"])
 def test_routed_boundary_in_the_loss_other_schedules(policy):
-    check(routed_term_loop, policy, steps=2, model_fn=skip_net, opt_fn=sgd)
+    check(custom_loop(1), policy, steps=2, model_fn=skip_net, opt_fn=sgd)
 
 
 class DetachedNet(Net):

@@ -331,7 +331,6 @@ class SharedInputs:
             pending.discard(ctx.j)
             if not pending:
                 self._pending.pop(key, None)
-                self._running.pop(key, None)
                 out.append(leaf.grad)
             else:
                 if leaf.grad is not None:
