@@ -18,8 +18,13 @@ Note: [the budget is what the allocator reserves]
       overhead in bytes (reserved - allocated, +2%) under the budget -- and re-plan at the next step
       (the drift mechanism: re-profile, solve, switch when the current schedule no longer fits); allocated bytes above the plan's peak
       re-profile too, so the plan counts what the step left untracked (Note: [untracked device
-      bytes] in engine/step_stats.py). Each is logged; at most ``max_replans`` per run. Reserved
-      bytes close to the budget with the planned ratio are the plan working as meant, not a reason;
+      bytes] in engine/step_stats.py). Each is logged; at most ``max_replans`` per run (a step over
+      the budget after the last is still logged, once). Reserved bytes close to the budget with the
+      planned ratio are the plan working as meant, not a reason. With several processes every rank's
+      peaks are read and the worst decides (``MemoryWatch.worst``: the one that needs the largest
+      ratio, else the most allocated bytes); a re-plan wanted for another reason (drift, blocks thawed)
+      in the same step takes the raised ratio and both reasons. A schedule kept by a re-plan is
+      watched against its own peak re-simulated on the new profile, not the old plan's;
     - the first plan already leaves room for the byte overhead the profiled step showed
       (``MemoryWatch.prime``; that step starts with the allocator's cache released);
     - a switch to a new schedule gives the allocator's cached segments back (``release_cache``):
@@ -80,6 +85,7 @@ class MemoryWatch:
     ratio: float = 1.0  # reserved / allocated the plan allows for (1.0: not a CUDA device)
     max_replans: int = 3
     replans: int = 0
+    warned: bool = False  # a step over the budget after the last re-plan was logged
 
     @classmethod
     def for_device(cls, device: torch.device, expandable: bool) -> MemoryWatch:
@@ -112,10 +118,37 @@ class MemoryWatch:
         self.ratio = ratio
         return True
 
+    @classmethod
+    def worst(cls, readings: list[tuple[int | None, int | None]], budget_bytes: float, ratio: float) -> int:
+        """Which of several processes' ``(reserved, allocated)`` peaks decides (Note: [the budget is what the
+        allocator reserves]): of those that call for a larger ratio than ``ratio`` (+2%) or exceed the budget,
+        the one calling for the largest; else the one that allocated the most. Readings of None are skipped."""
+        def wanted(r: tuple[int | None, int | None]) -> float:
+            reserved, allocated = r
+            if reserved is None or allocated is None or allocated <= 0:
+                return 0.0
+            if reserved / allocated <= ratio * 1.02 and reserved <= budget_bytes:
+                return 0.0
+            return max(reserved / allocated * 1.02, cls._room_ratio((reserved - allocated) * 1.02, budget_bytes))
+
+        needs = [wanted(r) for r in readings]
+        if max(needs, default=0.0) > 0.0:
+            return max(range(len(readings)), key=needs.__getitem__)
+        return max(range(len(readings)), key=lambda i: readings[i][1] or 0)
+
     def observe(self, *, reserved: int | None, allocated: int | None, budget_bytes: float,
-                predicted_peak: float) -> str | None:
-        """A step's allocator peaks (CUDA; None elsewhere): the reason to re-plan, or None."""
-        if reserved is None or allocated is None or allocated <= 0 or self.replans >= self.max_replans:
+                predicted_peak: float, replanning: bool = True) -> str | None:
+        """A step's allocator peaks (CUDA; None elsewhere): the reason to re-plan, or None. ``replanning``: the
+        run re-plans on it (else the reason says it does not: a named policy, or re-planning off)."""
+        if reserved is None or allocated is None or allocated <= 0:
+            return None
+        if self.replans >= self.max_replans:
+            if reserved > budget_bytes and not self.warned:
+                self.warned = True
+                log.warning("lazytrain: memory: the allocator reserved %.3g GB, over the budget of %.3g GB, after the "
+                            "last of %d memory re-plans: not re-planned again. Lower gpu_memory_budget_gb below what "
+                            "the device has, or free what else holds the GPU", reserved / 1e9, budget_bytes / 1e9,
+                            self.max_replans)
             return None
         measured = reserved / allocated
         reason = None
@@ -125,12 +158,16 @@ class MemoryWatch:
             # measured a larger ratio); the plan takes the larger cut
             additive = self._room_ratio((reserved - allocated) * 1.02, budget_bytes)
             self.ratio = max(self.ratio, measured * 1.02, additive)
+            then = (f"re-planning with a reserve ratio of {self.ratio:.3f}" if replanning else
+                    f"a reserve ratio of {self.ratio:.3f} would cover it")
             reason = (f"memory: the allocator reserved {reserved / 1e9:.3g} GB, {measured:.3f}x what it allocated "
                       f"({(reserved - allocated) / 1e9:.3g} GB over), against a budget of {budget_bytes / 1e9:.3g} GB: "
-                      f"re-planning with a reserve ratio of {self.ratio:.3f}")
+                      + then)
         elif allocated > predicted_peak * 1.02 + (64 << 20):
+            then = ("re-profiling to count what the step leaves untracked" if replanning else
+                    "the step left bytes the plan does not count")
             reason = (f"memory: {allocated / 1e9:.3g} GB allocated, above the plan's peak of "
-                      f"{predicted_peak / 1e9:.3g} GB: re-profiling to count what the step leaves untracked")
+                      f"{predicted_peak / 1e9:.3g} GB: " + then)
         if reason is not None:
             self.replans += 1
         return reason

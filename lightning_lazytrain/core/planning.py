@@ -19,7 +19,7 @@ from lightning_lazytrain.core.autoplan import (AutoPlan, given_hardware, host_jo
                                                plan_from_workload)
 from lightning_lazytrain.core.options import CoreOptions, ProcessLayout
 from lightning_lazytrain.core.plan_race import PlanRace, RaceEntry
-from lightning_lazytrain.core.processes import broadcast_object
+from lightning_lazytrain.core.processes import broadcast_object, gather_objects
 from lightning_lazytrain.core.replan import DriftMonitor, measured_link_rates
 from lightning_lazytrain.engine.executor import Executor, StepStats
 from lightning_lazytrain.engine.param_store import REST
@@ -85,6 +85,7 @@ class Planner:
         self.replan_forced = False  # ... and its plan is taken whatever it gains (Note: [blocks thawed or frozen])
         self.no_backward: tuple[int, ...] | None = None  # the blocks without a backward in the last profile
         self.predicted: float | None = None  # the current schedule's prediction after a kept re-plan
+        self.peak: float | None = None  # ... and its peak of device bytes (what the memory watch holds it to)
         self._milp: MilpOptions | None = None  # the options the last plan was solved with (rescale's too)
         self._measured: Hardware | None = None
 
@@ -125,6 +126,12 @@ class Planner:
             return self.predicted
         return self.plan.result.sim.iteration_seconds if self.plan else float("nan")
 
+    def predicted_peak(self) -> float:
+        """The device bytes the current schedule is predicted to allocate at its peak (after a kept re-plan: on
+        the new profile, which counts what the step left untracked)."""
+        assert self.plan is not None
+        return self.peak if self.peak is not None else self.plan.result.sim.peak_gpu_bytes
+
     # ---- the plan ----------------------------------------------------------------------------------
     def solve(self, p: Profile, layout: ProcessLayout, *, step: int, device: torch.device) -> AutoPlan | None:
         """Plan from the profiled step; the plan to switch to, or None to keep the current schedule (a
@@ -138,15 +145,20 @@ class Planner:
         plan: AutoPlan | None = None
         failure: str | None = None
         current_s: float | None = None  # the current schedule, re-simulated (re-plans only)
+        current_peak: float | None = None  # ... and its peak
+        # every process's allocator peaks in the profiled step: the worst primes the first plan (allocator.py)
+        peaks = gather_objects((p.stats.max_memory_reserved, p.stats.max_memory_allocated))
         if layout.is_global_zero:  # with several processes rank 0 plans for all (one plan, not N)
             try:
                 t0 = time.perf_counter()
                 hardware = self.hardware(device, layout.per_node)
+                reserved, allocated = peaks[MemoryWatch.worst(peaks, self.budget_bytes or float("inf"),
+                                                              self.memory.ratio)]
                 if reason is None and self.plan is None and self.memory.prime(
-                        reserved=p.stats.max_memory_reserved, allocated=p.stats.max_memory_allocated,
+                        reserved=reserved, allocated=allocated,
                         budget_bytes=self.budget_bytes):  # the allocator's overhead, seen in the profiled step
-                    self._info(f"lazytrain: the allocator reserved {p.stats.max_memory_reserved / 1e9:.3g} GB for "
-                               f"{p.stats.max_memory_allocated / 1e9:.3g} GB allocated in the profiled step: the plan "
+                    self._info(f"lazytrain: the allocator reserved {reserved / 1e9:.3g} GB for "
+                               f"{allocated / 1e9:.3g} GB allocated in the profiled step: the plan "
                                f"leaves room for it (reserve ratio {self.memory.ratio:.3f})")
                     hardware = self.hardware(device, layout.per_node)
                 if reason is not None:
@@ -177,12 +189,15 @@ class Planner:
                 plan.timings["profile"] = time.perf_counter() - p.t_step - plan.timings["solve"] - t_hw
                 if reason is not None:
                     try:
-                        current_s = simulate(ex.schedule, wl, hardware).iteration_seconds
+                        current = simulate(ex.schedule, wl, hardware)
+                        current_s, current_peak = current.iteration_seconds, current.peak_gpu_bytes
                     except Exception:  # the current schedule no longer fits: switch
                         current_s = float("inf")
             except BaseException as err:
                 if isinstance(err, InfeasibleBudget):  # the first line a user reads, before the traceback
                     err = err.reworded(EIGHT_BIT_FIX, TRAINER_EIGHT_BIT_FIX)  # the fix in a Trainer user's terms
+                    if self.budget_bytes:  # a GPU budget that works, not the cap the allocator's reserve left
+                        err = err.under_reserve(self.memory.ratio, self.budget_bytes)
                     log.error("lazytrain cannot train this within its budget: %s", err)
                 if (isinstance(err, InfeasibleSchedule) and err.resource == "nvme_capacity"
                         and self.options.nvme_dir is not None and err.need_bytes is not None):
@@ -197,10 +212,10 @@ class Planner:
                 if not layout.is_distributed:
                     raise err
                 failure = f"{type(err).__name__}: {err}"
-                broadcast_object((None, failure, None))
+                broadcast_object((None, failure, None, None))
                 raise err
         if layout.is_distributed:
-            plan, failure, current_s = broadcast_object((plan, failure, current_s))
+            plan, failure, current_s, current_peak = broadcast_object((plan, failure, current_s, current_peak))
             if plan is None:
                 raise RuntimeError(f"rank 0 could not plan, so no rank trains: {failure}")
         assert plan is not None
@@ -209,7 +224,7 @@ class Planner:
                 if o.bits_pending:
                     o.set_state_bits("none" if plan.state_fraction == 0 else plan.state_fraction)
         if reason is None:
-            self.predicted = None
+            self.predicted = self.peak = None
             return plan
         assert current_s is not None
         new_s = plan.result.sim.iteration_seconds
@@ -225,9 +240,9 @@ class Planner:
             f"new plan {new_s:.3f} s ({gain:+.1%}): {'switching' if switch else 'keeping the current schedule'}")
         self.drift.replanned(switch)  # a kept schedule raises the bar for the next re-plan
         if not switch:
-            self.predicted = current_s
+            self.predicted, self.peak = current_s, current_peak
             return None
-        self.predicted = None
+        self.predicted = self.peak = None
         return plan
 
     def adopt(self, plan: AutoPlan) -> None:
@@ -267,7 +282,7 @@ class Planner:
         watch's peak); logged and kept in ``races``."""
         assert race.winner is not None
         self.plan = race.winner.plan
-        self.predicted = None
+        self.predicted = self.peak = None
         self.drift.reset()
         self.races.append({"step": step, **race.record()})
         kept_plan = race.winner is race.entries[0]
@@ -296,7 +311,7 @@ class Planner:
             self._debug(f"lazytrain: micro-batches {factor:.2f}x the planned size fit the current schedule "
                         f"({sim.iteration_seconds:.3f} s predicted)")
             self.plan = dataclasses.replace(self.plan, result=dataclasses.replace(result, workload=wl, sim=sim))
-            self.predicted = None
+            self.predicted = self.peak = None
             return self.SHORT
         if self.options.policy != "milp":
             log.warning("lazytrain: a micro-batch %.2fx the size the plan was made for does not fit policy=%r's "
@@ -323,7 +338,7 @@ class Planner:
         self._info(f"lazytrain: a micro-batch {factor:.2f}x the size the plan was made for: the current schedule "
                    f"does not fit ({short}){then}")
         if plan is not None:
-            self.predicted = None
+            self.predicted = self.peak = None
         return plan
 
     def _price_optimizer_states(self, wl: Workload, hardware: Hardware, p: Profile) -> tuple[Workload, float | None]:
@@ -387,33 +402,39 @@ class Planner:
 
     def watch_memory(self, layout: ProcessLayout, stats: StepStats) -> None:
         """After a planned step on CUDA: the allocator's own peaks against the budget and the plan;
-        a re-plan when they say so (Note: [the budget is what the allocator reserves]). Rank 0
-        decides for all: the conditions before the broadcast are the same on every rank (only rank 0 has
-        made the plan's machine, so only rank 0 knows the budget)."""
-        if self.plan is None or self.replan_reason:
+        a re-plan when they say so (Note: [the budget is what the allocator reserves]). Every process's
+        peaks are gathered and rank 0 decides for all on the worst (only rank 0 has made the plan's machine,
+        so only rank 0 knows the budget). A re-plan already wanted for another reason (drift, blocks thawed)
+        still reads the step: it re-plans with the raised ratio, for both reasons."""
+        if self.plan is None:
             return
+        readings = gather_objects((stats.max_memory_reserved, stats.max_memory_allocated))
+        replanning = self.options.policy == "milp" and self.options.replan.enabled
         reason = None
         if layout.is_global_zero and self.budget_bytes is not None:
-            reason = self.memory.observe(reserved=stats.max_memory_reserved, allocated=stats.max_memory_allocated,
-                                         budget_bytes=self.budget_bytes,
-                                         predicted_peak=self.plan.result.sim.peak_gpu_bytes)
+            rank = MemoryWatch.worst(readings, self.budget_bytes, self.memory.ratio)
+            reserved, allocated = readings[rank]
+            reason = self.memory.observe(reserved=reserved, allocated=allocated, budget_bytes=self.budget_bytes,
+                                         predicted_peak=self.predicted_peak(), replanning=replanning)
+            if reason is not None and layout.is_distributed:
+                reason = reason.replace("memory:", f"memory (rank {rank}):", 1)
         if layout.is_distributed:
             reason, ratio = broadcast_object((reason, self.memory.ratio))
             self.memory.ratio = ratio
         if reason is None:
             return
-        if self.options.policy != "milp" or not self.options.replan.enabled:
+        if not replanning:
             log.warning("lazytrain: %s (not re-planned: policy=%r, replan=%s)", reason, self.options.policy,
                         self.options.replan.enabled)
             return
-        self.replan_reason = reason
+        self.replan_reason = f"{self.replan_reason}; {reason}" if self.replan_reason else reason
         self._info(f"lazytrain: {reason}")
 
     def reset(self) -> None:
         """The run ended (teardown): no plan, no pending re-plan; the re-plan records stay."""
         self.plan = None
         self._measured = None
-        self.replan_reason, self.predicted = None, None
+        self.replan_reason, self.predicted, self.peak = None, None, None
         self.replan_forced, self.no_backward = False, None
         self.drift.reset()
 

@@ -1,5 +1,5 @@
 """What the training core exchanges between processes besides gradients: Python objects from rank 0
-(a plan, a re-plan decision), on the default process group."""
+(a plan, a re-plan decision) and from every rank (a step's allocator peaks), on the default process group."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["broadcast_object", "distributed_ready"]
+__all__ = ["broadcast_object", "distributed_ready", "gather_objects"]
 
 T = TypeVar("T")
 
@@ -25,3 +25,13 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     box: list[Any] = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
+
+
+def gather_objects(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank (picklable; the default group). Without a process
+    group: ``[obj]``."""
+    if not distributed_ready():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -153,7 +153,7 @@ class ScheduleControl:
             self.steps.finish()  # the schedule switches after the updates in flight
             entry = race.entries[choice]
             self._run_on(ex, entry.schedule, entry.plan.result.placement)
-            self.planner.predicted = entry.predicted_s
+            self.planner.predicted, self.planner.peak = entry.predicted_s, entry.plan.result.sim.peak_gpu_bytes
         if race.done:
             self.race = None
             self.planner.raced(race, self._steps_ended)

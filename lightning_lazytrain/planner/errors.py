@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .units import format_bytes
+from .units import format_bytes, format_bytes_at_least
 
 
 class PlannerError(ValueError):
@@ -47,6 +47,24 @@ class InfeasibleBudget(PlannerError):
         planner names lazytrain-plan's keys; the strategy and the train app name their own)."""
         return InfeasibleBudget(self.tier, self.shortfall_bytes, self.message, self.suggestion.replace(old, new),
                                 fits_bytes=self.fits_bytes)
+
+    def under_reserve(self, ratio: float, budget_bytes: float) -> InfeasibleBudget:
+        """A GPU shortage found against the plan's cap -- the budget of reserved bytes divided by the CUDA
+        allocator's reserve ratio (core/allocator.py) -- in the budget's terms: the figure suggested is a
+        budget that works (the cap's ``ratio`` times), the shortfall is against the budget, and the message says
+        where the cap came from. Other tiers, or no reserve (ratio 1), unchanged."""
+        if self.tier != "gpu" or not ratio > 1.0 or not budget_bytes:
+            return self
+        why = (f"; the cap is the GPU budget of {format_bytes(budget_bytes)} divided by {ratio:.3f}, the CUDA "
+               "allocator's reserve (what it reserves beyond what tensors hold, measured)")
+        if self.fits_bytes is None:
+            return InfeasibleBudget(self.tier, self.shortfall_bytes * ratio, self.message + why,
+                                    self.suggestion + (f" (GPU figures here are of allocated bytes: a budget needs "
+                                                       f"{ratio:.3f}x them)" if self.suggestion else ""))
+        fits = self.fits_bytes * ratio
+        suggestion = self.suggestion.replace(format_bytes_at_least(self.fits_bytes), format_bytes_at_least(fits))
+        return InfeasibleBudget(self.tier, max(fits - budget_bytes, 0.0), self.message + why, suggestion,
+                                fits_bytes=fits)
 
 
 class InfeasibleSchedule(PlannerError):
