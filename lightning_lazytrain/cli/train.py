@@ -141,6 +141,8 @@ def build_strategy(cfg: Any) -> Any:
             kwargs[key] = s[key]
     if s.fp32_masters:
         kwargs["fp32_masters"] = True
+    if s.conversions != "plan":  # the strategy checks the value (and that it has fp32_masters to place)
+        kwargs["conversions"] = s.conversions
     try:
         return entry["strategy"](**kwargs)
     except ValueError as err:  # the strategy's option checks (autoplan.validate_options), named as the config's keys

@@ -24,7 +24,7 @@ STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
 LAZYTRAIN_PRECISIONS = ("16-mixed", "16-true", "32-true", "bf16-mixed", "bf16-true")
 #: LazyTrainStrategy's and CausalLMModule's arguments as the app's config names them
 _STRATEGY_OPTIONS = re.compile(r"(?<![\w.])(hardware|policy|gpu_memory_budget_gb|nvme_dir|blocks|emulate_link_gb_per_s|"
-                               r"fp32_masters|keep_compute_copy)=")
+                               r"fp32_masters|keep_compute_copy|conversions)=")
 _OPTIM_OPTIONS = re.compile(r"(?<![\w.])(lr|weight_decay|betas|eps|eight_bit|max_grad_norm|warmup_steps|min_lr_ratio|"
                             r"lr_schedule|optimizer|updates_in_backward)=")
 

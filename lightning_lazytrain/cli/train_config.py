@@ -61,6 +61,7 @@ class StrategyConfig:
     emulate_link_gb_per_s: Optional[float] = None
     fp32_masters: bool = False  # with trainer.precision=bf16-true: fp32 masters, bf16 copies streamed
     keep_compute_copy: Optional[bool] = None  # fp32_masters: keep the bf16 copies on the host (None: auto)
+    conversions: str = "plan"  # fp32_masters: where fp32 <-> bf16 runs: plan | host | device
 
 
 @dataclass

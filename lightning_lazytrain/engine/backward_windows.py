@@ -30,6 +30,7 @@ from lightning_lazytrain.engine.user_grad_hooks import tensor_hook_names
 
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.activation_store import ActivationStore
+    from lightning_lazytrain.engine.adhoc_grads import AdhocGrads
     from lightning_lazytrain.engine.block_fn import SharedInputs
     from lightning_lazytrain.engine.block_io import ForwardState
     from lightning_lazytrain.engine.blocks import BlockStack
@@ -71,7 +72,7 @@ class BackwardWindows:
     _states: dict[int, ForwardState]
     _internals: dict[int, OffloadedInternals]
     _partial: dict[int, PartialForward]
-    _adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]]
+    _adhoc_grads: AdhocGrads
     _pending_grads: list[PendingGrads]
     _retiring: list[int]
 
@@ -101,6 +102,9 @@ class BackwardWindows:
         self._transfers_and_rerun(name, t, s.block_ending_at(t + 1))
         slot = self.slot_of(t)
         self._finish_grads(slot=slot)  # the slot's grad buffer is zeroed by bind
+        # ad-hoc gradients of earlier backward calls reach the host gradient before this call's (Note: [ad-hoc
+        # gradients per backward call])
+        self._add_adhoc_grads([(t, g, touched) for g, touched in self._adhoc_grads.planned(t)])
         with self.params.bind(t, slot, grads=True):
             if ctx.kept is not None:
                 xg, rin = ctx.kept.x, ctx.kept.routed
@@ -257,10 +261,7 @@ class BackwardWindows:
                 backprop(outs, grads)
         grads_j = self.params.take_grads(self.params.send_grads(j, RECOMPUTE_SLOT, direct=False))
         self.params.evict(RECOMPUTE_SLOT)
-        if j in self._adhoc_grads:  # in arrival order, as autograd's input buffer sums them
-            acc, touched = self._adhoc_grads[j]
-            grads_j = (acc.add_(grads_j[0]), touched | grads_j[1])
-        self._adhoc_grads[j] = grads_j  # joins layer j's planned grads before the host grad
+        self._adhoc_grads.add(j, grads_j)  # Note: [ad-hoc gradients per backward call]
         self._adhoc_used = True
         return _node_grads(xg, uses, [t.grad for t in rin])
 

@@ -369,7 +369,7 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
             norms = last and final and self.take_norms
             param_norms: dict[nn.Parameter, torch.Tensor] | None = {} if norms else None
             norm = self.params.finish_grads(p, norm=norms, final=last and final,
-                                            extra=self._adhoc_grads.pop(p.layer, None), wait=False,
+                                            extra=self._adhoc_grads.joined(p.layer), wait=False,
                                             param_norms=param_norms)
             if norm is not None:
                 self.stats.layer_sq_norms[p.layer] = norm
@@ -378,13 +378,17 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
                 self._pending_grads.remove(p)
 
     def _flush_adhoc_grads(self) -> None:
-        """Ad-hoc gradients that met no planned ones (layer 0 between micro-batches of a step, or a
-        layer whose planned grads went first) go straight to the host grads."""
+        """Ad-hoc gradients that met no planned ones (layer 0 between micro-batches of a step, a
+        layer whose planned grads went first, a later backward call's: Note: [ad-hoc gradients per backward
+        call]) go straight to the host grads."""
+        self._add_adhoc_grads(list(self._adhoc_grads.remaining()))
+
+    def _add_adhoc_grads(self, taken: list[tuple[int, torch.Tensor, frozenset]]) -> None:
+        """Add ad-hoc gradients (layer, flat gradients, parameters touched) to the host grads, in order."""
         assert self.params is not None
-        if self._adhoc_grads:
+        if taken:
             self.params.wait_host()  # after the host lane's accumulations, in order
-        for j, (grads, touched) in self._adhoc_grads.items():
+        for j, grads, touched in taken:
             self.params.renew_aliased_host_grads(j)  # Note: [a kept gradient] (kept_grads.py)
             self.params.accumulate_host(j, grads, touched)
             self.stats.late_groups.add(j)
-        self._adhoc_grads = {}

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_lazytrain.engine import layer_checkpointing
+from lightning_lazytrain.engine.adhoc_grads import AdhocGrads
 from lightning_lazytrain.engine.armed_hook import ArmedHook
 from lightning_lazytrain.engine.block_fn import SharedInputs
 from lightning_lazytrain.engine.live_bytes import reset_cuda_peak
@@ -184,7 +185,7 @@ class MicroBatchProtocol:
         self._ctxs: dict[int, BlockContext] = {}  # block -> its planned pass's node, until its backward window
         self.params.post_hooks.reset()
         self._watch_early_parts(last)
-        self._adhoc_grads: dict[int, tuple[torch.Tensor, frozenset]] = {}
+        self._adhoc_grads = AdhocGrads()  # Note: [ad-hoc gradients per backward call]
         self._shared = SharedInputs()  # Note: [one gradient per shared input] (block_fn.py)
         if first:
             self._adhoc_used = False
