@@ -114,6 +114,33 @@ class MicroBatches:
         if self.executor is not None:  # (the executor checks the micro-batch and the loss)
             self.executor.mark_boundary_uses(loss)
 
+    # Note: [a backward outside the strategy]
+    # The adapters end a micro-batch right after the backward they run (``manual_backward``, ``fabric.backward``,
+    # the automatic loop's): its gradients reach the host then. A ``loss.backward()`` called directly (manual
+    # optimization, a Fabric loop) runs the blocks' backward windows but nothing ends the micro-batch; it used to
+    # be dropped at the optimizer step or the next micro-batch's begin, as a forward without backward is: block
+    # 0's and the non-block gradients never reached the host and the step trained silently wrong (review 17:
+    # layers.0 .grad None, others up to 0.043 off). Now a micro-batch whose backward ran is ended late, where it
+    # shows (``close_open_microbatch``): the optimizer step, a clip, the next micro-batch's begin; a warning says
+    # so once, as ``.grad`` read between that backward and those points is not the step's yet.
+
+    def close_open_microbatch(self) -> None:
+        """An open micro-batch: ended if a backward ran in it (Note: [a backward outside the strategy]), else
+        dropped (a forward with grad whose backward never ran)."""
+        ex = self.executor
+        if ex is None or not ex.in_microbatch:
+            return
+        if not ex.backward_ran:
+            self.abort_microbatch()
+            return
+        if not self._outside_backward_warned:
+            self._outside_backward_warned = True
+            log.warning("lazytrain: a backward ran outside the strategy (loss.backward() instead of "
+                        "self.manual_backward(loss) or fabric.backward(loss)); its micro-batch ends now, at the "
+                        "optimizer step, clip or next forward: .grad read before that is not complete. Call "
+                        "manual_backward / fabric.backward")
+        self.end_microbatch()
+
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""
         ex = self.executor
@@ -132,7 +159,9 @@ class MicroBatches:
         A micro-batch left open (a forward without backward) is dropped first."""
         ex = self._ex()
         ex.disarm()
-        self.abort_microbatch()  # the previous step returned None, or ran a forward without backward
+        # the previous step returned None, or ran a forward without backward (dropped), or a backward outside the
+        # strategy (ended: Note: [a backward outside the strategy])
+        self.close_open_microbatch()
         size = elements() if elements is not None else 0
         if size:
             self._guard_size(ex, size, tokens)

@@ -104,6 +104,7 @@ class TrainingCore(MicroBatches, ScheduleControl):
         # a step's gradients changed after their final accumulation (ad-hoc passes, post-accumulate
         # hooks): no update in the backward for the rest of the run (Note: [updates in the backward pass])
         self._late_grads_seen = False
+        self._outside_backward_warned = False  # Note: [a backward outside the strategy] (microbatches.py)
         self._post_hooks = False  # the module has post-accumulate-grad hooks (this step)
         self._incomplete_profiles = 0  # steps meant as the profile whose backward skipped blocks
         self._shard_bytes_per_s: float | None = None  # a sharded store's in-line collectives

@@ -220,7 +220,9 @@ class BackwardWindows:
             raise RuntimeError(
                 f"backward through block {ctx.j}'s forward of an earlier micro-batch: with strategy='lazytrain' a "
                 "forward's saved state is released when its micro-batch ends (at the backward that ends it). "
-                "Backpropagate a forward in the micro-batch that ran it, or run it again.")
+                "Backpropagate a forward in the micro-batch that ran it, or run it again; with manual "
+                "optimization, call manual_backward after each forward, or add the losses and call it once "
+                "(manual_backward(loss1 + loss2)).")
 
     def _count_backprop(self, t: int) -> None:
         """A block backpropagated twice in one micro-batch (its planned pass and an ad-hoc one) runs

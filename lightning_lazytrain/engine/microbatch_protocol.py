@@ -120,6 +120,11 @@ class MicroBatchProtocol:
         model: it ends as one no gradient reached)."""
         self._armed_call()
 
+    @property
+    def backward_ran(self) -> bool:
+        """A micro-batch is open and a backward reached its blocks (it was not ended yet)."""
+        return self._micro is not None and bool(self._backprops)
+
     def abort_microbatch(self) -> None:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:
