@@ -209,10 +209,20 @@ class CausalLMModule(LightningModule):
             raise ValueError(f"expected a [batch, seq_len + 1] token tensor, got shape {tuple(batch.shape)}")
         return batch
 
+    def _strategy_chunks_the_loss(self) -> bool:
+        """The Trainer's strategy computes a Hugging Face model's loss chunked (``LazyTrainStrategy(chunked_loss=...)``)."""
+        trainer = self._trainer
+        return trainer is not None and bool(getattr(trainer.strategy, "chunked_loss", False))
+
     def _nll(self, batch: Any, reduction: str = "mean") -> torch.Tensor:
         tokens = self._split(batch)
         if self.model_kind == "llama" and reduction == "mean":
             return self.model.loss(tokens, chunk_tokens=self.loss_chunk_tokens)  # chunked through the head
+        if self.model_kind == "hf" and reduction == "mean" and self._strategy_chunks_the_loss():
+            # the strategy's chunked loss replaces the model's own (models/hf_loss.py), which needs labels: the
+            # targets given as they are (shift_labels), the same as the cross-entropy below
+            inputs = tokens[:, :-1]
+            return self.model(input_ids=inputs, labels=inputs, shift_labels=tokens[:, 1:], use_cache=False).loss
         logits = self(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
                                reduction=reduction)

@@ -228,7 +228,8 @@ class TrainingCore(MicroBatches, ScheduleControl):
 
         found = chunked_loss_modules(module)
         if not found:
-            raise ValueError("LazyTrainStrategy(chunked_loss=...) found no Hugging Face causal LM (a ...ForCausalLM) "
+            raise ValueError("LazyTrainStrategy(chunked_loss=...) found no Hugging Face causal LM (a ...ForCausalLM, or "
+                             "another class AutoModelForCausalLM builds) "
                              f"in {type(module).__name__}: compute a chunked loss yourself "
                              "(lightning_lazytrain.models.loss.chunked_lm_loss) or drop the option")
         try:  # one at a time: a model refused later must not leave the earlier ones hooked

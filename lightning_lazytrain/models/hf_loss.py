@@ -61,9 +61,23 @@ _PROBE_RTOL = {torch.float32: 1e-5, torch.float64: 1e-9}
 _PROBE_RTOL_16 = 1e-2
 
 
+def _causal_lm_names() -> frozenset[str]:
+    """The class names of ``AutoModelForCausalLM``'s mapping (GPT-2's is ``GPT2LMHeadModel``); empty without
+    transformers."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return frozenset()
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def _is_causal_lm(module: nn.Module) -> bool:
-    return (hasattr(module, "get_decoder") and hasattr(module, "get_output_embeddings")
-            and hasattr(module, "config") and type(module).__name__.endswith("ForCausalLM"))
+    """A Hugging Face causal LM: a ``...ForCausalLM``, or a class ``AutoModelForCausalLM`` builds (``GPT2LMHeadModel``,
+    ...; one whose loss is no chunked linear + cross-entropy is refused by ``ChunkedLoss``'s probe, naming why)."""
+    if not (hasattr(module, "get_decoder") and hasattr(module, "get_output_embeddings") and hasattr(module, "config")):
+        return False
+    name = type(module).__name__
+    return name.endswith("ForCausalLM") or name in _causal_lm_names()
 
 
 def chunked_loss_modules(root: nn.Module) -> list[nn.Module]:
