@@ -44,7 +44,7 @@ class _CoreRouting:
         if not (clip_val and clip_val > 0):
             return  # Lightning calls with 0 every step when no clip is set: nothing to clip
         if not self.core.automatic:  # Note: [a backward outside the strategy] (core/microbatches.py)
-            self.core.close_open_microbatch()
+            self.core.close_open_microbatch(drop=False)
         # fused into the next step's update (that step only) where it is that step's one clip: the automatic
         # loop's, right before the step; a manual clip (between backwards) or a second clip (the optimizer's
         # own max_grad_norm) clips the gradients here, as under strategy="auto"
@@ -64,7 +64,7 @@ class _CoreRouting:
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
         inner = getattr(optimizer, "optimizer", optimizer)
         if not self.core.automatic:  # Note: [a backward outside the strategy] (core/microbatches.py)
-            self.core.close_open_microbatch()
+            self.core.close_open_microbatch(drop=False)
         closure = self._closing(closure)
         if kwargs or getattr(self, "scaler", None) is not None or self.core.pipelined_order(inner) is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]

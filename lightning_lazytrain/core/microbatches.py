@@ -124,14 +124,16 @@ class MicroBatches:
     # shows (``close_open_microbatch``): the optimizer step, a clip, the next micro-batch's begin; a warning says
     # so once, as ``.grad`` read between that backward and those points is not the step's yet.
 
-    def close_open_microbatch(self) -> None:
+    def close_open_microbatch(self, *, drop: bool = True) -> None:
         """An open micro-batch: ended if a backward ran in it (Note: [a backward outside the strategy]), else
-        dropped (a forward with grad whose backward never ran)."""
+        dropped with ``drop`` (a forward with grad whose backward never ran; without ``drop`` it stays open: an
+        optimizer stepped between a forward and its ``manual_backward``)."""
         ex = self.executor
         if ex is None or not ex.in_microbatch:
             return
         if not ex.backward_ran:
-            self.abort_microbatch()
+            if drop:
+                self.abort_microbatch()
             return
         if not self._outside_backward_warned:
             self._outside_backward_warned = True
