@@ -619,9 +619,8 @@ def test_seq2seq_encoder_output_and_a_decoder_boundary(tmp_path, name):
 @pytest.mark.parametrize("sched", ["recompute_all", "mixed", "partial_keep"])
 @pytest.mark.parametrize("name", ["llama", "bart", "t5-nocache", "t5"])
 def test_an_ordinary_loss_marks_nothing(tmp_path, name, sched):
-    marked, took = exec_marked(name, sched, lambda out: 0.0 * out.loss, tmp_path)
-    assert marked == 0
-    assert took < 0.05, f"the walk took {took * 1e3:.1f} ms"
+    marked, _ = exec_marked(name, sched, lambda out: 0.0 * out.loss, tmp_path)
+    assert marked == 0  # (the walk's cost is a bench's figure, not a timed test: bench/bench_boundary_uses.py)
 
 
 # =====================================================================================================================
