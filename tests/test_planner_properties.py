@@ -45,8 +45,8 @@ def instances(draw):
         except InfeasibleSchedule:
             return None
 
-    # the cap lies between the smallest footprint a schedule that fits the host can reach here and keep-all's
-    # (megatrain's GPU floor alone once made a cap that no schedule fits: its checkpoints did not fit the host)
+    # the cap lies between the smallest footprint a schedule that fits the host can reach here and keep-all's (a
+    # GPU floor of a schedule the host cannot hold is no floor)
     floors = [f for f in (floor_of(megatrain(L, 2)), floor_of(recompute_all(L)), floor_of(min_memory(L)))
               if f is not None]
     assume(floors)
