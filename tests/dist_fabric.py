@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from datetime import timedelta
 
 import lightning as L
 import torch
+from dist_runs import run_each
 from models import tiny_llama
 
 LAYERS = 4
@@ -84,13 +84,7 @@ def train(opts: dict) -> dict:
 
 
 def main() -> None:
-    """One run, or (a JSON list) several runs one after another in the same processes (the first
-    ``fabric.launch()`` starts the other ranks, the later ones find them), each in its ``out`` (tests/dist_runs.py)."""
-    runs = json.loads(sys.argv[1])
-    for opts in runs if isinstance(runs, list) else [runs]:
-        print(f"dist_fabric: run {opts['out']}", flush=True)
-        os.chdir(opts["out"])
-        run(opts)
+    run_each("dist_fabric", run)  # tests/dist_runs.py, Note: [shared runs]
 
 
 def run(opts: dict) -> None:

@@ -21,12 +21,25 @@ Runs that are meant to fail are launched on their own.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+
+def run_each(name: str, run: Callable[[dict], None]) -> None:
+    """A script's side (Note: [shared runs]): one run (a JSON object in ``sys.argv[1]``), or a JSON list of runs
+    one after another in the same processes -- the first launches the other ranks (Lightning's or Fabric's
+    launcher sets LOCAL_RANK), the later ones find them -- each in its ``out`` (the Trainer's default root), and
+    ``<name>: run <out>`` printed as each starts."""
+    runs = json.loads(sys.argv[1])
+    for opts in runs if isinstance(runs, list) else [runs]:
+        print(f"{name}: run {opts['out']}", flush=True)
+        os.chdir(opts["out"])
+        run(opts)
 
 
 def key_of(opts: dict) -> str:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from datetime import timedelta
 
 import lightning as L
 import torch
+from dist_runs import run_each
 from models import tiny_llama
 
 LAYERS = 4
@@ -259,15 +259,7 @@ def train(opts: dict) -> Net:
 
 
 def main() -> None:
-    """One run, or (a JSON list) several runs one after another in the same processes: the first
-    ``Trainer.fit`` launches the other ranks, the later ones find them (Lightning's launcher sets
-    LOCAL_RANK), each with a fresh Trainer, strategy and module. Each rank marks a finished run with
-    ``done_rank{r}`` in its ``out``: a batch that stops shows which run it stopped in."""
-    runs = json.loads(sys.argv[1])
-    for opts in runs if isinstance(runs, list) else [runs]:
-        print(f"dist_train: run {opts['out']}", flush=True)
-        os.chdir(opts["out"])  # each run in its own directory (the Trainer's default root)
-        run(opts)
+    run_each("dist_train", run)  # tests/dist_runs.py, Note: [shared runs]
 
 
 def run(opts: dict) -> None:

@@ -16,6 +16,15 @@ from lightning_lazytrain.strategy import LazyTrainStrategy
 from test_conformance import Net, data, fit, mixed_plan
 
 
+def fold_into_masters(pairs) -> None:
+    """Each (bf16 model parameter, fp32 master) pair: the parameter's gradient added into the master's (and cleared)."""
+    for p, m in pairs:
+        if p.grad is not None:
+            g = p.grad.float()
+            m.grad = g if m.grad is None else m.grad.add_(g)
+            p.grad = None
+
+
 class MasterSteps:
     """A LightningModule mixin: the model (bf16) trains through fp32 masters ``self.pairs`` (model
     parameter, master), which its ``configure_optimizers`` sets up and hands to the optimizer."""
@@ -23,11 +32,7 @@ class MasterSteps:
     pairs: list
 
     def on_after_backward(self):  # every micro-batch's gradients join the fp32 ones, as the host grads do
-        for p, m in self.pairs:
-            if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad.add_(g)
-                p.grad = None
+        fold_into_masters(self.pairs)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         optimizer.step(closure=optimizer_closure)

@@ -57,6 +57,7 @@ import lightning as L
 import pytest
 import torch
 from test_executor import SCHEDULES, SPEC
+from test_fp32_masters import fold_into_masters
 from test_review_clip_manual import MasterNet as HMasterNet
 from test_review_clip_manual import Net as HNet  # HybridAdamW per block, or torch AdamW
 from test_review_clip_manual import data as hdata
@@ -210,15 +211,6 @@ def engine_train(model, batches, schedule, placement, tmp_path, *, micro=1, step
     return rec
 
 
-def fold(pairs):
-    """The bf16 copy's gradients added into the fp32 masters' (and cleared)."""
-    for lp, mp in pairs:
-        if lp.grad is not None:
-            g = lp.grad.float()
-            mp.grad = g if mp.grad is None else mp.grad.add_(g)
-            lp.grad = None
-
-
 def master_train(model, batches, *, micro=1, steps=2, to_none=True, freeze=(), clip=None, adhoc=False,
                  set_grad_none=(), opt_fn=None):
     """Plain PyTorch: a bf16 model copy, fp32 masters; each micro-batch's bf16 gradients added into the masters'."""
@@ -241,12 +233,12 @@ def master_train(model, batches, *, micro=1, steps=2, to_none=True, freeze=(), c
                 loss = 0.5 * low.loss(x[:1])
             elif adhoc == "two_backwards_apart":  # each backward call's block gradients added into the masters in
                 loss.backward()  # turn; the non-block group's summed in bf16 (on the device, as a bf16 .grad)
-                fold([pq for pq, name in zip(pairs, names) if name.startswith("layers.")])
+                fold_into_masters([pq for pq, name in zip(pairs, names) if name.startswith("layers.")])
                 loss = 0.5 * low.loss(x[:1])
             elif adhoc:
                 loss = loss + 0.5 * low.loss(x[:1])
             loss.backward()
-            fold(pairs)
+            fold_into_masters(pairs)
             rec["loss"].append(loss.detach().clone())
             rec["grads"].append(snap_grads(ref))
         for name in set_grad_none:

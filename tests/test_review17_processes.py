@@ -71,6 +71,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_runs import run_each, runs_fixtures, uses_runs  # noqa: E402
 from test_review6_processes import LAYERS, samples, tiny_model  # noqa: E402
 
 
@@ -265,11 +266,7 @@ def run(opts: dict) -> None:
 
 
 def main() -> None:
-    runs = json.loads(sys.argv[1])
-    for opts in runs if isinstance(runs, list) else [runs]:
-        print(f"review17: run {opts['out']}", flush=True)
-        os.chdir(opts["out"])
-        run(opts)
+    run_each("review17", run)  # tests/dist_runs.py, Note: [shared runs]
 
 
 if __name__ == "__main__":
@@ -286,7 +283,6 @@ pytest.importorskip("transformers")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from dist_runs import runs_fixtures, uses_runs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve()

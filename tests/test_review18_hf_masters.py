@@ -88,7 +88,9 @@ transformers = pytest.importorskip("transformers")
 
 import test_hf_matrix as hf
 from quiet_logs import quiet_logs
+from test_fp32_masters import MasterSteps
 from test_hf_matrix import ARCHS, SEQ2SEQ, VOCAB, arch
+from test_review15_placements import Placed
 from test_updates_in_backward import CountingHybridAdamW, plan_file
 
 from lightning_lazytrain.engine.blocks import find_blocks
@@ -237,7 +239,7 @@ class HFNet(L.LightningModule):
         return self.make_opt()
 
 
-class MasterHFNet(HFNet):
+class MasterHFNet(MasterSteps, HFNet):
     """The plain-PyTorch reference under ``strategy="auto"``, ``bf16-true`` (tests/test_fp32_masters.py's): fp32
     masters, the bf16 model copy, each micro-batch's bf16 gradients added into the masters' fp32 ones, the optimizer
     (and Lightning's clip) on the masters, the copy the masters rounded to bf16 after every step."""
@@ -246,19 +248,6 @@ class MasterHFNet(HFNet):
         self.pairs = [(p, nn.Parameter(p.detach().float())) for _, p in self.trainable()]
         master = {id(p): m for p, m in self.pairs}
         return self.make_opt(lambda p: master[id(p)])
-
-    def on_after_backward(self):
-        for p, m in self.pairs:
-            if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad.add_(g)
-                p.grad = None
-
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-        optimizer.step(closure=optimizer_closure)
-        with torch.no_grad():
-            for p, m in self.pairs:
-                p.copy_(m)
 
     def masters(self):
         return {n: m.detach().clone() for (n, _), (_, m) in zip(self.trainable(), self.pairs)}
@@ -355,17 +344,6 @@ def masters_fit(name, data, conversions, *, policy="milp", opt="adamw", accum=1,
     return m, trainer
 
 
-class Placed(L.Callback):
-    """The placement in force after each batch (reads no weight, edits nothing)."""
-    reads_gradients_only = True
-
-    def __init__(self):
-        self.seen = []
-
-    def on_train_batch_end(self, trainer, *args):
-        self.seen.append(trainer.strategy.core.executor.params.placement)
-
-
 # =================================================================================================================
 # (1) 32-true: bit for bit strategy="auto" (the MILP plan; padding, -100 labels)
 # =================================================================================================================
@@ -394,9 +372,10 @@ def test_fp32_masters_every_placement_equals_the_reference(name):
         placed = Placed()
         got, _ = masters_fit(name, data, conversions, callbacks=[placed])
         if conversions == "device":  # every block's and the non-block group's conversions on the device
-            assert all(len(p["cast_on_device"]) == len(p["widen_on_device"]) == NB + 1 for p in placed.seen), placed
+            assert all(len(p["cast_on_device"]) == len(p["widen_on_device"]) == NB + 1
+                       for p in placed.placements), placed
         elif conversions == "host":
-            assert not any(p["cast_on_device"] or p["widen_on_device"] for p in placed.seen), placed.seen
+            assert not any(p["cast_on_device"] or p["widen_on_device"] for p in placed.placements), placed.placements
         w = weights(got)
         assert all(p.dtype == torch.float32 for p in w.values())  # the module holds the masters
         assert_same(got.losses, w, want_losses, want_masters, f"{name} conversions={conversions} vs reference")

@@ -23,6 +23,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning
 from test_review_clip_manual import Grads, Record, assert_same, data, grad_diffs, same
+from test_fp32_masters import MasterSteps
 from test_updates_in_backward import plan_file
 from torch import nn
 
@@ -168,22 +169,9 @@ def test_lora_hybrid_given_the_frozen_weights_too(kind):
 
 
 # ---- LoRA under bf16-true with fp32 masters ---------------------------------------------------------------------
-class MasterLoRANet(LoRANet):
+class MasterLoRANet(MasterSteps, LoRANet):
     """The reference under auto + bf16-true: the model's trainable parameters trained through fp32 masters
     (tests/test_fp32_masters.py's MasterSteps), the frozen ones plain bf16 (they never change)."""
-
-    def on_after_backward(self):
-        for p, m in self.pairs:
-            if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad.add_(g)
-                p.grad = None
-
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-        optimizer.step(closure=optimizer_closure)
-        with torch.no_grad():
-            for p, m in self.pairs:
-                p.copy_(m)
 
     def configure_optimizers(self):
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]

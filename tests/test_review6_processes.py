@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from dist_runs import run_each, runs_fixtures, uses_runs
 
 SEQ = 16
 LAYERS = 3
@@ -215,11 +216,7 @@ def run(opts: dict) -> None:
 
 
 def main() -> None:
-    runs = json.loads(sys.argv[1])
-    for opts in runs if isinstance(runs, list) else [runs]:
-        print(f"review6: run {opts['out']}", flush=True)
-        os.chdir(opts["out"])
-        run(opts)
+    run_each("review6", run)  # tests/dist_runs.py, Note: [shared runs]
 
 
 if __name__ == "__main__":
@@ -236,7 +233,6 @@ pytest.importorskip("transformers")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from dist_runs import runs_fixtures, uses_runs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve()
