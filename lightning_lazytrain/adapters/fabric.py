@@ -355,9 +355,7 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        # a forward with grad whose backward never ran: dropped; a loss.backward() of its own: ended (Note: [a
-        # backward outside the strategy] in core/microbatches.py)
-        self.core.close_open_microbatch()
+        self.core.abort_microbatch()  # a forward with grad whose backward never ran: drop it
         return super().optimizer_step(optimizer, **kwargs)
 
     # ---- checkpoints: plain state dicts of the host masters --------------------------------------

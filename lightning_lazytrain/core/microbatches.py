@@ -116,9 +116,9 @@ class MicroBatches:
 
     # Note: [a backward outside the strategy]
     # The adapters end a micro-batch right after the backward they run (``manual_backward``, ``fabric.backward``,
-    # the automatic loop's): its gradients reach the host then. A ``loss.backward()`` called directly (manual
-    # optimization, a Fabric loop) runs the blocks' backward windows but nothing ends the micro-batch; it used to
-    # be dropped at the optimizer step or the next micro-batch's begin, as a forward without backward is: block
+    # the automatic loop's): its gradients reach the host then. A ``loss.backward()`` called directly in manual
+    # optimization (Fabric refuses one itself) runs the blocks' backward windows but nothing ends the micro-batch;
+    # it used to be dropped at the next micro-batch's begin, as a forward without backward is: block
     # 0's and the non-block gradients never reached the host and the step trained silently wrong (review 17:
     # layers.0 .grad None, others up to 0.043 off). Now a micro-batch whose backward ran is ended late, where it
     # shows (``close_open_microbatch``): the optimizer step, a clip, the next micro-batch's begin; a warning says
@@ -138,9 +138,8 @@ class MicroBatches:
         if not self._outside_backward_warned:
             self._outside_backward_warned = True
             log.warning("lazytrain: a backward ran outside the strategy (loss.backward() instead of "
-                        "self.manual_backward(loss) or fabric.backward(loss)); its micro-batch ends now, at the "
-                        "optimizer step, clip or next forward: .grad read before that is not complete. Call "
-                        "manual_backward / fabric.backward")
+                        "self.manual_backward(loss)); its micro-batch ends now, at the optimizer step, clip or "
+                        "next forward: .grad read before that is not complete. Call self.manual_backward(loss)")
         self.end_microbatch()
 
     def abort_microbatch(self) -> None:
