@@ -105,13 +105,10 @@ def test_an_optimizer_step_between_a_forward_and_its_manual_backward_is_not_drop
     assert len(got) == len(want) == 2 and got[0] == want[0]  # (two optimizers: two steps a batch)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "OPEN (found 2026-12-06, before today's changes too): an optimizer that steps a NON-BLOCK module between the "
-    "forward that began the micro-batch and a later use of that module in the same micro-batch: the module's "
-    "device copy, staged when the micro-batch began, is not refreshed, so the use computes with the weights before "
-    "the step (auto: after). Losses off from the second step (0.079558 vs 0.078979). Not under Lightning's GAN "
-    "pattern, where each step follows a manual_backward that ended the micro-batch. README's limits table"))
 def test_an_optimizer_step_between_a_forward_and_its_manual_backward_trains_as_auto():
+    """Note: [a step inside a micro-batch]: the critic's device copy, bound when the micro-batch began, takes the
+    step's weights (was OPEN: the use computed with the weights before the step, losses off from the second step,
+    0.079558 vs 0.078979)."""
     want_model, want = fit("auto", StepBetweenNet(), steps=6)
     got_model, got = fit(LazyTrainStrategy(policy="megatrain"), StepBetweenNet(), steps=6)
     assert got == want

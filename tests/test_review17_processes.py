@@ -96,6 +96,10 @@ def _module(opts: dict):
         def __init__(self):
             super().__init__()
             self.model = tiny_model(5 if int(os.environ.get("LOCAL_RANK", 0)) == 1 else 0)
+            if opts.get("manual") == "critic_inside":  # a non-block module of its own optimizer, the same on each rank
+                with torch.random.fork_rng():
+                    torch.manual_seed(7)
+                    self.critic = torch.nn.Linear(self.model.config.vocab_size, 1)
             self.automatic_optimization = not opts.get("manual")
             self.losses: list[float] = []
             self.grads: list[dict[str, torch.Tensor | None]] = []
@@ -113,6 +117,17 @@ def _module(opts: dict):
                 loss = self.model(input_ids=batch, labels=batch).loss
                 self.losses.append(loss.item())
                 return loss
+            if manual == "critic_inside":  # the critic steps between the forward and the loss that uses it
+                opt, opt_c = self.optimizers()
+                out = self.model(input_ids=batch, labels=batch)
+                opt_c.step()
+                opt_c.zero_grad()
+                loss = out.loss + self.critic(out.logits.detach()).square().mean()
+                self.manual_backward(loss)
+                opt.step()
+                opt.zero_grad()
+                self.losses.append(loss.item())
+                return None
             opt, accum = self.optimizers(), opts.get("accum", 1)
             a, b = batch[: len(batch) // 2], batch[len(batch) // 2:]
             if manual in ("one_raw", "one_manual"):  # one forward, loss.backward() itself (or manual_backward)
@@ -155,8 +170,11 @@ def _module(opts: dict):
                 optimizer.zero_grad(set_to_none=False)
 
         def configure_optimizers(self):
-            params = [p for p in self.parameters() if p.requires_grad]
+            params = [p for p in self.model.parameters() if p.requires_grad]
             kind = opts.get("optimizer", "sgd")
+            if opts.get("manual") == "critic_inside":
+                return (torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                        torch.optim.SGD(self.critic.parameters(), lr=0.5))
             if kind.startswith("hybrid"):
                 from lightning_lazytrain.optim import HybridAdamW
 
@@ -451,6 +469,16 @@ def test_two_forwards_then_two_manual_backwards_are_refused_naming_the_fix(runs)
     every rank with the fix named (a documented limit; DDP and auto take it)."""
     errors = [(runs["lazy"] / f"error_rank{r}.txt").read_text() for r in range(2)]
     assert all("earlier micro-batch" in e and "manual_backward(loss1 + loss2)" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("data_parallel", ["replicate", "shard"])
+@uses_runs(lambda data_parallel: {"lazy": dict(manual="critic_inside", data_parallel=data_parallel, n=8, batch=2),
+                                  "ddp": ddp(manual="critic_inside", n=8, batch=2)})
+def test_a_non_block_optimizer_stepped_inside_the_micro_batch_is_ddp(runs, data_parallel):
+    """Note: [a step inside a micro-batch]: the critic's bound copy takes the step's values on every rank (the
+    sharded mode gathers the updated rows); the losses, which use it, are DDP's (before: the step's stale copy)."""
+    assert_ranks_agree(runs["lazy"])
+    assert_close(runs["lazy"], runs["ddp"], rel=1e-6 if data_parallel == "replicate" else 1e-5)
 
 
 # ---- bf16-true + fp32 masters: every conversions setting is conversions="host", bit for bit -------

@@ -355,27 +355,31 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self.core.abort_microbatch()  # a forward with grad whose backward never ran: drop it
-        return super().optimizer_step(optimizer, **kwargs)
+        # an open micro-batch stays open: its backward may follow (a GAN's critic stepped between the generator's
+        # forward and the loss that uses the critic: Note: [a step inside a micro-batch] in core/microbatches.py);
+        # a forward without backward is dropped when the next begins
+        with self.core.stepping(optimizer):
+            return super().optimizer_step(optimizer, **kwargs)
 
     # ---- checkpoints: plain state dicts of the host masters --------------------------------------
-    def _unwrap(self, module: nn.Module) -> nn.Module:
+    def _unwrap(self, module: nn.Module, *, loading: bool = False) -> nn.Module:
         if isinstance(module, _StreamedModule):
-            if self.core.in_microbatch:
-                raise RuntimeError("strategy='lazytrain': save or load the model after fabric.backward(), not between "
-                                   "a forward and its backward (the non-block weights are swapped for device copies)")
+            if loading and self.core.in_microbatch:
+                raise RuntimeError("strategy='lazytrain': load the model after fabric.backward(), not between a "
+                                   "forward and its backward (its non-block weights are staged on the device)")
             return module.module
         return module
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         module = self._unwrap(module)
-        with self.core.masters_in_modules():  # Note: [a state dict mid-bind] (between accumulated micro-batches)
+        # Note: [a state dict mid-bind]: between accumulated micro-batches, or between a forward and its backward
+        with self.core.masters_in_modules():
             return super().get_module_state_dict(module)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        super().load_module_state_dict(self._unwrap(module), state_dict, strict=strict)
+        super().load_module_state_dict(self._unwrap(module, loading=True), state_dict, strict=strict)
 
     # ---- end -----------------------------------------------------------------------------------
     @override

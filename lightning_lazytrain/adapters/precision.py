@@ -66,6 +66,9 @@ class _CoreRouting:
         if not self.core.automatic:  # Note: [a backward outside the strategy] (core/microbatches.py)
             self.core.close_open_microbatch(drop=False)
         closure = self._closing(closure)
+        if not self.core.automatic and self.core.in_microbatch:  # Note: [a step inside a micro-batch] (core/microbatches.py): a serial step
+            with self.core.stepping(inner):
+                return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
         if kwargs or getattr(self, "scaler", None) is not None or self.core.pipelined_order(inner) is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
         result = self._wrap_closure(model, optimizer, closure)  # type: ignore[attr-defined]

@@ -142,6 +142,29 @@ class MicroBatches:
                         "next forward: .grad read before that is not complete. Call self.manual_backward(loss)")
         self.end_microbatch()
 
+    # Note: [a step inside a micro-batch]
+    # With manual optimization (and in a Fabric loop) an optimizer may step between a forward and its backward: a
+    # GAN's critic stepped after the generator's forward, before the critic's use in the same loss. The open
+    # micro-batch is not dropped there (its backward is still to come), and the non-block weights were staged and
+    # bound to device copies when it began: without more, a later use in it computed with the weights before the
+    # step, where ``auto`` uses them after (silently: losses off from the second step). ``stepping`` runs the
+    # step with the queued copies finished, and after it the bound copies of what the optimizer holds take the
+    # new values. Blocks stream their weights per window, from the masters: a block staged after the step sees it.
+    # A forward that saved a weight the step then changed is refused by ``auto`` ("modified by an inplace
+    # operation"); here its backward runs with the old weights of the non-block copies (their buffer's version
+    # counter is left alone, or every other non-block weight the forward saved would be refused too).
+
+    @contextlib.contextmanager
+    def stepping(self, optimizer: Any) -> Any:
+        """An optimizer step by the adapters (Note: [a step inside a micro-batch])."""
+        ex = self.executor
+        if ex is None or not ex.in_microbatch:
+            yield
+            return
+        inner = getattr(optimizer, "optimizer", optimizer)
+        with ex.step_inside([p for group in inner.param_groups for p in group["params"]]):
+            yield
+
     def abort_microbatch(self) -> None:
         """Drop an open micro-batch (a forward with grad whose backward never ran)."""
         ex = self.executor

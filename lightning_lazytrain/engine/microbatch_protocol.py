@@ -125,6 +125,21 @@ class MicroBatchProtocol:
         """A micro-batch is open and a backward reached its blocks (it was not ended yet)."""
         return self._micro is not None and bool(self._backprops)
 
+    @contextlib.contextmanager
+    def step_inside(self, params: Any) -> Any:
+        """Note: [a step inside a micro-batch] (core/microbatches.py): an optimizer updates these masters while
+        the micro-batch is open. Before, the queued copies finish (none still reads a master the step writes);
+        after, the non-block copies bound for the micro-batch take their new values, and a block staged again
+        from here casts the masters again."""
+        assert self.params is not None
+        if self._micro is None:
+            yield
+            return
+        self.engine.synchronize()
+        yield
+        self.params.invalidate_copies()
+        self.params.refresh_bound(params)
+
     def abort_microbatch(self) -> None:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
         if self._micro is None:

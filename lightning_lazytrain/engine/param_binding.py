@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,6 +164,30 @@ class ParamBinding:
                 w.grad.copy_(grad if out is None else out)
                 ran += 1
         return ran
+
+    def refresh_bound(self, params: Iterable[nn.Parameter]) -> int:
+        """Note: [a step inside a micro-batch] (core/microbatches.py): the bound non-block copies of these
+        masters take the masters' values again (an optimizer stepped them after the copies were staged); how
+        many. In place through ``.data``: the other copies' version counters (one per buffer) do not move, so a
+        backward through a forward that saved one of them still runs, as under ``auto``, whose step bumps the
+        stepped parameters' counters only. A collective in a sharded store (every rank steps the same optimizer)."""
+        if not self._slots:
+            return 0
+        s = self._slot(REST, None)
+        if not (s.bound and s.gid == REST):
+            return 0
+        want = {id(p) for p in params}
+        n = 0
+        with torch.no_grad():
+            for info, w in s.wrappers:
+                if id(info.param) in want:
+                    w.data.copy_(self._master_value(info))
+                    n += 1
+        return n
+
+    def _master_value(self, info: Any) -> torch.Tensor:
+        """A parameter's whole master value (a sharded store gathers it: engine/shard_store.py)."""
+        return info.param.detach()
 
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
         s.touched.add(key)

@@ -330,6 +330,10 @@ class ShardedParamStore(ParamStore):
         flat[: shard.numel()] = shard.detach().reshape(-1).cpu()
         return self._gather_full(flat, layout, info.numel).view(info.shape).clone()
 
+    def _master_value(self, info: ParamEntry) -> torch.Tensor:
+        # Note: [a step inside a micro-batch]: this rank holds rows of the master; every rank refreshes
+        return self._whole(info.param.detach(), info)
+
     def _rows(self, full: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         """This rank's shard (``(k, *rest)``, padding rows zero) of a full-shaped tensor."""
         layout = self._layouts[self._gid_of(info)]
