@@ -1,4 +1,4 @@
-"""Host gradient buffers hold what trains (Note: [host gradients for what trains] in engine/grad_writeback.py).
+"""Host gradient buffers hold what trains (Note: [host gradients for what trains] in engine/host_grads.py).
 
 A group's flat host gradient reaches as far as its trainable prefix: a LoRA fine-tune's blocks hold fp32 host
 gradients for their adapters, not for the frozen base weights (page-locked on CUDA: at 27B, ~108 GB that were

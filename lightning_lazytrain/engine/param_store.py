@@ -136,7 +136,7 @@ class ParamStore(ParamSlots, ParamStaging, GradWriteBack, ParamBinding):
                                                   name="masters")
         # the host gradients: page-locked on CUDA too, so a gradient copy can land in them directly
         # (Note: [direct landing] in grad_writeback.py); their memory lives as long as the .grad views
-        # (Note: [host gradients for what trains] in grad_writeback.py: up to the last parameter that trains)
+        # (Note: [host gradients for what trains] in host_grads.py: up to the last parameter that trains)
         self._grads_arena = HostArena.for_sizes([self._grad_capacity(g) * esize[g.dtype] for g in groups], pin=pin,
                                                 name="grads")
         self._superseded_grad_bytes = 0  # arena slices a group's grown host gradient left behind

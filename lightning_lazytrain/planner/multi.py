@@ -187,7 +187,7 @@ def measured_rank_workload(wl: Workload, world_size: int, ranks_per_node: int, h
     host all-reduce (``host_allreduce_bytes`` of its host gradient, ``grad_element_bytes`` per element:
     the masters' dtype, 2 with 16-bit masters; at the measured bandwidth). ``grad_elements`` /
     ``nonblock_grad_elements``: each group's host gradient as the store holds it (up to its last trainable
-    parameter: param_store's Note: [host gradients for what trains]); default: every parameter."""
+    parameter: Note: [host gradients for what trains] in engine/host_grads.py); default: every parameter."""
     if mode not in ("replicate", "replicate_overlap"):
         raise InvalidInput("mode", mode, "a running job averages host gradients: 'replicate' or 'replicate_overlap'")
     if world_size <= 1:
