@@ -49,12 +49,36 @@ class CriticInside(Net):
 
 @pytest.mark.parametrize("policy", ["megatrain", "recompute_all"])
 def test_a_critic_stepped_inside_the_micro_batch_trains_as_auto(policy):
-    """The head's weight, saved by the forward before the step, still backpropagates (the step's refresh leaves the
-    other copies' version counter alone: bumping it would have refused this backward, which ``auto`` runs)."""
+    """The head's weight, saved by the forward before the step, still backpropagates: the refresh moves the stepped
+    copy's own version counter only (Note: [one version counter per copy]; a shared one refused this backward)."""
     want_model, want = fit("auto", CriticInside(), steps=5)
     got_model, got = fit(LazyTrainStrategy(policy=policy), CriticInside(), steps=5)
     assert got == want
     assert_same_model(got_model, want_model)
+
+
+class CriticSaved(CriticInside):
+    """The critic is used (and its weight saved, as its input requires grad) BEFORE its step, then backpropagated."""
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_c = self.optimizers()
+        h = self(batch)
+        loss = self.head(h).square().mean() + 0.1 * self.critic(h).square().mean()
+        opt_c.step()
+        opt_c.zero_grad()
+        self.manual_backward(loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.log("train_loss", loss)
+
+
+def test_a_step_of_a_weight_the_forward_saved_is_refused_as_under_auto():
+    """``auto`` refuses the backward ("modified by an inplace operation": the critic's step changed the weight its
+    forward saved); so does lazytrain, from the second batch (the first step has no gradients: nothing changes)."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fit("auto", CriticSaved(), steps=4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fit(LazyTrainStrategy(policy="megatrain"), CriticSaved(), steps=4)
 
 
 @pytest.mark.parametrize("options", [

@@ -148,11 +148,13 @@ class MicroBatches:
     # micro-batch is not dropped there (its backward is still to come), and the non-block weights were staged and
     # bound to device copies when it began: without more, a later use in it computed with the weights before the
     # step, where ``auto`` uses them after (silently: losses off from the second step). ``stepping`` runs the
-    # step with the queued copies finished, and after it the bound copies of what the optimizer holds take the
-    # new values. Blocks stream their weights per window, from the masters: a block staged after the step sees it.
-    # A forward that saved a weight the step then changed is refused by ``auto`` ("modified by an inplace
-    # operation"); here its backward runs with the old weights of the non-block copies (their buffer's version
-    # counter is left alone, or every other non-block weight the forward saved would be refused too).
+    # step with the queued copies finished (and the user's edits of the bound copies taken into the masters first:
+    # Note: [an edit of a bound copy] in engine/bound_edits.py), and after it the bound copies of what the optimizer
+    # holds take the new values. Blocks stream their weights per window, from the masters: a block staged after the
+    # step sees it. A forward that saved a weight the step then changed is refused by ``auto`` ("modified by an
+    # inplace operation"), and here too: a refreshed non-block copy's own version counter moves (Note: [one version
+    # counter per copy] in engine/param_binding.py), and a block whose weights the step changed after its forward
+    # refuses its backward (``BlockContext.stepped``).
 
     @contextlib.contextmanager
     def stepping(self, optimizer: Any) -> Any:

@@ -216,6 +216,12 @@ class BackwardWindows:
                 "or run the forward again for the second loss; for a gradient penalty through the blocks, train "
                 "with strategy='auto'.")
         ctx.backpropagated = True
+        if ctx.stepped:  # Note: [a step inside a micro-batch] (core/microbatches.py)
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"an optimizer step changed block {ctx.j}'s weights after its forward and before this backward "
+                "(strategy='auto' refuses this backward too: the forward saved them). Step that optimizer after the "
+                "backward (manual_backward), or run the forward again after the step.")
         if self._micro is None or ctx.serial != self._serial:
             raise RuntimeError(
                 f"backward through block {ctx.j}'s forward of an earlier micro-batch: with strategy='lazytrain' a "

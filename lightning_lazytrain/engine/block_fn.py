@@ -100,6 +100,7 @@ class BlockContext:
     # it may reference the block's non-tensor outputs, e.g. a KV cache)
     output: BlockOutput | None = None
     backpropagated: bool = False  # its backward ran (a second one: retain_graph, refused by name)
+    stepped: bool = False  # an optimizer changed its weights after its forward (Note: [a step inside a micro-batch])
     # outputs of a forward window that already ran, for the node to return instead of running it (Note:
     # [blocks no gradient reaches] in block_calls.py: a block that read a trainable tensor it does not own)
     precomputed: list[torch.Tensor] | None = None

@@ -136,9 +136,20 @@ class MicroBatchProtocol:
             yield
             return
         self.engine.synchronize()
+        self.params.sync_edits()  # Note: [an edit of a bound copy]: an edit before the step, then the step
+        self._note_stepped_blocks(params)
         yield
         self.params.invalidate_copies()
         self.params.refresh_bound(params)
+
+    def _note_stepped_blocks(self, params: Any) -> None:
+        """Note: [a step inside a micro-batch]: blocks whose forward ran in this micro-batch and whose weights the
+        step will change (a gradient is there) refuse their backward, as ``auto`` refuses it."""
+        assert self.params is not None
+        ids = {id(p) for p in params if p.grad is not None}
+        for j, ctx in self._ctxs.items():
+            if any(id(p) in ids for p in self.params.group_parameters(j)):
+                ctx.stepped = True
 
     def abort_microbatch(self) -> None:
         """Drop a micro-batch whose backward never ran (e.g. a skipped training step)."""
@@ -148,6 +159,7 @@ class MicroBatchProtocol:
         assert self.acts is not None
         self._watch_early_parts(False)
         self._finish_grads()
+        self.params.sync_edits()  # Note: [an edit of a bound copy] (bound_edits.py)
         self._exit.close()
         self._evict_lazy_slots()
         self._internals = {}
@@ -243,7 +255,7 @@ class MicroBatchProtocol:
             if self.wait_updated is not None and self.schedule.optimizer == "pipelined":
                 for j in self.schedule.serial_layers:  # the per-layer mode: T ends when their updates do
                     self._wait_for_update(j)
-            self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True))
+            self._exit.enter_context(self.params.bind(REST, grads=True, follow_requires_grad=True, watch_edits=True))
         self._memory_window("F0")
 
     def end_microbatch(self) -> StepStats | None:
@@ -263,6 +275,7 @@ class MicroBatchProtocol:
         self._retire_residents()
         if not last:
             self._flush_adhoc_grads()
+            self.params.sync_edits()  # Note: [an edit of a bound copy] (bound_edits.py); the bind lasts the step
             self.params.wait_host()  # the host grads hold this micro-batch's gradients when it ends
             self.params.reconcile_outside_grads()  # Note: [a master used outside its block]
             self.params.post_hooks.fire()  # Note: [gradient hooks on streamed parameters]
@@ -283,6 +296,7 @@ class MicroBatchProtocol:
         if self._early is not None and self._early.late:
             self.stats.late_groups.add(REST)
         self._watch_early_parts(False)
+        self.params.sync_edits()  # Note: [an edit of a bound copy] (bound_edits.py)
         self._exit.close()
         self.acts.end_step()
         self.engine.synchronize()

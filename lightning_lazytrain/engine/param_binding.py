@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_lazytrain.engine.bound_edits import EditWatch
 from lightning_lazytrain.engine.grad_writeback import REST
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks, run_tensor_hooks
 
@@ -54,7 +55,7 @@ class ParamBinding:
 
     @contextlib.contextmanager
     def bind(self, layer: int, slot: int | None = None, *, grads: bool | None = None,
-             follow_requires_grad: bool = False) -> Iterator[None]:
+             follow_requires_grad: bool = False, watch_edits: bool = False) -> Iterator[None]:
         """Run the group's modules on the staged compute copy.
 
         ``grads`` (default: grad mode at entry) makes the compute copy require
@@ -62,7 +63,15 @@ class ParamBinding:
         ``write_back_grads``. ``follow_requires_grad``: for a long bind (the
         non-block weights, bound for a whole micro-batch), each module call
         re-reads its masters' ``requires_grad`` (``toggle_optimizer`` changes it
-        after the bind).
+        after the bind). ``watch_edits``: user code's in-place edits of the copies reach the masters at
+        ``sync_edits`` (Note: [an edit of a bound copy] in bound_edits.py).
+
+        Note: [one version counter per copy]
+            The non-block copies are views of one flat buffer, and views share their base's version counter:
+            an in-place edit of one (under ``no_grad``) made autograd refuse the backward through every other
+            copy a forward saved ("modified by an inplace operation" on the head's weight for an edit of an
+            unused critic's: review 19), where ``auto`` refuses only a saved one that changed. Each non-block
+            copy gets a counter of its own (a wrapper over ``.data``). Block copies keep the shared one.
         """
         g, s = self._group(layer), self._slot(layer, slot)
         if s.gid != layer or s.ready is None:
@@ -81,7 +90,9 @@ class ParamBinding:
         follow: dict[int, tuple[nn.Module, list]] = {}
         for info in g.params:
             requires = want_grads and info.param.requires_grad
-            w = nn.Parameter(self._view(s.weights, info), requires_grad=requires)
+            view = self._view(s.weights, info)
+            # Note: [one version counter per copy]
+            w = nn.Parameter(view.data if layer == REST else view, requires_grad=requires)
             if requires or (want_grads and follow_requires_grad and w.is_floating_point()):
                 w.requires_grad_(True)
                 w.grad = self._view(s.grads, info)  # autograd accumulates in place here
@@ -106,9 +117,11 @@ class ParamBinding:
         followers = [_Follower(pairs) for _, pairs in follow.values()]
         handles = [m.register_forward_pre_hook(f) for (m, _), f in zip(follow.values(), followers)]
         s.bound = True
+        s.edits = EditWatch(s.wrappers) if watch_edits else None
         try:
             yield
         finally:
+            s.edits = None
             for h in handles:
                 h.remove()
             for f in followers:  # set through the module after its last call: the master follows too
@@ -133,6 +146,7 @@ class ParamBinding:
             (ModelCheckpoint at validation end, ``trainer.save_checkpoint`` in ``training_step``) reads the
             modules' ``state_dict()``, which must hold the masters -- fp32 with ``fp32_masters``, on the
             host -- not the bound 16-bit device copies. The strategies read it inside this."""
+        self.sync_edits()  # Note: [an edit of a bound copy]
         swapped = []
         for s in self._slots:
             if s.bound:
@@ -168,9 +182,9 @@ class ParamBinding:
     def refresh_bound(self, params: Iterable[nn.Parameter]) -> int:
         """Note: [a step inside a micro-batch] (core/microbatches.py): the bound non-block copies of these
         masters take the masters' values again (an optimizer stepped them after the copies were staged); how
-        many. In place through ``.data``: the other copies' version counters (one per buffer) do not move, so a
-        backward through a forward that saved one of them still runs, as under ``auto``, whose step bumps the
-        stepped parameters' counters only. A collective in a sharded store (every rank steps the same optimizer)."""
+        many. In place: each copy's own version counter moves (Note: [one version counter per copy]), so a
+        backward through a forward that saved a stepped one is refused as under ``auto``, and one that saved
+        another still runs. A collective in a sharded store (every rank steps the same optimizer)."""
         if not self._slots:
             return 0
         s = self._slot(REST, None)
@@ -181,19 +195,50 @@ class ParamBinding:
         with torch.no_grad():
             for info, w in s.wrappers:
                 if id(info.param) in want:
-                    w.data.copy_(self._master_value(info))
+                    w.copy_(self._master_value(info))  # its own counter moves, as the stepped parameter's does
                     n += 1
+        if n and s.edits is not None:
+            s.edits.reset()
         return n
+
+    def sync_edits(self) -> int:
+        """Note: [an edit of a bound copy] (bound_edits.py): the bound non-block copies user code edited in place
+        since they were bound, refreshed or last synced go into their masters; how many."""
+        if not self._slots:
+            return 0
+        s = self._slot(REST, None)
+        if not (s.bound and s.gid == REST) or s.edits is None:
+            return 0
+        edited = s.edits.changed()
+        with torch.no_grad():
+            for info, w in edited:
+                self._take_edit(info, w.detach().to(info.param.device))
+        if edited:
+            s.edits.reset()
+        return len(edited)
 
     def _master_value(self, info: Any) -> torch.Tensor:
         """A parameter's whole master value (a sharded store gathers it: engine/shard_store.py)."""
         return info.param.detach()
+
+    def _take_edit(self, info: Any, value: torch.Tensor) -> None:
+        """The master takes an edited copy's ``value`` where it differs from the master in the copy's dtype (a
+        sharded store: this rank's rows)."""
+        merge_edit(info.param.data, value)
 
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
         s.touched.add(key)
         self.post_hooks.arrived(key, master)
         if self.arrival_watch is not None and s.gid == REST:
             self.arrival_watch(master)
+
+
+def merge_edit(master: torch.Tensor, value: torch.Tensor) -> None:
+    """``master`` takes ``value`` (an edited copy, maybe of a narrower dtype) where the two differ in ``value``'s
+    dtype; elsewhere it keeps its own bits (Note: [an edit of a bound copy])."""
+    cast = master.to(value.dtype)
+    same = (cast == value) | (cast.isnan() & value.isnan())
+    master.copy_(torch.where(same, master, value.to(master.dtype)))
 
 
 def _refuse_changed_site(m: nn.Module, name: str, master: nn.Parameter) -> None:

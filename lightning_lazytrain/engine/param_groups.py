@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -72,6 +72,7 @@ class Slot:
     bound: bool = False
     wrappers: list[tuple[ParamEntry, nn.Parameter]] = field(default_factory=list)
     touched: set = field(default_factory=set)  # ids of the ParamEntries a gradient reached since the bind
+    edits: Any = None  # a long bind's EditWatch (Note: [an edit of a bound copy] in bound_edits.py)
 
 
 def aligned_end(infos: Iterable[ParamEntry], start: int = 0) -> int:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_lazytrain.engine.copy_engine import CopyHandle
+from lightning_lazytrain.engine.param_binding import merge_edit
 from lightning_lazytrain.engine.param_groups import ParamEntry
 from lightning_lazytrain.engine.param_store import REST, ParamStore, PendingGrads
 from lightning_lazytrain.engine.shard_grads import ShardGradLane
@@ -333,6 +334,10 @@ class ShardedParamStore(ParamStore):
     def _master_value(self, info: ParamEntry) -> torch.Tensor:
         # Note: [a step inside a micro-batch]: this rank holds rows of the master; every rank refreshes
         return self._whole(info.param.detach(), info)
+
+    def _take_edit(self, info: ParamEntry, value: torch.Tensor) -> None:
+        # Note: [an edit of a bound copy]: this rank's rows of the edited copy (each rank edited its own copy alike)
+        merge_edit(info.param.data, self._rows(value, info))
 
     def _rows(self, full: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         """This rank's shard (``(k, *rest)``, padding rows zero) of a full-shaped tensor."""
