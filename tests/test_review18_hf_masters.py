@@ -318,8 +318,8 @@ def auto_ref(name, steps=3, **kw):
     """32-true under auto: (losses, weights), cached."""
     key = ("auto", name, steps, tuple(sorted((k, str(v)) for k, v in kw.items())))
     if key not in _REF:
-        m, _ = fit("auto", HFNet(name, **{k: v for k, v in kw.items() if k in ("opt", "items")}), batches(name, steps),
-                   **{k: v for k, v in kw.items() if k not in ("opt", "items")})
+        m, _ = fit("auto", HFNet(name, **{k: v for k, v in kw.items() if k in ("opt", "items", "gc")}),
+                   batches(name, steps), **{k: v for k, v in kw.items() if k not in ("opt", "items", "gc")})
         _REF[key] = (m.losses, weights(m))
     return _REF[key]
 
@@ -664,9 +664,12 @@ def test_the_packages_own_causal_lm_module_chunked_equals_its_own_loss():
 # (6) the model's own gradient checkpointing
 # =================================================================================================================
 @pytest.mark.parametrize("name", ["llama", "gpt2", "t5", "qwen2-moe-aux"])
-def test_gradient_checkpointing_on_fp32_trains_as_auto_without_it(name):
+def test_gradient_checkpointing_on_fp32_trains_as_auto(name):
+    """The model's own checkpointing is off while the blocks stream (the plan's re-runs are the checkpointing) and
+    training is auto's on the same model, flag set. (Compared with auto on the model without the flag before: with
+    transformers 5.25 the flag alone changes GPT-2's and T5's training under auto, 1.6e-6 in wte after two steps.)"""
     need(name)
-    want_losses, want_weights = auto_ref(name)
+    want_losses, want_weights = auto_ref(name, gc=True)
     got, _ = fit(lazy("milp"), HFNet(name, gc=True), batches(name, 3))
     assert_same(got.losses, weights(got), want_losses, want_weights, name)
     assert all(b.gradient_checkpointing is True for b in find_blocks(got.model))  # the user's flags are back

@@ -5,23 +5,23 @@ loops; this one combines them with fp32 masters, HybridAdamW's fused clip / in-b
 accumulation with zeroed (not None) gradients, checkpoints across strategies mid-run and between a forward and its
 backward, a GAN of two separately set-up modules, autocast and forwards without backward.
 
-Found:
+Found (the three defects were fixed the same day; each test's docstring keeps what it was):
 - ``fp32_masters``, ``conversions`` and ``keep_compute_copy`` are Trainer-only: ``LazyTrainFabricStrategy`` refuses
   them by name (TypeError listing its options) and refuses ``precision="bf16-true"``/``"16-true"`` (README: Fabric
   supports 32-true and bf16-mixed). So the brief's "fp32 masters under Fabric" can only be written by hand (a bf16
   model, fp32 masters in the optimizer, gradients folded as tests/test_fp32_masters.py's ``fold_into_masters``)...
-- DEFECT test_hand_written_fp32_masters_over_a_bf16_model: ...and that loop crashes. A module whose parameters are
+- DEFECT (now refused by name: test_a_bf16_model_under_32_true_is_refused_by_name): ...and that loop crashed. A module whose parameters are
   bf16 under Fabric "32-true" (the whole model, or only its block stack: a frozen bf16 base) has its weights staged
   as fp32 compute copies (the executor's ``compute_dtype`` is fp32 whatever the parameters' dtype): the first forward
   raises torch's ``mat1 and mat2 must have the same dtype, but got BFloat16 and Float``; auto trains. Neither trained
   as auto nor refused by name.
-- DEFECT test_dcgan_loop_of_two_set_up_modules: Lightning's own Fabric DCGAN loop (D's loss on ``fake.detach()``
+- DEFECT (fixed: Note: [a backward that reaches nothing]) test_dcgan_loop_of_two_set_up_modules: Lightning's own Fabric DCGAN loop (D's loss on ``fake.detach()``
   backpropagated, D stepped, then G's loss on the same ``fake``) is refused at G's backward with "backward through
   block 3's forward of an earlier micro-batch": the ``fabric.backward`` of D's loss, which never reaches the streamed
   generator, ended its micro-batch. The message blames an "earlier micro-batch" and suggests ``manual_backward``
   (Trainer wording); it does not say that a backward which did not go through the model closed it. Auto trains.
   (A generator re-run for its own loss, or a no-grad fake for D, trains as auto: passing probes below.)
-- DEFECT test_a_refused_load_between_forward_and_backward_loads_nothing: ``fabric.load(path, {"optimizer": opt,
+- DEFECT (fixed: refused before anything loads) test_a_refused_load_between_forward_and_backward_loads_nothing: ``fabric.load(path, {"optimizer": opt,
   "sched": sched, "model": model})`` between a forward and its backward is refused (clear message), but only when
   the model's turn comes: the optimizer's states (step 1 -> 2, exp_avg off by 4.8e-4) and the scheduler
   (lr 0.007 -> 0.0049) were already replaced by the checkpoint's. A refusal should leave the state as it was.
@@ -180,19 +180,14 @@ def hand_masters(name: str, which: str):
     return losses, state
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: a module with bf16 parameters (all, or only its blocks) under Fabric "
-                   "'32-true' gets fp32 compute copies (the executor's compute_dtype is fp32 whatever the weights' "
-                   "dtype): the first forward raises torch's 'mat1 and mat2 must have the same dtype, but got BFloat16 "
-                   "and Float'; auto trains. Neither trained as auto nor refused by name")
 @pytest.mark.parametrize("which", ["model", "blocks"])
-def test_hand_written_fp32_masters_over_a_bf16_model(which):
-    want = hand_masters("auto", which)
-    try:
-        got = hand_masters("recompute_all", which)
-    except Exception as e:  # noqa: BLE001 - a refusal must be lazytrain's and name the dtype
-        assert "lazytrain" in str(e) and "bfloat16" in str(e).lower(), repr(e)[:300]
-        return
-    assert_same(got, want)
+def test_a_bf16_model_under_32_true_is_refused_by_name(which):
+    """Was OPEN (a module with bf16 parameters, all or only its blocks, under Fabric '32-true' got fp32 compute
+    copies: the first forward raised torch's 'mat1 and mat2 must have the same dtype, but got BFloat16 and Float';
+    auto trains); now refused at setup, naming the parameters' dtype and the fix (TrainingCore.build)."""
+    hand_masters("auto", which)  # auto trains it
+    with pytest.raises(ValueError, match=r"computes in float32.*\(bfloat16\).*model\.float\(\)"):
+        hand_masters("recompute_all", which)
 
 
 # =====================================================================================================================
@@ -407,10 +402,10 @@ def test_load_between_forward_and_backward_is_refused_by_name_and_the_run_goes_o
     assert_same(got, load_mid("auto", two_step_checkpoint, ["optimizer", "sched"])[1])
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: fabric.load(path, {'optimizer', 'sched', 'model'}) between a forward "
-                   "and its backward is refused only at the model: HybridAdamW's states (step 1 -> 2, exp_avg off by "
-                   "4.8e-4) and the StepLR (lr 0.007 -> 0.0049) were already replaced by the checkpoint's")
 def test_a_refused_load_between_forward_and_backward_loads_nothing(two_step_checkpoint):
+    """Was OPEN (fabric.load(path, {'optimizer', 'sched', 'model'}) there was refused only at the model: HybridAdamW's
+    states (step 1 -> 2, exp_avg off by 4.8e-4) and the StepLR (lr 0.007 -> 0.0049) were already the checkpoint's);
+    now refused before anything loads (LazyTrainFabricStrategy.load_checkpoint)."""
     fabric, model, opt, sched = ck_setup("pipelined")
     try:
         ck_train(fabric, model, opt, sched, range(1))
@@ -494,11 +489,10 @@ def test_gan_of_two_set_up_modules(order, policy):
     assert_same(gan(policy, order), gan("auto", order))
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN: Lightning's Fabric DCGAN loop is refused at G's backward ('backward "
-                   "through block 3's forward of an earlier micro-batch'): fabric.backward of D's loss on fake.detach(), "
-                   "which never reaches the generator, ended the generator's micro-batch; the message neither says so "
-                   "nor fits Fabric (it suggests manual_backward). Auto trains")
 def test_dcgan_loop_of_two_set_up_modules():
+    """Was OPEN (Lightning's Fabric DCGAN loop was refused at G's backward, 'backward through block 3's forward of an
+    earlier micro-batch': fabric.backward of D's loss on fake.detach(), which never reaches the generator, ended the
+    generator's micro-batch); fixed: Note: [a backward that reaches nothing] in core/microbatches.py."""
     assert_same(gan("recompute_all", "dcgan"), gan("auto", "dcgan"))
 
 

@@ -350,8 +350,9 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.core.before_backward(tensor)  # Note: [one gradient per boundary use] (engine/boundary_uses.py)
+        mark = self.core.reach_mark()
         super().backward(tensor, module, *args, **kwargs)
-        self.core.end_microbatch()
+        self.core.end_microbatch_if_reached(mark)  # Note: [a backward that reaches nothing] (core/microbatches.py)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -376,6 +377,16 @@ class LazyTrainFabricStrategy(CoreViews, SingleDeviceStrategy, metaclass=NamedOp
         # Note: [a state dict mid-bind]: between accumulated micro-batches, or between a forward and its backward
         with self.core.masters_in_modules():
             return super().get_module_state_dict(module)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        # refused before anything loads (review 20: the optimizer and scheduler earlier in the dict were loaded)
+        objs = state.values() if isinstance(state, dict) else [state]
+        if any(isinstance(o, _StreamedModule) or o is self._module for o in objs):
+            for o in objs:
+                if isinstance(o, nn.Module):
+                    self._unwrap(o, loading=True)
+        return super().load_checkpoint(path, state, strict=strict, **kwargs)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:

@@ -142,6 +142,28 @@ class MicroBatches:
                         "next forward: .grad read before that is not complete. Call self.manual_backward(loss)")
         self.end_microbatch()
 
+    # Note: [a backward that reaches nothing]
+    # A Fabric loop may backpropagate a loss that reaches nothing of the streamed model between its forward and the
+    # backward that does: Lightning's DCGAN loop runs the discriminator's ``fabric.backward`` on ``fake.detach()``
+    # (the discriminator set up beside the streamed generator) before the generator's loss on the same ``fake``.
+    # Ending the generator's micro-batch at the first made the second a backward "of an earlier micro-batch",
+    # refused (review 20), where ``auto`` trains. ``end_microbatch_if_reached`` keeps the micro-batch open when the
+    # backward reached no block and no bound copy (``Executor.reach_mark``): it had nothing to deliver, and the
+    # next backward, the next forward (which drops a micro-batch no backward reached) or a step decides.
+
+    def reach_mark(self) -> tuple[int, int] | None:
+        """Before a backward: ``Executor.reach_mark`` of the open micro-batch (None: none open)."""
+        ex = self.executor
+        return ex.reach_mark() if ex is not None and ex.in_microbatch else None
+
+    def end_microbatch_if_reached(self, mark: tuple[int, int] | None) -> StepStats | None:
+        """After a backward: end the micro-batch unless the backward reached nothing of the model (Note: [a backward
+        that reaches nothing]); ``mark``: ``reach_mark`` before it."""
+        ex = self.executor
+        if mark is not None and ex is not None and ex.in_microbatch and ex.reach_mark() == mark:
+            return None
+        return self.end_microbatch()
+
     # Note: [a step inside a micro-batch]
     # With manual optimization (and in a Fabric loop) an optimizer may step between a forward and its backward: a
     # GAN's critic stepped after the generator's forward, before the critic's use in the same loss. The open

@@ -189,6 +189,8 @@ class TrainingCore(MicroBatches, ScheduleControl):
                                  f"precision='bf16-true' (or '16-true'), not {precision!r} (under '32-true' and "
                                  "the mixed precisions the weights are fp32 already)")
             upcast_parameters(module)
+        elif compute_dtype == torch.float32:
+            _refuse_narrow_parameters(module, precision)
         t0 = time.perf_counter()
         stack = find_blocks(module, o.blocks)
         n = len(stack)
@@ -410,3 +412,17 @@ def _write_measured_timeline(stats: StepStats, directory: str) -> None:
         plot_timeline(stats.segments, os.path.join(directory, "timeline_measured.png"), title="measured: last step")
     except Exception as err:  # a plot must never fail a run
         log.warning("could not draw the measured timeline: %s", err)
+
+
+def _refuse_narrow_parameters(module: torch.nn.Module, precision: str) -> None:
+    """Under a float32 compute dtype ('32-true' and the mixed precisions) every weight is staged as float32: a
+    16-bit parameter would compute in float32 where ``strategy="auto"`` computes in its own dtype (review 20: a
+    bf16 model under Fabric's '32-true' failed in torch, "mat1 and mat2 must have the same dtype")."""
+    narrow = [(n, p.dtype) for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    if narrow:
+        names = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in narrow[:3])
+        more = f" and {len(narrow) - 3} more" if len(narrow) > 3 else ""
+        raise ValueError(
+            f"strategy='lazytrain' with precision={precision!r} computes in float32, but the model has parameters "
+            f"in another dtype: {names}{more}. Fix: convert the model to float32 (model.float()), or train 16-bit "
+            "weights with the Trainer's precision='bf16-true' (fp32 masters: LazyTrainStrategy(fp32_masters=True))")

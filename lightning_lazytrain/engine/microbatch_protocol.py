@@ -120,6 +120,12 @@ class MicroBatchProtocol:
         model: it ends as one no gradient reached)."""
         self._armed_call()
 
+    def reach_mark(self) -> tuple[int, int]:
+        """What backwards have reached of the model so far (block backwards, gradients into bound copies): a
+        backward that leaves it unchanged reached nothing of the model (Note: [a backward that reaches nothing])."""
+        assert self.params is not None
+        return sum(self._backprops.values()) if self._micro is not None else 0, getattr(self.params, "arrivals", 0)
+
     @property
     def backward_ran(self) -> bool:
         """A micro-batch is open and a backward reached its blocks (it was not ended yet)."""

@@ -227,6 +227,7 @@ class ParamBinding:
         merge_edit(info.param.data, value)
 
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
+        self.arrivals = getattr(self, "arrivals", 0) + 1  # gradients autograd accumulated into copies (any slot)
         s.touched.add(key)
         self.post_hooks.arrived(key, master)
         if self.arrival_watch is not None and s.gid == REST:
