@@ -491,3 +491,27 @@ def test_fabric_grad_read_inside_the_micro_batch_is_the_masters():
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_fabric_critic_stepped_between_accumulated_micro_batches_trains_as_auto(set_to_none):
     _assert_same_fabric(f"accumulate-{set_to_none}")
+
+
+# ---- an edit before a backward that updates the head in it (HybridAdamW, updates_in_backward) -----------------
+
+class HalveHead(L.Callback):
+    """``on_before_backward``: the LM head's weight (a non-block part the plan updates during the backward) is
+    scaled in place through the module."""
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        with torch.no_grad():
+            pl_module.model.lm_head.weight.mul_(0.99)
+
+
+def test_an_edit_before_a_backward_that_updates_its_weight_in_the_backward():
+    """The edit reaches the master before the backward's update of the head (Note: [an edit of a bound copy]: synced
+    before the strategies' backward): merged after it, the edited copy overwrote the update (every element differs
+    from the updated master)."""
+    from test_updates_in_backward import fit_tiny
+
+    want, want_params, _ = fit_tiny(False, steps=4, callbacks=[HalveHead()])
+    got, got_params, opt = fit_tiny(True, steps=4, callbacks=[HalveHead()])
+    assert "head" in opt.in_backward  # the head was updated in the backward
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))

@@ -112,6 +112,9 @@ class MicroBatches:
         """The adapters' backward is about to run on ``loss``: a block input also used elsewhere gets each use's
         gradient added in autograd's order (Note: [one gradient per boundary use] in engine/boundary_uses.py)."""
         if self.executor is not None:  # (the executor checks the micro-batch and the loss)
+            # Note: [an edit of a bound copy]: before the backward, whose updates (HybridAdamW in the backward) may
+            # change the masters an edit would otherwise be merged into after them
+            self.executor.sync_edits()
             self.executor.mark_boundary_uses(loss)
 
     # Note: [a backward outside the strategy]

@@ -12,8 +12,10 @@ Note: [an edit of a bound copy]
     float32 reductions of its values, its sum and 2-norm (a ``.data`` edit moves no counter). Where either moved,
     the copy is written back into its master (``ParamStore.sync_edits``): the elements whose value differs from the
     master's in the copy's dtype take the copy's (widened where the master is fp32: an element the user did not
-    change keeps the master's low bits). That runs before an optimizer steps inside the micro-batch (the edit, then
-    the step, in the user's order), when a micro-batch ends or is dropped, and before a state dict is read mid-bind.
+    change keeps the master's low bits). That runs before the strategies' backward (whose updates, HybridAdamW's in
+    the backward, change masters an edit merged after them would overwrite), before an optimizer steps inside the
+    micro-batch (the edit, then the step, in the user's order), when a micro-batch ends or is dropped, and before a
+    state dict is read mid-bind.
     Cost: two reductions over the non-block weights on the device per check, a copy to the host of an edited one
     only. Not seen: an edit that keeps both the counter and both reductions (a permutation through ``.data``)."""
 

@@ -120,6 +120,13 @@ class MicroBatchProtocol:
         model: it ends as one no gradient reached)."""
         self._armed_call()
 
+    def sync_edits(self) -> int:
+        """Note: [an edit of a bound copy] (bound_edits.py): user edits of the bound non-block copies into their
+        masters now (in a micro-batch); how many."""
+        if self._micro is None or self.params is None:
+            return 0
+        return self.params.sync_edits()
+
     def reach_mark(self) -> tuple[int, int]:
         """What backwards have reached of the model so far (block backwards, gradients into bound copies): a
         backward that leaves it unchanged reached nothing of the model (Note: [a backward that reaches nothing])."""
