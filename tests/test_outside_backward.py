@@ -75,41 +75,5 @@ def test_a_raw_backward_in_a_fabric_loop_is_refused_by_fabric():
         fabric_run(LazyTrainFabricStrategy(policy="megatrain"), 1)
 
 
-class StepBetweenNet(Net):
-    """Another optimizer steps between the forward and its ``manual_backward``: the open micro-batch stays open."""
-
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt_g, opt_c = self.optimizers()
-        h = self(batch)
-        opt_c.step()  # the critic's gradients of the previous step
-        opt_c.zero_grad()
-        loss = self.head(h).square().mean() + 0.1 * self.critic(h.detach()).square().mean()
-        self.manual_backward(loss)
-        opt_g.step()
-        opt_g.zero_grad()
-        self.log("train_loss", loss)
-
-    def configure_optimizers(self):
-        gen = [p for n, p in self.named_parameters() if not n.startswith("critic")]
-        return torch.optim.AdamW(gen, lr=1e-2), torch.optim.SGD(self.critic.parameters(), lr=0.1)
-
-
-def test_an_optimizer_step_between_a_forward_and_its_manual_backward_is_not_dropped():
-    """The open micro-batch is not dropped at that step (close_open_microbatch(drop=False)): the backward runs."""
-    _, want = fit("auto", StepBetweenNet(), steps=4)
-    _, got = fit(LazyTrainStrategy(policy="megatrain"), StepBetweenNet(), steps=4)
-    assert len(got) == len(want) == 2 and got[0] == want[0]  # (two optimizers: two steps a batch)
-
-
-def test_an_optimizer_step_between_a_forward_and_its_manual_backward_trains_as_auto():
-    """Note: [a step inside a micro-batch]: the critic's device copy, bound when the micro-batch began, takes the
-    step's weights (was OPEN: the use computed with the weights before the step, losses off from the second step,
-    0.079558 vs 0.078979)."""
-    want_model, want = fit("auto", StepBetweenNet(), steps=6)
-    got_model, got = fit(LazyTrainStrategy(policy="megatrain"), StepBetweenNet(), steps=6)
-    assert got == want
-    assert_same_model(got_model, want_model)
+# An optimizer that steps between a forward and its manual_backward (the open micro-batch stays open, its non-block
+# copies refreshed): tests/test_step_inside_microbatch.py (Note: [a step inside a micro-batch]).

@@ -50,6 +50,7 @@ import lightning as L
 import pytest
 import torch
 from test_conformance import Net, assert_same_model, fit
+from test_step_inside_microbatch import CriticInside
 
 from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy
 from lightning_lazytrain.strategy import LazyTrainStrategy
@@ -68,28 +69,12 @@ def _grad_max(g):
 
 # ---- 1. WGAN weight clipping inside the micro-batch -----------------------------------------------------------
 
-class WGANClip(Net):
+class WGANClip(CriticInside):
     """Forward, the critic's step, its weights clipped through the module, the critic used, the backward."""
 
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt_g, opt_c = self.optimizers()
-        h = self(batch)
-        opt_c.step()
-        opt_c.zero_grad()
+    def after_critic_step(self):
         for p in self.critic.parameters():
             p.data.clamp_(-CLIP, CLIP)
-        loss = self.head(h).square().mean() + 0.1 * self.critic(h.detach()).square().mean()
-        self.manual_backward(loss)
-        opt_g.step()
-        opt_g.zero_grad()
-        self.log("train_loss", loss)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(_gen(self), lr=1e-2), torch.optim.SGD(self.critic.parameters(), lr=0.1)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

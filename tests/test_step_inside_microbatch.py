@@ -32,6 +32,7 @@ class CriticInside(Net):
         out = self.head(h)
         opt_c.step()  # the critic's gradients of the previous step
         opt_c.zero_grad()
+        self.after_critic_step()
         if self.probe:
             master = opt_c.optimizer.param_groups[0]["params"][0]
             held = self.critic.weight
@@ -41,6 +42,9 @@ class CriticInside(Net):
         opt_g.step()
         opt_g.zero_grad()
         self.log("train_loss", loss)
+
+    def after_critic_step(self):
+        """What a subclass does right after the critic's step (review 19's WGAN clipping)."""
 
     def configure_optimizers(self):
         gen = [p for n, p in self.named_parameters() if not n.startswith("critic")]
