@@ -56,6 +56,13 @@ class _CoreRouting:
             return
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # on_before_optimizer_step hooks and the clip run here, inside optimizer.step() before its update: edits they
+        # made to bound non-block copies (a step inside a micro-batch) reach the masters before the update does
+        # (Note: [an edit of a bound copy] in engine/bound_edits.py)
+        super()._after_closure(model, optimizer)  # type: ignore[misc]
+        self.core.sync_edits()
+
     def _closing(self, closure: Any) -> Any:
         """The closure (training_step, backward), then the step's last micro-batch closed if its training_step
         returned None (no backward ran), before the hooks, clipping and unscaling that follow the closure."""

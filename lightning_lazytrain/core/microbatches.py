@@ -181,6 +181,11 @@ class MicroBatches:
     # counter per copy] in engine/param_binding.py), and a block whose weights the step changed after its forward
     # refuses its backward (``BlockContext.stepped``).
 
+    def sync_edits(self) -> int:
+        """Note: [an edit of a bound copy] (engine/bound_edits.py): user edits of the bound non-block copies into
+        their masters now (an open micro-batch; 0 otherwise)."""
+        return self.executor.sync_edits() if self.executor is not None else 0
+
     @contextlib.contextmanager
     def stepping(self, optimizer: Any) -> Any:
         """An optimizer step by the adapters (Note: [a step inside a micro-batch])."""

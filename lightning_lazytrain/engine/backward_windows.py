@@ -225,10 +225,12 @@ class BackwardWindows:
         if self._micro is None or ctx.serial != self._serial:
             raise RuntimeError(
                 f"backward through block {ctx.j}'s forward of an earlier micro-batch: with strategy='lazytrain' a "
-                "forward's saved state is released when its micro-batch ends (at the backward that ends it). "
-                "Backpropagate a forward in the micro-batch that ran it, or run it again; with manual "
-                "optimization, call manual_backward after each forward, or add the losses and call it once "
-                "(manual_backward(loss1 + loss2)).")
+                "forward's saved state is released when its micro-batch ends (at the backward that ends it: any "
+                "backward that reached the model, e.g. a discriminator's on fake.detach() when the discriminator is "
+                "part of the streamed model). Backpropagate a forward in the micro-batch that ran it, or run it "
+                "again; with manual optimization, call manual_backward after each forward, or add the losses and "
+                "call it once (manual_backward(loss1 + loss2)); in a GAN, compute the generator's loss before the "
+                "discriminator's backward, or call the generator again for it.")
 
     def _count_backprop(self, t: int) -> None:
         """A block backpropagated twice in one micro-batch (its planned pass and an ad-hoc one) runs

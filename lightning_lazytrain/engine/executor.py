@@ -311,7 +311,9 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
 
         run(self.disarm)
         run(self._stop_memory)
-        # inside a micro-batch, or between an accumulated step's micro-batches (the non-block bind held)
+        # inside a micro-batch, or between an accumulated step's micro-batches (the non-block bind held): the user's
+        # edits of the bound copies reach the masters first (Note: [an edit of a bound copy] in bound_edits.py)
+        run(self._sync_edits_quietly)
         self._micro = None
         run(self._exit.close)
         run(self._restore_blocks)
@@ -321,6 +323,12 @@ class Executor(MicroBatchProtocol, ForwardWindows, BackwardWindows, BlockCalls, 
         run(self.engine.close)
         if errors:
             raise errors[0]
+
+    def _sync_edits_quietly(self) -> None:
+        try:
+            self.sync_edits()
+        except Exception as err:  # noqa: BLE001 - closing after a failure: the failure is what is reported
+            log.warning("lazytrain: closing: the non-block copies' edits could not be taken into the masters: %s", err)
 
     def _restore_blocks(self) -> None:
         layer_checkpointing.restore(self.stack, self._layer_ckpt)

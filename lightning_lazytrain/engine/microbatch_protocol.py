@@ -122,10 +122,8 @@ class MicroBatchProtocol:
 
     def sync_edits(self) -> int:
         """Note: [an edit of a bound copy] (bound_edits.py): user edits of the bound non-block copies into their
-        masters now (in a micro-batch); how many."""
-        if self._micro is None or self.params is None:
-            return 0
-        return self.params.sync_edits()
+        masters now (in a micro-batch, between an accumulated step's, in evaluation); how many."""
+        return self.params.sync_edits() if self.params is not None else 0
 
     def reach_mark(self) -> tuple[int, int]:
         """What backwards have reached of the model so far (block backwards, gradients into bound copies): a
@@ -206,8 +204,11 @@ class MicroBatchProtocol:
                 self._between_microbatches = False
             return
         self.params.stage(REST).wait()
-        with self.params.bind(REST, grads=False):
-            yield
+        with self.params.bind(REST, grads=False, watch_edits=True):
+            try:
+                yield
+            finally:  # Note: [an edit of a bound copy]: an edit in evaluation (Embedding's max_norm renorm) too
+                self.params.sync_edits()
 
     def begin_microbatch(self, *, first: bool = True, last: bool = True) -> None:
         assert self.params is not None
