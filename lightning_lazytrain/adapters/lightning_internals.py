@@ -15,6 +15,9 @@ Lightning 2.6.x (checked on 2.6.6) has no public counterpart for these; its own 
   ._should_accumulate``: accumulation, the epoch's last batch): no hook tells a strategy, which needs
   it before the batch's forward (the executor keeps the gradients of layer 0 and the non-block
   weights on the device between the micro-batches of one step);
+- the precision plugins' closure steps (adapters/precision.py, subclasses of Lightning's three plugins, calls
+  ``_wrap_closure`` and overrides ``_after_closure``: methods of the base class, not imports; the hooks run there,
+  inside ``optimizer.step()`` before the update);
 - the device a ``LightningModule`` reports (``LightningModule.device`` reads ``_device``, which only
   ``.to()`` sets): the strategy keeps the parameters on the host, yet the module computes on the
   device, and a module's ``self.device`` must say so, as under ``strategy="auto"``.
