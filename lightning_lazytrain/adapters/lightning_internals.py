@@ -1,5 +1,6 @@
 """The parts of Lightning 2.6.x the strategies use without a public API: every import or use of a
-private name of Lightning is here, and nowhere else in the package.
+private name of Lightning is here, and nowhere else in the package -- but for two methods the precision
+plugins inherit, named below.
 
 Lightning 2.6.x (checked on 2.6.6) has no public counterpart for these; its own strategies
 (``DDPStrategy``, ``FSDPStrategy``) use the same names:
