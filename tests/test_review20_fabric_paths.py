@@ -59,6 +59,7 @@ from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy  # (regi
 from lightning_lazytrain.optim import HybridAdamW
 from lightning_lazytrain.planner import recompute_all
 from test_review2_fabric_precision import EVAL, FDATA, LAYERS, FNet, mixed_plan, pipelined_plan, plan_json, serial_plan
+from test_fp32_masters import fold_into_masters
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,15 +125,6 @@ def test_trainer_only_master_options_are_refused_by_name(option):
 def test_true_16_bit_precisions_are_refused_by_name(precision):
     with pytest.raises(ValueError, match=rf"'32-true' or 'bf16-mixed', not '{precision}'"):
         L.Fabric(accelerator="cpu", devices=1, strategy=LazyTrainFabricStrategy(), precision=precision)
-
-
-def fold_into_masters(pairs) -> None:
-    """tests/test_fp32_masters.py's: each bf16 parameter's gradient added into its fp32 master's (and cleared)."""
-    for p, m in pairs:
-        if p.grad is not None:
-            g = p.grad.float()
-            m.grad = g if m.grad is None else m.grad.add_(g)
-            p.grad = None
 
 
 class CastNet(FNet):
