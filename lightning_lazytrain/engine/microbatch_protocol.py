@@ -129,7 +129,7 @@ class MicroBatchProtocol:
         """What backwards have reached of the model so far (block backwards, gradients into bound copies): a
         backward that leaves it unchanged reached nothing of the model (Note: [a backward that reaches nothing])."""
         assert self.params is not None
-        return sum(self._backprops.values()) if self._micro is not None else 0, getattr(self.params, "arrivals", 0)
+        return sum(self._backprops.values()) if self._micro is not None else 0, self.params.arrivals
 
     @property
     def backward_ran(self) -> bool:

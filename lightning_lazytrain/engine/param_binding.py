@@ -47,6 +47,7 @@ class ParamBinding:
     post_hooks: PostAccumulateHooks
     arrival_watch: Callable[[nn.Parameter], None] | None
     shared_ids: set[int]
+    arrivals: int = 0  # gradients autograd accumulated into bound copies (Note: [a backward that reaches nothing])
 
     # ---- binding (Note: [slot reuse]) -------------------------------------------------
     def release(self, layer: int, slot: int | None = None) -> None:
@@ -185,10 +186,8 @@ class ParamBinding:
         many. In place: each copy's own version counter moves (Note: [one version counter per copy]), so a
         backward through a forward that saved a stepped one is refused as under ``auto``, and one that saved
         another still runs. A collective in a sharded store (every rank steps the same optimizer)."""
-        if not self._slots:
-            return 0
-        s = self._slot(REST, None)
-        if not (s.bound and s.gid == REST):
+        s = self._bound_rest()
+        if s is None:
             return 0
         want = {id(p) for p in params}
         n = 0
@@ -204,10 +203,8 @@ class ParamBinding:
     def sync_edits(self) -> int:
         """Note: [an edit of a bound copy] (bound_edits.py): the bound non-block copies user code edited in place
         since they were bound, refreshed or last synced go into their masters; how many."""
-        if not self._slots:
-            return 0
-        s = self._slot(REST, None)
-        if not (s.bound and s.gid == REST) or s.edits is None:
+        s = self._bound_rest()
+        if s is None or s.edits is None:
             return 0
         edited = s.edits.changed()
         with torch.no_grad():
@@ -216,6 +213,13 @@ class ParamBinding:
         if edited:
             s.edits.reset()
         return len(edited)
+
+    def _bound_rest(self) -> Slot | None:
+        """The non-block group's slot while it is bound into the modules (None: not bound, or no slots yet)."""
+        if not self._slots:
+            return None
+        s = self._slot(REST, None)
+        return s if s.bound and s.gid == REST else None
 
     def _master_value(self, info: Any) -> torch.Tensor:
         """A parameter's whole master value (a sharded store gathers it: engine/shard_store.py)."""
@@ -227,7 +231,7 @@ class ParamBinding:
         merge_edit(info.param.data, value)
 
     def _arrived(self, s: Slot, key: int, master: nn.Parameter, _wrapper: torch.Tensor) -> None:
-        self.arrivals = getattr(self, "arrivals", 0) + 1  # gradients autograd accumulated into copies (any slot)
+        self.arrivals += 1
         s.touched.add(key)
         self.post_hooks.arrived(key, master)
         if self.arrival_watch is not None and s.gid == REST:
