@@ -20,6 +20,8 @@ import torch
 from lightning_lazytrain.engine.block_fn import BlockContext, BlockFunction, TrainableReads, run_block
 from lightning_lazytrain.engine.boundary_uses import EXTRA_INPUT_SLOTS
 from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, UnsupportedBlockPattern, rerun_call
+from lightning_lazytrain.engine.eval_grads import guard_outputs
+from lightning_lazytrain.engine.kv_cache_grads import cache_arguments, mark_cache_layer, refuse_cache_with_grad
 from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT
 
 if TYPE_CHECKING:
@@ -74,12 +76,17 @@ class BlockCalls:
                 "The plan streams every block in the stack's order once per forward. Fix: turn the skipping off "
                 "for training (e.g. the config's layerdrop=0), call every block in order, or train this model "
                 "with another strategy")
+        caches = cache_arguments(self._signatures.get(j), args, kwargs)  # Note: [gradients through a KV cache]
+        where = f"block {j} of {self.stack.path!r}"
+        refuse_cache_with_grad(caches, j, where)
         self._forwarded.add(j)
         watch = self._shared_writes.watch(call, kwargs)  # Note: [containers the blocks share] (shared_args.py)
         node = BlockContext(j)  # Note: [the block node] (block_fn.py)
         with self._shared_writes.reads(j, self.stack.path):
             outs = self._pass(j, node, call, adhoc, x, routed)
         self._shared_writes.after(j, watch)
+        if caches and outs[0].requires_grad:
+            mark_cache_layer(caches, j, where, outs[0])
         spec = node.take_output()
         return spec.build(outs[0], outs[1:1 + len(spec.routed)])
 
@@ -166,18 +173,6 @@ class BlockCalls:
         micro-batch (a no-grad forward in ``training_step``), or between an accumulated step's
         micro-batches, the slots belong to the planned pass: stream through the recompute slot instead."""
         assert self.params is not None
-        if torch.is_grad_enabled() and (x.requires_grad or any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))):
-            # Note: [gradients through streamed evaluation]: the slots' weights are overwritten by the next
-            # blocks, so a graph through them could not be backpropagated; under no_grad the gradient of an
-            # input would be lost (an error, or a wrong value where the output also depends on it elsewhere)
-            raise UnsupportedBlockPattern(
-                f"block {j} of {self.stack.path!r} was called outside a training step with grad enabled on an input "
-                "that requires grad: such a call streams the weights through two slots and keeps no graph. With the "
-                "Trainer, input gradients in evaluation (Trainer(inference_mode=False) with torch.enable_grad()): "
-                "compute them in a training step, or evaluate this way with strategy='auto'. With Fabric, a block "
-                "reached without the model fabric.setup returned (model.model(...), or a method not marked with "
-                "fabric.mark_forward_method): call the set-up model, or mark the method")
         if self._micro is not None or self._between_microbatches:
             if (self._micro is not None and self.schedule.optimizer == "pipelined" and self._micro[0]
                     and self.wait_updated is not None):
@@ -185,15 +180,27 @@ class BlockCalls:
             self.params.stage(j, RECOMPUTE_SLOT)
             try:
                 with self.params.bind(j, RECOMPUTE_SLOT, grads=False), torch.no_grad():
-                    return self._orig[j](x, *args, **kwargs)
+                    out = self._orig[j](x, *args, **kwargs)
             finally:
                 self.params.evict(RECOMPUTE_SLOT)
+            return self._guard_evaluation(j, out, x, args, kwargs)
         if j == 0 or not self.params.staged(j, j % 2):
             self.params.stage(j, j % 2)
         if j + 1 < len(self.stack):
             self.params.stage(j + 1, (j + 1) % 2)
         with self.params.bind(j, j % 2, grads=False), torch.no_grad():
-            return self._orig[j](x, *args, **kwargs)
+            out = self._orig[j](x, *args, **kwargs)
+        return self._guard_evaluation(j, out, x, args, kwargs)
+
+    def _guard_evaluation(self, j: int, out: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Note: [weights in evaluation] (eval_grads.py): with grad enabled, the outputs of a block streamed
+        outside a training step require grad where autograd's would, and a gradient that reaches them is refused
+        by name (Note: [gradients through streamed evaluation])."""
+        if not torch.is_grad_enabled():
+            return out
+        assert self.params is not None
+        inputs = [t for t in (x, *args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        return guard_outputs(out, f"block {j} of {self.stack.path!r}", [*inputs, *self.params.group_parameters(j)])
 
     def _stage(self, j: int, slot: int | None = None) -> None:
         # Staging writes the slot's weights only; a gradient D2H still reading the slot's grad

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.bound_edits import EditWatch
+from lightning_lazytrain.engine.eval_grads import refuse_accumulation
 from lightning_lazytrain.engine.grad_writeback import REST
 from lightning_lazytrain.engine.user_grad_hooks import PostAccumulateHooks, forward_tensor_hooks, run_tensor_hooks
 
@@ -108,6 +109,10 @@ class ParamBinding:
                 if follow_requires_grad:
                     for m, _ in info.sites:
                         follow.setdefault(id(m), (m, []))[1].append((info.param, w))
+            if layer == REST and not want_grads and info.param.requires_grad and w.is_floating_point():
+                # Note: [weights in evaluation] (eval_grads.py): requires grad as its master; no backward lands here
+                w.requires_grad_(True)
+                w.register_post_accumulate_grad_hook(refuse_accumulation(info.name))
             s.wrappers.append((info, w))
             for m, name in info.sites:
                 if m._parameters.get(name) is not info.param:
