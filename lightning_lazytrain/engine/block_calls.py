@@ -19,7 +19,7 @@ import torch
 
 from lightning_lazytrain.engine.block_fn import BlockContext, BlockFunction, TrainableReads, run_block
 from lightning_lazytrain.engine.boundary_uses import EXTRA_INPUT_SLOTS
-from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, UnsupportedBlockPattern, rerun_call
+from lightning_lazytrain.engine.block_io import BlockCall, BlockOutput, rerun_call
 from lightning_lazytrain.engine.eval_grads import guard_outputs
 from lightning_lazytrain.engine.kv_cache_grads import cache_arguments, mark_cache_layer, refuse_cache_with_grad
 from lightning_lazytrain.engine.forward_windows import RECOMPUTE_SLOT
