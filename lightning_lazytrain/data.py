@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 __all__ = ["VOCAB_SIZE", "StdlibText", "StdlibTextDataModule", "WindowDataset", "read_stdlib_text",
            "stdlib_dir", "stdlib_files"]
@@ -162,6 +164,44 @@ class WindowDataset(Dataset):
         return cls(text, window, starts)
 
 
+class ResumableOrder(RandomSampler):
+    """``RandomSampler``'s order, resumable: each epoch is one ``randperm`` drawn from the generator, which is also
+    the DataLoader's (it draws each epoch's base seed from it first), so the batches are those of
+    ``DataLoader(shuffle=True, generator=...)`` as Lightning iterates it (it stops at the loader's length, before
+    ``RandomSampler``'s trailing empty draw). ``state``: the generator as the epoch's permutation was drawn and
+    how many samples the run consumed; ``resume`` makes the next iteration go on from there (mid-epoch), or start
+    the next epoch as the uninterrupted run would (from a checkpoint at an epoch's end: Lightning begins a new
+    one then)."""
+
+    def __init__(self, data_source: Any, generator: torch.Generator) -> None:
+        super().__init__(data_source, generator=generator)
+        self.epoch_start = generator.get_state()
+        self._pending: dict | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        assert self.generator is not None
+        skip = 0
+        if self._pending is not None:  # (after the loader's base-seed draw: the epoch's own draw as it was)
+            self.generator.set_state(self._pending["generator"])
+            skip, self._pending = int(self._pending["consumed"]), None
+        self.epoch_start = self.generator.get_state()
+        yield from torch.randperm(len(self.data_source), generator=self.generator).tolist()[skip:]
+
+    def state(self, consumed: int, epoch_done: bool) -> dict:
+        if not epoch_done:
+            return {"generator": self.epoch_start.clone(), "consumed": int(consumed), "epoch_done": False}
+        gen = torch.Generator().set_state(self.epoch_start.clone())
+        torch.randperm(len(self.data_source), generator=gen)  # the epoch's draw
+        return {"generator": gen.get_state(), "consumed": 0, "epoch_done": True}
+
+    def resume(self, state: dict) -> None:
+        assert self.generator is not None
+        if state.get("epoch_done"):  # before the next epoch's base-seed draw, as the uninterrupted run
+            self.generator.set_state(state["generator"])
+        else:
+            self._pending = state
+
+
 class StdlibTextDataModule(LightningDataModule):
     """Byte-level next-token data from the Python standard library's source (see the module docstring).
 
@@ -207,6 +247,8 @@ class StdlibTextDataModule(LightningDataModule):
         self.text: StdlibText | None = None
         self.train_set: WindowDataset | None = None
         self.val_set: WindowDataset | None = None
+        self._order: ResumableOrder | None = None  # the training loader's sampler
+        self._resume: dict | None = None  # a checkpoint's state_dict, for the next training loader
 
     @property
     def vocab_size(self) -> int:
@@ -236,11 +278,37 @@ class StdlibTextDataModule(LightningDataModule):
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         self.setup()
-        gen = torch.Generator().manual_seed(int(self.seed) + 1) if shuffle else None
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, generator=gen,
+        assert dataset is not None
+        order, gen = None, None
+        if shuffle:  # DataLoader(shuffle=True, generator=gen)'s batches, resumable
+            gen = torch.Generator().manual_seed(int(self.seed) + 1)
+            order = self._order = ResumableOrder(dataset, gen)
+            if self._resume is not None:
+                order.resume(self._resume)
+                self._resume = None
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=order, generator=gen,
                           num_workers=self.num_workers,
                           drop_last=shuffle and len(dataset) >= self.batch_size,
                           persistent_workers=self.num_workers > 0)
+
+    def state_dict(self) -> dict:
+        """Where the training order stands (Lightning keeps it in each checkpoint): a resume from a checkpoint
+        saved mid-epoch goes on with the batches the run had not reached, in the same order."""
+        trainer = self._trainer_or_none()
+        if self._order is None or trainer is None:
+            return {}
+        batches = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        per_epoch = max(1, len(self._order) // self.batch_size)  # (drop_last)
+        return self._order.state(batches * self.batch_size, epoch_done=batches >= per_epoch)
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = state or None
+
+    def _trainer_or_none(self) -> Any:
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

@@ -83,14 +83,40 @@ def test_round_trip_cpu_continues_exactly(eight_bit: str) -> None:
     assert_same_state(flat_state(opt_a, model_a), flat_state(opt_b, model_b))
 
 
-def test_load_refuses_a_different_assignment() -> None:
+@pytest.mark.parametrize("saved, loading", [("all", "none"), ("none", "all")])
+def test_load_converts_states_saved_with_other_bits(saved, loading, caplog) -> None:
+    """Note: [states converted as they load] (optim/checkpoint.py): was refused ("8-bit but this optimizer assigns it
+    32-bit"), which left no way to resume on a host that needs another eight_bit policy (review 24). The moments are
+    converted with one rounding: 8 -> 32 exactly the dequantised values, 32 -> 8 the quantised ones, whose
+    dequantised values are within the 8-bit maps' error of the saved moments; training goes on."""
+    from lightning_lazytrain.optim.bnb8bit import dequantized_moments
+
     pytest.importorskip("bitsandbytes")
     model = make_model()
-    opt8 = make_opt(model, "all")
-    train(model, opt8, 1, seed=1)
-    opt32 = make_opt(make_model(), "none")
-    with pytest.raises(ValueError, match="8-bit but this optimizer assigns it 32-bit"):
-        opt32.load_state_dict(opt8.state_dict())
+    opt_a = make_opt(model, saved)
+    train(model, opt_a, 2, seed=1)
+    opt_b = make_opt(model, loading)
+    with caplog.at_level("WARNING", logger="lightning_lazytrain.optim"):
+        opt_b.load_state_dict(save_load(opt_a.state_dict()))
+    assert "moments were converted" in caplog.text
+    converted = 0
+    for p in model.parameters():
+        a, b = opt_a.state[p], opt_b.state[p]
+        if opt_a.bits_of(p) == opt_b.bits_of(p):
+            continue
+        converted += 1
+        if opt_b.bits_of(p) == 32:
+            m, v = dequantized_moments(a)
+            assert torch.equal(b["exp_avg"], m.view_as(p)) and torch.equal(b["exp_avg_sq"], v.view_as(p))
+        else:
+            m, v = dequantized_moments(b)
+            assert b["state1"].dtype == torch.uint8
+            for got, want in ((m, a["exp_avg"]), (v, a["exp_avg_sq"])):
+                assert torch.allclose(got.view_as(p), want, rtol=0.1, atol=float(want.abs().max()) * 0.02)
+        assert torch.equal(b["step"], a["step"])
+    assert converted > 0
+    train(model, opt_b, 1, seed=3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_load_restores_hyperparameters_and_counts() -> None:

@@ -415,15 +415,23 @@ def test_8bit_state_dict_round_trip_into_a_fresh_optimizer_with_odd_and_empty_te
     assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 
-def test_8bit_state_dict_refused_across_a_change_of_the_slice():
+def test_8bit_state_dict_converted_across_a_change_of_the_slice():
+    """Was refused ("8-bit ... 32-bit"); now converted as it loads (Note: [states converted as they load]):
+    the 32-bit moments are the 8-bit ones dequantised."""
+    from lightning_lazytrain.optim.bnb8bit import dequantized_moments
+
     _bnb()
     a = _params([(64, 80), (7,)])
     opt = HybridAdamW(a, eight_bit="all")
     _fill_grads(a, torch.Generator().manual_seed(0))
     opt.step()
-    with pytest.raises(ValueError, match="8-bit"):
-        HybridAdamW([torch.nn.Parameter(p.detach().clone()) for p in a], eight_bit="none").load_state_dict(
-            copy.deepcopy(opt.state_dict()))
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt32 = HybridAdamW(b, eight_bit="none")
+    opt32.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.bits_of(a[0]) == 8 and opt32.bits_of(b[0]) == 32
+    m, v = dequantized_moments(opt.state[a[0]])
+    assert torch.equal(opt32.state[b[0]]["exp_avg"], m.view_as(b[0]))
+    assert torch.equal(opt32.state[b[0]]["exp_avg_sq"], v.view_as(b[0]))
 
 
 def test_8bit_states_for_a_non_contiguous_parameter_are_refused_by_name():

@@ -335,7 +335,7 @@ def test_checkpoint_of_the_app_reloads_without_the_app(tmp_path):
     cfg = compose_cfg(*FAST, "trainer.max_steps=2", "trainer.enable_checkpointing=true",
                       f"strategy.name={STRATEGIES[0]}", "model.num_layers=2")
     result = train_job(cfg, tmp_path)
-    (ckpt,) = tmp_path.glob("logs/checkpoints/*.ckpt")
+    (ckpt,) = tmp_path.glob("checkpoints/*.ckpt")  # checkpoints/last.ckpt (resume=<this dir> goes on from it)
     module = CausalLMModule.load_from_checkpoint(ckpt, map_location="cpu")
     assert module.model_spec.num_layers == 2 and module.model_spec.name == "tiny"
     dm = StdlibTextDataModule(**{k: v for k, v in cfg.data.items()})

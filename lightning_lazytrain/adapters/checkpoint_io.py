@@ -36,6 +36,7 @@ Note: [checkpoint damage]
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,30 @@ __all__ = ["CheckpointWriteError", "CorruptCheckpoint", "VerifiedCheckpointIO", 
            "write_error"]
 
 
+def _remove_dead_writers_files(target: Path) -> None:
+    """A save killed mid-write leaves ``.<name>.tmp-<pid>`` (a checkpoint-sized file no load picks up; the next
+    save of that name may go to ``<name>-v1`` instead); before writing into a directory, remove the temporary
+    files there of writers no longer alive (review 24: one half checkpoint leaked per crash inside a save)."""
+    for stale in target.parent.glob(".*.tmp-*"):
+        m = re.fullmatch(r"\..+\.tmp-(\d{1,9})", stale.name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))) or not stale.is_file():
+            continue
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (PermissionError: another user's live process)
+        return True
+    return True
+
+
 class VerifiedCheckpointIO(TorchCheckpointIO):
     def __init__(self, verify: bool = True) -> None:
         super().__init__()
@@ -74,6 +99,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_dead_writers_files(target)
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()

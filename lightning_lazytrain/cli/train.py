@@ -67,8 +67,8 @@ from .train_callbacks import (APP_LOG, LIGHTNING_NOISE, LossHistory, PlanPredict
                               RunRichProgressBar, RunTQDMProgressBar, StepTimer, ValidateAfterLastStep,
                               progress_bar, quiet_lightning, say)
 from .train_config import TrainAppConfig, register_configs  # noqa: F401  (registers the schema)
-from .train_checks import (STRATEGY_NAMES, TrainConfigError, app_names, check_blocks, check_host_memory,
-                           check_precision, one_line, validate_config)
+from .train_checks import (CHECKPOINTS, STRATEGY_NAMES, TrainConfigError, app_names, check_blocks,
+                           check_host_memory, check_precision, one_line, resume_path, validate_config)
 
 EXIT_BAD_CONFIG = 2  # a config the app cannot build, or a run the planner finds infeasible (as lazytrain-plan)
 #: the config groups of this app (``--help`` lists these; conf/train/ belongs to lazytrain-plan)
@@ -239,6 +239,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
 
     out = out or sys.stdout
     validate_config(cfg)
+    resume = resume_path(cfg.resume)
     out_dir = Path(out_dir)
     t = cfg.trainer
     hw_name = hardware_name(cfg)
@@ -262,9 +263,15 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
         callbacks: list = [history, timer, plans, ValidateAfterLastStep(), LearningRateMonitor(logging_interval="step")]
         if t.enable_progress_bar:
             callbacks.append(progress_bar())
+        if t.enable_checkpointing:  # checkpoints/last.ckpt, what resume=<this output dir> continues from
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=str(out_dir / CHECKPOINTS), save_top_k=0, save_last=True,
+                                             every_n_train_steps=t.checkpoint_every_n_steps or t.val_check_interval))
         per_epoch = max(1, info["train_windows"] // info["batch_size"])
         max_epochs = math.ceil(t.max_steps * t.accumulate_grad_batches / per_epoch)
-        logger = CSVLogger(save_dir=str(out_dir), name="logs", version="")  # -> logs/metrics.csv, logs/hparams.yaml
+        logger = CSVLogger(save_dir=str(out_dir), name="logs", version="",  # -> logs/metrics.csv, logs/hparams.yaml
+                           flush_logs_every_n_steps=10)  # (Lightning's 100: a crash lost up to 99 steps' rows)
         try:
             trainer = L.Trainer(
                 accelerator=t.accelerator, devices=t.devices, precision=t.precision, strategy=strategy,
@@ -293,7 +300,7 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
             f"{t.val_check_interval}", out)
         start = time.perf_counter()
         try:
-            trainer.fit(module, datamodule=dm)
+            trainer.fit(module, datamodule=dm, ckpt_path=resume)
         except NvmeDirError as err:  # strategy.nvme_dir unusable, or too small for the plan's spill bytes
             raise TrainConfigError(re.sub(r"(?<![\w.])nvme_dir\b", "strategy.nvme_dir", one_line(err))) from err
         except InfeasibleBudget as err:  # the fix in this app's keys

@@ -35,18 +35,26 @@ class LossHistory(Callback):
         self.out = out  # where each validation's result is reported (None: not reported)
         self._sum = 0.0
         self._n = 0
+        self._step = 0  # global_step at the last optimizer step seen
+        self._window: list[float] = []  # the unscaled losses of the micro-batches since
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._step, self._window = int(trainer.global_step), []
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """One entry per optimizer step: the mean of its micro-batches' losses. Lightning hands automatic
+        optimization's loss divided by ``accumulate_grad_batches``; the step that ran is seen as
+        ``global_step`` moving (the micro-batches before it still show the previous step)."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is None:
-            return
-        value = float(loss.detach())
+        if loss is not None:
+            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self._window.append(float(loss.detach()) * scale)
         step = int(trainer.global_step)
-        if self.train and self.train[-1][0] == step:  # gradient accumulation: mean over the micro-batches
-            self.train[-1] = (step, 0.5 * (self.train[-1][1] + value))
-        else:
-            self.train.append((step, value))
+        if step != self._step:
+            if self._window:
+                self.train.append((step, sum(self._window) / len(self._window)))
+            self._step, self._window = step, []
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sum, self._n = 0.0, 0

@@ -3,7 +3,7 @@ cannot run is one ``TrainConfigError`` line naming the key, raised before anythi
 schema, the strategy name, the accelerator, the run length and the values a job would otherwise only find bad
 inside ``fit`` (accumulation, threads, the data loader's values, the block path: ``validate_config``,
 ``check_blocks``; the optimizer's are CausalLMModule's own checks), and the precision Lightning resolved
-(``check_precision``). ``app_names`` rewrites a LazyTrainStrategy or CausalLMModule message's argument names into
+(``check_precision``), and ``resume=`` (``resume_path``). ``app_names`` rewrites a LazyTrainStrategy or CausalLMModule message's argument names into
 the config's keys."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from ..config_checks import ConfigKeyError, check_schema
 from ..planner.hardware import available_host_bytes
 
-__all__ = ["LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names", "available_host_bytes",
-           "check_blocks", "check_host_memory", "check_precision", "one_line", "validate_config"]
+__all__ = ["CHECKPOINTS", "LAZYTRAIN_PRECISIONS", "STRATEGY_NAMES", "TrainConfigError", "app_names",
+           "available_host_bytes", "check_blocks", "check_host_memory", "check_precision", "one_line", "resume_path",
+           "validate_config"]
 
 STRATEGY_NAMES = ("lazytrain", "lazytrain_megatrain")
 #: the Trainer precisions the lazytrain strategy runs (its own table when importable; the same values otherwise)
@@ -89,6 +90,9 @@ def validate_config(cfg: Any) -> None:
         raise TrainConfigError(f"trainer.max_steps={t.max_steps}: the app trains a fixed number of steps (>= 1)")
     if int(t.val_check_interval) < 1:
         raise TrainConfigError(f"trainer.val_check_interval={t.val_check_interval}: must be >= 1 (steps)")
+    if t.checkpoint_every_n_steps is not None and int(t.checkpoint_every_n_steps) < 1:
+        raise TrainConfigError(f"trainer.checkpoint_every_n_steps={t.checkpoint_every_n_steps}: must be >= 1 (steps), "
+                               "or null (every trainer.val_check_interval)")
     if int(t.accumulate_grad_batches) < 1:
         raise TrainConfigError(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}: must be >= 1 (batches "
                                "per optimizer step)")
@@ -148,3 +152,25 @@ def check_host_memory(name: str, params: int, available: int | None = None) -> N
         f"memory (its fp32 weights and their gradients, before the optimizer's states), and this machine has "
         f"{available / 1e9:.1f} GB available. Fix: a smaller model (model=tiny, or model.num_layers=...), or a "
         f"machine with more memory (lazytrain-plan plans the large models without building them)")
+
+
+#: where ``trainer.enable_checkpointing=true`` keeps ``last.ckpt`` in a run's output dir
+CHECKPOINTS = "checkpoints"
+
+
+def resume_path(value: Any) -> str | None:
+    """``resume=``: a checkpoint (a file, or a sharded checkpoint's directory), or an earlier run's output dir (its
+    ``checkpoints/last.ckpt``); checked before anything is written."""
+    if value in (None, ""):
+        return None
+    from pathlib import Path
+
+    p = Path(str(value)).expanduser().absolute()
+    candidates = [p / CHECKPOINTS / "last.ckpt", p / "last.ckpt"] if p.is_dir() and p.suffix != ".ckpt" else [p]
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    looked = " or ".join(str(c) for c in candidates)
+    raise TrainConfigError(
+        f"resume={value}: no checkpoint at {looked}. Fix: give a checkpoint file (.ckpt) or the output dir of a run "
+        f"made with trainer.enable_checkpointing=true (it keeps {CHECKPOINTS}/last.ckpt there)")

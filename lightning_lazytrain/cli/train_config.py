@@ -45,7 +45,8 @@ class TrainerConfig:
     gradient_clip_val: Optional[float] = 1.0
     accumulate_grad_batches: int = 1
     enable_progress_bar: bool = True
-    enable_checkpointing: bool = False
+    enable_checkpointing: bool = False  # true: checkpoints/last.ckpt in the output dir (resume=<that dir>)
+    checkpoint_every_n_steps: Optional[int] = None  # with enable_checkpointing (None: every val_check_interval)
     enable_model_summary: bool = True
     threads: Optional[int] = None  # torch intra-op threads for this job (restored after); None: leave as is
 
@@ -90,6 +91,7 @@ class TrainAppConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
+    resume: Optional[str] = None  # a checkpoint, or an earlier run's output dir (its checkpoints/last.ckpt)
     smooth_steps: int = 20  # window of the "first" / "last" train-loss means and of the plotted moving average
 
 

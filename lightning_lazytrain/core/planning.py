@@ -32,7 +32,8 @@ from lightning_lazytrain.planner.placement import candidates
 __all__ = ["Planner", "Profile"]
 
 #: the host-memory fix for a Trainer user: 8-bit states for every parameter
-TRAINER_EIGHT_BIT_FIX = "the optimizer lightning_lazytrain.optim.HybridAdamW(..., eight_bit='all')"
+TRAINER_EIGHT_BIT_FIX = ("the optimizer lightning_lazytrain.optim.HybridAdamW(..., eight_bit='all') (on a resume, a "
+                         "checkpoint's 32-bit states are converted as it loads)")
 
 log = logging.getLogger(__name__)
 

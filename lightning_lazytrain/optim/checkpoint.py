@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .bnb8bit import check_8bit_state
+from .bnb8bit import check_8bit_state, dequantized_moments, make_qmaps, require_bnb
+from .assign import BNB_BLOCK_SIZE
 
 
 def saved_bits(saved: Mapping[str, Any]) -> int:
@@ -36,11 +37,9 @@ def load_param_state(
     ``qmaps`` (per device) is used to share one pair of maps among all 8-bit states again.
     """
     kind = saved_bits(saved)
-    if kind != bits:
-        raise ValueError(
-            f"saved state of {name!r} is {kind}-bit but this optimizer assigns it {bits}-bit: "
-            "construct it with the eight_bit policy the checkpoint was made with"
-        )
+    if kind != bits:  # Note: [states converted as they load]
+        saved = convert_state(p, saved, bits, qmaps)
+        kind = bits
     out: dict[str, Any] = {}
     for key, value in saved.items():
         if key == "step":
@@ -73,3 +72,31 @@ def shared_qmaps(
         qmaps[device] = (qmap1, qmap2)
     ours1, ours2 = qmaps[device]
     return (ours1 if torch.equal(ours1, qmap1) else qmap1, ours2 if torch.equal(ours2, qmap2) else qmap2)
+
+
+# Note: [states converted as they load]
+#     A checkpoint's states have the bits the saving optimizer gave them; the loading one may assign others (its
+#     eight_bit policy differs: a resume on a host with less memory that needs eight_bit='all', review 24, where
+#     the load had been refused and no fix worked). The moments are converted: 32 -> 8 bits quantised blockwise
+#     with the maps 8-bit states use (what the 8-bit update itself does after each step), 8 -> 32 bits
+#     dequantised. The resume then differs from an uninterrupted run by that one rounding (the 8-bit states'
+#     own error); ``HybridAdamW.load_state_dict`` logs how many tensors were converted.
+def convert_state(p: torch.Tensor, saved: Mapping[str, Any], bits: int,
+                  qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """``saved`` (one parameter's state, either layout) in the layout of ``bits``."""
+    out: dict[str, Any] = {"step": saved["step"]}
+    if bits == 8:
+        bnb_f = require_bnb()
+        if p.device not in qmaps:
+            qmaps[p.device] = make_qmaps(p.device)
+        q1, q2 = qmaps[p.device]
+        for key, state, absmax, code in (("exp_avg", "state1", "absmax1", q1), ("exp_avg_sq", "state2", "absmax2", q2)):
+            moment = saved[key].detach().to(device=p.device, dtype=torch.float32).reshape(p.shape).contiguous()
+            out[state], qs = bnb_f.quantize_blockwise(moment, code=code, blocksize=BNB_BLOCK_SIZE)
+            out[absmax] = qs.absmax.to(torch.float32)
+        out["qmap1"], out["qmap2"] = q1, q2
+        return out
+    on_device = {k: (v.detach().to(p.device) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
+    m, v = dequantized_moments(on_device)
+    out["exp_avg"], out["exp_avg_sq"] = m.reshape(p.shape), v.reshape(p.shape)
+    return out

@@ -389,7 +389,8 @@ class HybridAdamW(StateBits, BackwardUpdates, GradNorms, Optimizer):
         """Load a :meth:`state_dict`: 8-bit states, qmaps and block scales exactly as saved.
 
         Tensors move to their parameter's device (CPU <-> CUDA) keeping their dtype (see
-        checkpoint.py). The 8/32-bit assignment must be the one the state was saved with.
+        checkpoint.py). A state saved with other bits than this optimizer assigns is converted (Note: [states
+        converted as they load] in checkpoint.py).
         """
         self._refuse_open("load_state_dict()")
         self._wait_inflight()
@@ -412,11 +413,19 @@ class HybridAdamW(StateBits, BackwardUpdates, GradNorms, Optimizer):
             self.set_state_bits(lambda name, shape, bits={self._names[p]: b for p, b in saved.items()}:
                                 bits.get(name, 32) == 8)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        converted: list[str] = []
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"loaded state refers to unknown parameter id {pid}")
             p = id_map[pid]
+            if saved_bits(saved_state) != self._bits[p]:
+                converted.append(f"{self._names[p]} ({saved_bits(saved_state)} -> {self._bits[p]} bits)")
             new_state[p] = load_param_state(p, saved_state, bits=self._bits[p], name=self._names[p], qmaps=self._qmaps)
+        if converted:  # Note: [states converted as they load] (checkpoint.py)
+            logger.warning("HybridAdamW.load_state_dict: %d parameter(s) saved with other state bits than this "
+                           "optimizer's eight_bit policy gives them; their moments were converted (one rounding: "
+                           "the run is not bit-equal to one that kept its bits): %s", len(converted),
+                           ", ".join(converted[:4]) + (" ..." if len(converted) > 4 else ""))
         for p in self._bits:  # parameters without saved state start fresh (torch: no state)
             if p not in new_state:
                 new_state[p] = self._fresh_state(p)
