@@ -13,7 +13,7 @@ Note: [weights in evaluation]
       *accumulate* into it (``loss.backward()`` in ``validation_step``) is refused as it lands
       (``refuse_accumulation``): the value would stay on the copy, never reaching the master.
     - with grad enabled and a block weight that requires grad, the block's floating outputs pass a node
-      (``EvaluationOutputs``) whose inputs include the block's masters, so that a gradient of an
+      (``refuse_backward.RefuseBackward``) whose inputs include the block's masters, so that a gradient of an
       evaluation loss that reaches a block (``autograd.grad(val_loss, block_weight)``, ``backward``) is
       refused naming the pattern, where torch said only "does not require grad" or "not used in the graph".
       Under ``no_grad`` (Lightning's evaluation loops, ``generate``) nothing is added.
@@ -36,8 +36,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from lightning_lazytrain.engine.block_io import UnsupportedBlockPattern
+from lightning_lazytrain.engine.refuse_backward import refusing_views
 
-__all__ = ["EvaluationOutputs", "guard_outputs", "refuse_accumulation"]
+__all__ = ["guard_outputs", "refuse_accumulation"]
 
 _FIX = ("compute gradients in a training step (training_step, manual_backward), or evaluate this way with "
         "strategy='auto'")
@@ -54,21 +55,8 @@ def refuse_accumulation(name: str) -> Any:
     return hook
 
 
-class EvaluationOutputs(torch.autograd.Function):
-    """Identity on a block's floating outputs in evaluation with grad enabled; its backward refuses
-    (Note: [weights in evaluation]). Inputs: the block's path and index, the number of outputs, the
-    outputs, then the block's masters (so that they are in the graph)."""
-
-    @staticmethod
-    def forward(ctx: Any, where: str, n: int, *tensors: torch.Tensor) -> Any:
-        ctx.where = where
-        outs = tuple(t.view_as(t) for t in tensors[:n])
-        return outs if n != 1 else outs[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise UnsupportedBlockPattern(
-            f"strategy='lazytrain': a gradient outside a training step reached {ctx.where}: there the block's weights "
+def _refusal(where: str) -> str:
+    return (f"strategy='lazytrain': a gradient outside a training step reached {where}: there the block's weights "
             "stream through two slots and keep no graph, so neither its weights' nor its inputs' gradients exist. "
             "With the Trainer (weight or input gradients in evaluation: Trainer(inference_mode=False) with "
             f"torch.enable_grad()): {_FIX}. With Fabric, a block reached without the model fabric.setup returned "
@@ -77,7 +65,7 @@ class EvaluationOutputs(torch.autograd.Function):
 
 
 def guard_outputs(out: Any, where: str, sources: list[torch.Tensor]) -> Any:
-    """``out`` with its floating tensors passed through ``EvaluationOutputs`` when grad is enabled and one of
+    """``out`` with its floating tensors passed through ``RefuseBackward`` when grad is enabled and one of
     ``sources`` (the block's inputs and weights) requires grad; else ``out`` unchanged."""
     if not torch.is_grad_enabled():
         return out
@@ -88,9 +76,7 @@ def guard_outputs(out: Any, where: str, sources: list[torch.Tensor]) -> Any:
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not idx:
         return out
-    guarded = EvaluationOutputs.apply(where, len(idx), *(leaves[i] for i in idx), *trainable)
-    if len(idx) == 1:
-        guarded = (guarded,)
+    guarded = refusing_views(_refusal(where), [leaves[i] for i in idx], trainable)
     for i, t in zip(idx, guarded):
         leaves[i] = t
     return pytree.tree_unflatten(leaves, spec)

@@ -11,7 +11,7 @@ Note: [gradients through a KV cache]
     (step 1) or failed with torch's bare "backward through the graph a second time" (later steps).
     Now, in a training forward with grad enabled:
     - after block ``j``'s pass, the keys and values of the cache's layer ``j`` are replaced by views that
-      require grad where autograd's would (the block's output does) through ``CachedKV``, a node whose
+      require grad where autograd's would (the block's output does) through ``RefuseBackward``, a node whose
       backward refuses by name: a loss on them is refused as the backward reaches them;
     - before block ``j``'s pass, a cache whose layer ``j`` holds keys or values that require grad (so marked
       by an earlier forward, or a learned prefix the user made) is refused, naming the fixes: compute the
@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from lightning_lazytrain.engine.block_io import _CACHE_KWARGS, UnsupportedBlockPattern
+from lightning_lazytrain.engine.refuse_backward import RefuseBackward, refusing_views
 
-__all__ = ["CachedKV", "cache_arguments", "mark_cache_layer", "refuse_cache_with_grad"]
+__all__ = ["cache_arguments", "mark_cache_layer", "refuse_cache_with_grad"]
 
 _FIX = ("compute the prefix under torch.no_grad() (its keys and values are then constants), run prefix and "
         "continuation as one forward, or train this pattern with strategy='auto'")
@@ -76,19 +77,8 @@ def refuse_cache_with_grad(caches: list[Any], j: int, where: str) -> None:
                 f"into another, so the prefix would train as a constant. Fix: {_FIX}")
 
 
-class CachedKV(torch.autograd.Function):
-    """Identity on the keys and values a block wrote into its cache; its backward refuses (Note: [gradients
-    through a KV cache])."""
-
-    @staticmethod
-    def forward(ctx: Any, where: str, anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        ctx.where = where  # anchor: the block's output (it requires grad, so the views do)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise UnsupportedBlockPattern(
-            f"strategy='lazytrain': a gradient reached the keys or values {ctx.where} wrote into its KV cache "
+def _refusal(where: str) -> str:
+    return (f"strategy='lazytrain': a gradient reached the keys or values {where} wrote into its KV cache "
             "(past_key_values): a streamed block returns only its hidden state to autograd, so no gradient flows "
             "through what it cached. Fix: use the cache's tensors detached (.detach()) or under torch.no_grad(), "
             "or train this pattern with strategy='auto'")
@@ -96,12 +86,12 @@ class CachedKV(torch.autograd.Function):
 
 def mark_cache_layer(caches: list[Any], j: int, where: str, output: torch.Tensor) -> None:
     """After block ``j``'s pass in a training forward whose ``output`` requires grad: its cached keys and
-    values require grad too, through ``CachedKV``."""
+    values require grad too, through ``RefuseBackward`` over that output."""
     for cache in caches:
         slots = [(lay, a) for lay, a in _layer_tensors(cache, j) if getattr(lay, a).is_floating_point()
-                 and not isinstance(getattr(lay, a).grad_fn, CachedKV._backward_cls)]  # (inner graph: detached)
+                 and not isinstance(getattr(lay, a).grad_fn, RefuseBackward._backward_cls)]  # (inner graph: detached)
         if not slots:
             continue
-        marked = CachedKV.apply(where, output, *(getattr(lay, a).detach() for lay, a in slots))
+        marked = refusing_views(_refusal(where), [getattr(lay, a).detach() for lay, a in slots], [output])
         for (lay, a), t in zip(slots, marked):
             setattr(lay, a, t)
