@@ -15,9 +15,10 @@ from lightning.pytorch.accelerators import CUDAAccelerator as TrainerCUDA
 
 from lightning_lazytrain.adapters import lightning_internals
 from lightning_lazytrain.core.options import ProcessLayout
-from lightning_lazytrain.core.processes import broadcast_object, distributed_ready
+from lightning_lazytrain.core.processes import broadcast_object, distributed_ready, gather_objects
 
-__all__ = ["barrier", "broadcast", "init_processes", "layout_of", "reduce", "root_device", "set_world_ranks"]
+__all__ = ["barrier", "broadcast", "init_processes", "layout_of", "reduce", "refuse_uneven_batches", "root_device",
+           "set_world_ranks"]
 
 
 def root_device(accelerator: Any, parallel_devices: list | None, local_rank: int, given: torch.device | None, *,
@@ -79,3 +80,24 @@ def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
     if isinstance(tensor, torch.Tensor) and distributed_ready():
         return lightning_internals.reduce(tensor, group, reduce_op)
     return tensor
+
+
+def refuse_uneven_batches(batches: float, max_steps: int, accumulate: int) -> None:
+    """Before the first step of several processes: ranks whose training loaders hold different numbers of batches
+    per epoch (their own data, ``use_distributed_sampler=False``) would step until each one's data ends, and the
+    others wait in a gradient all-reduce the finished rank never joins (review 23: gloo's "Connection closed by
+    peer" on two ranks and a success on the third, or the process group's timeout; DDP fails the same way).
+    Refused on every rank, naming each rank's count, unless the run ends (``max_steps``) before the smallest
+    epoch does. A loader without a length is not checked."""
+    counts = gather_objects(float(batches))
+    if len(set(counts)) <= 1 or any(c == float("inf") for c in counts):
+        return
+    if max_steps > 0 and max_steps * accumulate <= min(counts):
+        return
+    raise RuntimeError(
+        "strategy='lazytrain': the processes' training loaders hold different numbers of batches per epoch ("
+        + ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts)) + "): the rank that runs out first would "
+        "end its epoch while the others wait for it in the gradient all-reduce (DDP fails the same way). Fix: give "
+        "every process the same number of batches (Trainer(use_distributed_sampler=True) with Lightning's "
+        "DistributedSampler, or an equal split of your own data with drop_last), or Trainer(limit_train_batches="
+        f"{int(min(counts))})")

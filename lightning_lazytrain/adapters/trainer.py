@@ -402,6 +402,12 @@ class LazyTrainStrategy(CoreViews, CheckpointHooks, ParallelStrategy, metaclass=
 
     # ---- evaluation ----------------------------------------------------------------------------
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.is_distributed:  # before the first step: ranks with uneven data would wait on each other
+            t = self.lightning_module.trainer
+            processes.refuse_uneven_batches(t.num_training_batches, t.max_steps, t.accumulate_grad_batches)
+
     def on_validation_start(self) -> None:
         self.core.begin_inference()
 

@@ -37,7 +37,9 @@ Note: [overlapped all-reduce]
     written back at the end) and any group not handed over are averaged at the step's end, after
     the thread has drained, as before. Every rank hands the groups over in the schedule's order,
     so the collectives on the group match across ranks. Per element the arithmetic is the serial
-    path's (one sum over the ranks, one division), so results are bit-identical to it and to DDP.
+    path's (one sum over the ranks, one division), so results are bit-identical to it, and to DDP at two
+    ranks; at three or more the all-reduce's own summation order over buffers laid out unlike DDP's
+    buckets differs in the last bit (review 23: 3.7e-9 after one SGD step, equal losses).
     A gradient added to a group after its final accumulation would be missed: that happens only
     when a block ran a second, ad-hoc pass in the step (``Executor.late_grads``; e.g. two
     forwards before one backward); the first job of a step therefore agrees over the ranks whether

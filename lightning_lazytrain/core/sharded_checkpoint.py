@@ -357,6 +357,14 @@ def load_sharded(path: Any, *, group: Any = None, weights_only: bool | None = No
                 f"{marker['world']} processes only, not {world}. Fix: resume with data_parallel='shard' and "
                 f"{marker['world']} processes per shard group (shard_size; by default the devices per node), or "
                 "train with 32-bit states (HybridAdamW(eight_bit='none')) to change the number of processes")
+        if marker.get("per_rank") and shard is None and marker["world"] > 1:
+            # (review 23: a replicate run read rank r's shard state as the whole parameter's: the ranks diverged)
+            raise ValueError(
+                f"sharded checkpoint {p} holds {marker[MARKER]!r} per process of a shard group of {marker['world']} "
+                "(8-bit optimizer states of a data_parallel='shard' run, blockwise over each process's rows), and "
+                "this run is not sharded. Fix: resume with data_parallel='shard' and "
+                f"{marker['world']} processes per shard group, as it was saved (a checkpoint whose states are 32-bit, "
+                "HybridAdamW(eight_bit='none'), moves between the modes)")
         wanted += _wanted(marker, rank, own.get(marker[MARKER]))
     tensors: dict[str, torch.Tensor] = {}
     for key in wanted:

@@ -429,9 +429,28 @@ class ShardedParamStore(ParamStore):
         rank's rows (a checkpoint from any number of processes, one included)."""
         new_state = dict(state["state"])
         for pid, (_, info) in self._optimizer_entries(optimizer, state).items():
+            states = new_state[pid]
+            if any(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.ndim for v in states.values()):
+                # 8-bit states are this rank's own (blockwise over its rows, as a sharded checkpoint's per-process
+                # entries hold them): never cut. A whole tensor's (a replicate run's or one process's) would be cut
+                # into rows without their block scales (review 23: a bare "absmax1 must be ... 5 block scales")
+                self._refuse_whole_8bit(states, info)
+                continue
             new_state[pid] = {key: self._rows(v, info) if self._per_element(key, v, info) else v
-                              for key, v in new_state[pid].items()}
+                              for key, v in states.items()}
         return {**state, "state": new_state}
+
+    def _refuse_whole_8bit(self, states: dict[str, Any], info: ParamEntry) -> None:
+        spec = self._layouts[self._gid_of(info)].specs[self._index[id(info)]]
+        rows = (spec.rows_per_rank, *spec.shape[1:]) if len(spec.shape) else (spec.rows_per_rank,)
+        codes = next((v for v in states.values() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8), None)
+        if codes is not None and tuple(codes.shape) != tuple(rows):
+            raise ValueError(
+                f"the checkpoint's 8-bit optimizer states of {info.name!r} are the whole tensor's (shape "
+                f"{tuple(codes.shape)}: saved with data_parallel='replicate' or by one process), and this run is "
+                f"data_parallel='shard', whose 8-bit states are blockwise over each process's rows {tuple(rows)}. "
+                "Fix: resume with data_parallel='replicate', as the checkpoint was saved (a checkpoint whose states "
+                "are 32-bit, HybridAdamW(eight_bit='none'), moves between the modes)")
 
     @staticmethod
     def _per_element(key: Any, value: Any, info: ParamEntry) -> bool:
