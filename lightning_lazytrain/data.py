@@ -165,41 +165,41 @@ class WindowDataset(Dataset):
 
 
 class ResumableOrder(RandomSampler):
-    """``RandomSampler``'s order, resumable: each epoch is one ``randperm`` drawn from the generator, which is also
-    the DataLoader's (it draws each epoch's base seed from it first), so the batches are those of
-    ``DataLoader(shuffle=True, generator=...)`` as Lightning iterates it (it stops at the loader's length, before
-    ``RandomSampler``'s trailing empty draw). ``state``: the generator as the epoch's permutation was drawn and
-    how many samples the run consumed; ``resume`` makes the next iteration go on from there (mid-epoch), or start
-    the next epoch as the uninterrupted run would (from a checkpoint at an epoch's end: Lightning begins a new
-    one then)."""
+    """``RandomSampler``'s order, resumable. Each epoch makes the draws ``DataLoader(shuffle=True, generator=g)``
+    made from ``g`` in the main process as Lightning iterates it -- the loader's base seed, then one ``randperm``
+    (Lightning stops at the loader's length, before RandomSampler's trailing draw) -- on the sampler's own
+    generator, so the batches are the old loader's without workers, and the same with any number of workers (with
+    workers the old loader's later epochs differed: persistent workers skip the base-seed draw, and the loader
+    asked past the epoch's end; review 25). ``state``: the generator as the epoch began and how many samples the
+    run consumed; ``resume`` makes the next iteration go on from there (mid-epoch), or start the next epoch as the
+    uninterrupted run would (from a checkpoint at an epoch's end: Lightning begins a new one then)."""
 
     def __init__(self, data_source: Any, generator: torch.Generator) -> None:
         super().__init__(data_source, generator=generator)
         self.epoch_start = generator.get_state()
-        self._pending: dict | None = None
+        self._skip = 0
 
     def __iter__(self) -> Iterator[int]:
         assert self.generator is not None
-        skip = 0
-        if self._pending is not None:  # (after the loader's base-seed draw: the epoch's own draw as it was)
-            self.generator.set_state(self._pending["generator"])
-            skip, self._pending = int(self._pending["consumed"]), None
+        skip, self._skip = self._skip, 0
         self.epoch_start = self.generator.get_state()
-        yield from torch.randperm(len(self.data_source), generator=self.generator).tolist()[skip:]
+        yield from self._draw(self.generator)[skip:]
+
+    def _draw(self, gen: torch.Generator) -> list[int]:
+        torch.empty((), dtype=torch.int64).random_(generator=gen)  # (the old loader's base-seed draw)
+        return torch.randperm(len(self.data_source), generator=gen).tolist()
 
     def state(self, consumed: int, epoch_done: bool) -> dict:
         if not epoch_done:
-            return {"generator": self.epoch_start.clone(), "consumed": int(consumed), "epoch_done": False}
+            return {"generator": self.epoch_start.clone(), "consumed": int(consumed)}
         gen = torch.Generator().set_state(self.epoch_start.clone())
-        torch.randperm(len(self.data_source), generator=gen)  # the epoch's draw
-        return {"generator": gen.get_state(), "consumed": 0, "epoch_done": True}
+        self._draw(gen)  # the epoch's draws: the next epoch starts after them
+        return {"generator": gen.get_state(), "consumed": 0}
 
     def resume(self, state: dict) -> None:
         assert self.generator is not None
-        if state.get("epoch_done"):  # before the next epoch's base-seed draw, as the uninterrupted run
-            self.generator.set_state(state["generator"])
-        else:
-            self._pending = state
+        self.generator.set_state(state["generator"])
+        self._skip = int(state["consumed"])
 
 
 class StdlibTextDataModule(LightningDataModule):
@@ -280,9 +280,9 @@ class StdlibTextDataModule(LightningDataModule):
         self.setup()
         assert dataset is not None
         order, gen = None, None
-        if shuffle:  # DataLoader(shuffle=True, generator=gen)'s batches, resumable
-            gen = torch.Generator().manual_seed(int(self.seed) + 1)
-            order = self._order = ResumableOrder(dataset, gen)
+        if shuffle:  # DataLoader(shuffle=True, generator=...)'s batches, resumable
+            order = self._order = ResumableOrder(dataset, torch.Generator().manual_seed(int(self.seed) + 1))
+            gen = torch.Generator().manual_seed(int(self.seed) + 1)  # the workers' base seeds (not the order's)
             if self._resume is not None:
                 order.resume(self._resume)
                 self._resume = None
@@ -298,7 +298,9 @@ class StdlibTextDataModule(LightningDataModule):
         if self._order is None or trainer is None:
             return {}
         batches = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-        per_epoch = max(1, len(self._order) // self.batch_size)  # (drop_last)
+        per_epoch = trainer.num_training_batches  # (limit_train_batches included)
+        if not isinstance(per_epoch, int):  # (inf: not sized)
+            per_epoch = max(1, len(self._order) // self.batch_size)  # (drop_last)
         return self._order.state(batches * self.batch_size, epoch_done=batches >= per_epoch)
 
     def load_state_dict(self, state: dict) -> None:

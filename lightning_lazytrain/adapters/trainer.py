@@ -149,10 +149,6 @@ class LazyTrainStrategy(CoreViews, CheckpointHooks, ParallelStrategy, metaclass=
                  data_parallel: str = "replicate", shard_size: int | None = None, fp32_masters: bool = False,
                  keep_compute_copy: bool | str = "auto", conversions: str = "plan",
                  chunked_loss: bool | int = False) -> None:
-        from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-
-        from lightning_lazytrain.adapters.checkpoint_io import VerifiedCheckpointIO
-
         options = CoreOptions(hardware=hardware, gpu_memory_budget_gb=gpu_memory_budget_gb, nvme_dir=nvme_dir,
                               policy=policy, blocks=blocks, emulate_link_gb_per_s=emulate_link_gb_per_s,
                               replan=replan, checkpoint_format=checkpoint_format,
@@ -161,13 +157,9 @@ class LazyTrainStrategy(CoreViews, CheckpointHooks, ParallelStrategy, metaclass=
                               fp32_masters=fp32_masters, keep_compute_copy=keep_compute_copy,
                               conversions=conversions, chunked_loss=chunked_loss)
         self.core = TrainingCore(options, info=rank_zero_info, debug=rank_zero_debug, warn=rank_zero_warn)
-        verified = VerifiedCheckpointIO(verify=verify_checkpoints)
-        if isinstance(checkpoint_io, _WrappingCheckpointIO):
-            # AsyncCheckpointIO() wraps the IO it is given, else Lightning fills it with TorchCheckpointIO:
-            # the checks and the atomic write would be dropped without a word (review 24). No-op when given one.
-            checkpoint_io.checkpoint_io = verified
+        self._verify_checkpoints = verify_checkpoints
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
-                         checkpoint_io=checkpoint_io or verified, precision_plugin=precision_plugin)
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._given_device = torch.device(device) if device is not None else None
         # Set by Lightning from Trainer(devices=..., num_nodes=...) (it fills these attributes when a
         # strategy has them, and the cluster environment that gives each process its rank).
@@ -200,6 +192,27 @@ class LazyTrainStrategy(CoreViews, CheckpointHooks, ParallelStrategy, metaclass=
         return self.core.grad_sync
 
     # ---- devices and processes -----------------------------------------------------------------
+    @property
+    def checkpoint_io(self) -> Any:
+        """``VerifiedCheckpointIO`` (CRCs checked before a resume, atomic writes) unless another was given, also
+        inside an empty wrapper: ``AsyncCheckpointIO()`` given to the strategy or as a Trainer plugin (Lightning
+        fills an empty one with its plain ``TorchCheckpointIO``: the checks were dropped without a word, reviews 24
+        and 25). None is kept until asked, so ``Trainer(plugins=[AsyncCheckpointIO()])`` is not refused as given
+        twice."""
+        from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+        from lightning_lazytrain.adapters.checkpoint_io import VerifiedCheckpointIO
+
+        if self._checkpoint_io is None:
+            self._checkpoint_io = VerifiedCheckpointIO(verify=self._verify_checkpoints)
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO) and self._checkpoint_io.checkpoint_io is None:
+            self._checkpoint_io.checkpoint_io = VerifiedCheckpointIO(verify=self._verify_checkpoints)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
     @property
     @override
     def root_device(self) -> torch.device:

@@ -276,7 +276,8 @@ def train_job(cfg: Any, out_dir: str | Path, *, out: TextIO | None = None, job: 
             trainer = L.Trainer(
                 accelerator=t.accelerator, devices=t.devices, precision=t.precision, strategy=strategy,
                 max_steps=t.max_steps, max_epochs=max_epochs,
-                val_check_interval=min(t.val_check_interval, t.max_steps), check_val_every_n_epoch=None,
+                val_check_interval=min(t.val_check_interval, t.max_steps) * t.accumulate_grad_batches,  # (batches)
+                check_val_every_n_epoch=None,
                 limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
                 log_every_n_steps=t.log_every_n_steps, gradient_clip_val=t.gradient_clip_val,
                 accumulate_grad_batches=t.accumulate_grad_batches, enable_progress_bar=t.enable_progress_bar,

@@ -9,7 +9,8 @@ Note: [weights in evaluation]
     grad (``F.linear`` of a strided slice folds differently: ``generate``'s logits were 1 ulp off, review 22),
     saw the copies' ``requires_grad=False``. Now:
     - each non-block copy requires grad as its master does. A gradient taken *of* it
-      (``torch.autograd.grad(val_loss, model.lm_head.weight)``) is exact. A backward that would
+      (``torch.autograd.grad(val_loss, model.lm_head.weight)``) is exact with the Trainer (Fabric's own check
+      that a backward goes through ``fabric.backward`` refuses it: open, review 25). A backward that would
       *accumulate* into it (``loss.backward()`` in ``validation_step``) is refused as it lands
       (``refuse_accumulation``): the value would stay on the copy, never reaching the master.
     - with grad enabled and a block weight that requires grad, the block's floating outputs pass a node
@@ -76,7 +77,7 @@ def guard_outputs(out: Any, where: str, sources: list[torch.Tensor]) -> Any:
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not idx:
         return out
-    guarded = refusing_views(_refusal(where), [leaves[i] for i in idx], trainable)
+    guarded = refusing_views(_refusal(where), [leaves[i] for i in idx], trainable, copy=True)  # (edited in place)
     for i, t in zip(idx, guarded):
         leaves[i] = t
     return pytree.tree_unflatten(leaves, spec)

@@ -17,17 +17,19 @@ class RefuseBackward(torch.autograd.Function):
     asked of them reaches this node). Its backward raises ``UnsupportedBlockPattern(message)``."""
 
     @staticmethod
-    def forward(ctx: Any, message: str, n: int, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, message: str, n: int, copy: bool, *tensors: torch.Tensor) -> Any:
         ctx.message = message
-        return tuple(t.view_as(t) for t in tensors[:n])
+        return tuple(t.clone() if copy else t.view_as(t) for t in tensors[:n])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         raise UnsupportedBlockPattern(ctx.message)
 
 
-def refusing_views(message: str, tensors: list[torch.Tensor], sources: list[torch.Tensor]) -> tuple:
+def refusing_views(message: str, tensors: list[torch.Tensor], sources: list[torch.Tensor], *,
+                   copy: bool = False) -> tuple:
     """``tensors`` as views that require grad through ``RefuseBackward`` over ``sources`` (at least one of
-    which must require grad)."""
-    out = RefuseBackward.apply(message, len(tensors), *tensors, *sources)
+    which must require grad). ``copy``: copies instead, which user code may edit in place under grad (a
+    custom Function's view output may not be: review 25, ``h = block(h); h.mul_(0.5)`` in evaluation)."""
+    out = RefuseBackward.apply(message, len(tensors), copy, *tensors, *sources)
     return out if isinstance(out, tuple) else (out,)
