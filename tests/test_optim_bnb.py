@@ -558,3 +558,20 @@ def test_hybrid_adamw_on_a_side_stream_equals_the_default_stream() -> None:
         torch.cuda.synchronize()
         results.append(out)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_torch_dequantisation_is_bitsandbytes_bit_for_bit():
+    """bnb8bit.dequantize_blockwise (what dequantized_moments and a 8 -> 32-bit state conversion use, with no
+    bitsandbytes needed) equals bitsandbytes' own dequantize_blockwise bit for bit, sizes off the 256 blocks too."""
+    from lightning_lazytrain.optim.bnb8bit import dequantize_blockwise, make_qmaps, require_bnb
+
+    bnb_f = require_bnb()
+    g = torch.Generator().manual_seed(0)
+    for shape, signed in (((300,), True), ((1000, 3), False), ((4097,), True), ((7,), False), ((513, 5), True)):
+        x = torch.randn(*shape, generator=g)
+        x = x if signed else x.square()
+        code = make_qmaps(x.device)[0 if signed else 1]
+        codes, qs = bnb_f.quantize_blockwise(x, code=code, blocksize=256)
+        want = bnb_f.dequantize_blockwise(codes, absmax=qs.absmax, code=code, blocksize=256)
+        got = dequantize_blockwise(codes, qs.absmax, code)
+        assert got.shape == want.shape and torch.equal(got, want), shape

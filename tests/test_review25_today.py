@@ -811,7 +811,7 @@ def test_a_conversion_to_8_bits_without_bitsandbytes_names_it(monkeypatch):
 
 def test_an_8bit_state_loads_into_a_32bit_optimizer_without_bitsandbytes(monkeypatch):
     """Was DEFECT 7 (loud, misleading: bitsandbytes required to read 8-bit states); fixed: optim/checkpoint.py dequantises
-    in torch (bitwise bitsandbytes' result: tests/test_optim_state_dict.py)."""
+    in torch (bnb8bit.dequantize_blockwise, bitwise bitsandbytes' result: tests/test_optim_bnb.py)."""
     pytest.importorskip("bitsandbytes")
     from lightning_lazytrain.optim import HybridAdamW
     from lightning_lazytrain.optim.bnb8bit import dequantized_moments

@@ -66,10 +66,8 @@ def _refusal(where: str) -> str:
 
 
 def guard_outputs(out: Any, where: str, sources: list[torch.Tensor]) -> Any:
-    """``out`` with its floating tensors passed through ``RefuseBackward`` when grad is enabled and one of
-    ``sources`` (the block's inputs and weights) requires grad; else ``out`` unchanged."""
-    if not torch.is_grad_enabled():
-        return out
+    """With grad enabled (the caller's check): ``out`` with its floating tensors passed through ``RefuseBackward``
+    when one of ``sources`` (the block's inputs and weights) requires grad; else ``out`` unchanged."""
     trainable = [p for p in sources if p.requires_grad]
     if not trainable:
         return out

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_lazytrain.engine.block_io import _CACHE_KWARGS, UnsupportedBlockPattern
-from lightning_lazytrain.engine.refuse_backward import RefuseBackward, refusing_views
+from lightning_lazytrain.engine.refuse_backward import refusing_views
 
 __all__ = ["cache_arguments", "mark_cache_layer", "refuse_cache_with_grad"]
 
@@ -88,8 +88,9 @@ def mark_cache_layer(caches: list[Any], j: int, where: str, output: torch.Tensor
     """After block ``j``'s pass in a training forward whose ``output`` requires grad: its cached keys and
     values require grad too, through ``RefuseBackward`` over that output."""
     for cache in caches:
-        slots = [(lay, a) for lay, a in _layer_tensors(cache, j) if getattr(lay, a).is_floating_point()
-                 and not isinstance(getattr(lay, a).grad_fn, RefuseBackward._backward_cls)]  # (inner graph: detached)
+        # (never marked yet: a cache whose layer j required grad was refused before the pass; an inner graph of
+        # the block's own forward is detached)
+        slots = [(lay, a) for lay, a in _layer_tensors(cache, j) if getattr(lay, a).is_floating_point()]
         if not slots:
             continue
         marked = refusing_views(_refusal(where), [getattr(lay, a).detach() for lay, a in slots], [output])

@@ -339,12 +339,14 @@ class ShardedParamStore(ParamStore):
         # Note: [an edit of a bound copy]: this rank's rows of the edited copy (each rank edited its own copy alike)
         merge_edit(info.param.data, self._rows(value, info))
 
+    def _shard_shape(self, info: ParamEntry) -> tuple[int, ...]:
+        """The shape of this rank's shard of a parameter: ``(k, *rest)``, ``k`` rows with padding."""
+        spec = self._layouts[self._gid_of(info)].specs[self._index[id(info)]]
+        return (spec.rows_per_rank, *spec.shape[1:]) if len(spec.shape) else (spec.rows_per_rank,)
+
     def _rows(self, full: torch.Tensor, info: ParamEntry) -> torch.Tensor:
         """This rank's shard (``(k, *rest)``, padding rows zero) of a full-shaped tensor."""
-        layout = self._layouts[self._gid_of(info)]
-        spec = layout.specs[self._index[id(info)]]
-        out = torch.zeros((spec.rows_per_rank, *spec.shape[1:]) if len(spec.shape) else (spec.rows_per_rank,),
-                          dtype=full.dtype)
+        out = torch.zeros(self._shard_shape(info), dtype=full.dtype)
         self._fill_host(out, full.to(out.device), info)
         return out
 
@@ -400,8 +402,7 @@ class ShardedParamStore(ParamStore):
         this rank's own), or None (not a tensor, or a 0-dim one such as the step count: replicated)."""
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
             return None
-        quantized = any(isinstance(v, torch.Tensor) and not v.is_floating_point() and v.ndim for v in states.values())
-        return "rows" if not quantized and tuple(value.shape) == tuple(p.shape) else "rank"
+        return "rows" if not _quantized(states) and tuple(value.shape) == tuple(p.shape) else "rank"
 
     def whole_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every sharded parameter's per-element state whole
@@ -430,7 +431,7 @@ class ShardedParamStore(ParamStore):
         new_state = dict(state["state"])
         for pid, (_, info) in self._optimizer_entries(optimizer, state).items():
             states = new_state[pid]
-            if any(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.ndim for v in states.values()):
+            if _quantized(states):
                 # 8-bit states are this rank's own (blockwise over its rows, as a sharded checkpoint's per-process
                 # entries hold them): never cut. A whole tensor's (a replicate run's or one process's) would be cut
                 # into rows without their block scales (review 23: a bare "absmax1 must be ... 5 block scales")
@@ -441,10 +442,9 @@ class ShardedParamStore(ParamStore):
         return {**state, "state": new_state}
 
     def _refuse_whole_8bit(self, states: dict[str, Any], info: ParamEntry) -> None:
-        spec = self._layouts[self._gid_of(info)].specs[self._index[id(info)]]
-        rows = (spec.rows_per_rank, *spec.shape[1:]) if len(spec.shape) else (spec.rows_per_rank,)
-        codes = next((v for v in states.values() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8), None)
-        if codes is not None and tuple(codes.shape) != tuple(rows):
+        rows = self._shard_shape(info)
+        codes = next(v for v in states.values() if _is_codes(v))
+        if tuple(codes.shape) != rows:
             raise ValueError(
                 f"the checkpoint's 8-bit optimizer states of {info.name!r} are the whole tensor's (shape "
                 f"{tuple(codes.shape)}: saved with data_parallel='replicate' or by one process), and this run is "
@@ -460,3 +460,13 @@ class ShardedParamStore(ParamStore):
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(info.shape):
             return False
         return value.ndim > 0 or key != "step"
+
+
+def _is_codes(v: Any) -> bool:
+    """An optimizer state tensor of quantised codes (8-bit states: uint8, not a 0-dim count)."""
+    return isinstance(v, torch.Tensor) and not v.is_floating_point() and v.ndim > 0
+
+
+def _quantized(states: dict[str, Any]) -> bool:
+    """A parameter's optimizer states in the 8-bit layout (blockwise over the shard: no whole form)."""
+    return any(_is_codes(v) for v in states.values())

@@ -334,16 +334,20 @@ def adamw_8bit_update(
                 _propagate_nonfinite(p_c, g_c, absmax1, absmax2)
 
 
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """Blockwise dequantisation as bitsandbytes does it, ``qmap[code] * absmax`` of the code's block of 256, in
+    torch (bit for bit bitsandbytes' result: tests/test_optim_bnb.py): reading 8-bit states needs no
+    bitsandbytes (review 25: a 32-bit resume of an 8-bit checkpoint on a host without it was refused)."""
+    flat = qmap[codes.reshape(-1).long()]
+    pad = (-flat.numel()) % BNB_BLOCK_SIZE
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BNB_BLOCK_SIZE) * absmax.view(-1, 1)
+    return blocks.reshape(-1)[: flat.numel()].view(codes.shape)
+
+
 def dequantized_moments(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exp_avg, exp_avg_sq) as float32, for inspection and tests."""
-    bnb_f = require_bnb()
-    m = bnb_f.dequantize_blockwise(
-        state["state1"], absmax=state["absmax1"], code=state["qmap1"], blocksize=BNB_BLOCK_SIZE
-    )
-    v = bnb_f.dequantize_blockwise(
-        state["state2"], absmax=state["absmax2"], code=state["qmap2"], blocksize=BNB_BLOCK_SIZE
-    )
-    return m, v
+    """(exp_avg, exp_avg_sq) as float32, each shaped as its codes."""
+    return (dequantize_blockwise(state["state1"], state["absmax1"], state["qmap1"]),
+            dequantize_blockwise(state["state2"], state["absmax2"], state["qmap2"]))
 
 
 def measure_adamw_8bit_params_per_s(numel: int = 1 << 22, repeats: int = 2) -> float | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .bnb8bit import check_8bit_state, make_qmaps, require_bnb
+from .bnb8bit import check_8bit_state, dequantized_moments, make_qmaps, require_bnb
 from .assign import BNB_BLOCK_SIZE
 
 
@@ -96,16 +96,7 @@ def convert_state(p: torch.Tensor, saved: Mapping[str, Any], bits: int,
             out[absmax] = qs.absmax.to(torch.float32)
         out["qmap1"], out["qmap2"] = q1, q2
         return out
-    for key, state, absmax, code in (("exp_avg", "state1", "absmax1", "qmap1"), ("exp_avg_sq", "state2", "absmax2", "qmap2")):
-        out[key] = _dequantized(*(saved[k].detach().to(p.device) for k in (state, absmax, code))).reshape(p.shape)
+    m, v = dequantized_moments({k: saved[k].detach().to(p.device) for k in ("state1", "state2", "absmax1", "absmax2",
+                                                                         "qmap1", "qmap2")})
+    out["exp_avg"], out["exp_avg_sq"] = m.reshape(p.shape), v.reshape(p.shape)
     return out
-
-
-def _dequantized(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """Blockwise dequantisation as bitsandbytes does it (``qmap[code] * absmax`` of the code's block of 256), in
-    torch: reading 8-bit states needs no bitsandbytes (review 25: a 32-bit resume of an 8-bit checkpoint on a host
-    without it was refused)."""
-    flat = qmap[codes.reshape(-1).long()]
-    pad = (-flat.numel()) % BNB_BLOCK_SIZE
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BNB_BLOCK_SIZE) * absmax.view(-1, 1)
-    return blocks.reshape(-1)[: flat.numel()]
