@@ -354,15 +354,21 @@ def test_the_same_inplace_model_trains_and_validates_under_no_grad_like_auto():
 
 
 # ---- Fabric ----
+def fabric_llama(strategy):
+    """(fabric, model, optimizer): the tiny Llama and AdamW set up by Fabric on the CPU."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model = build("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    return fabric, model, opt
+
+
 def fabric_run(strategy, *, weight_grad=False):
     from lightning_lazytrain.fabric_strategy import LazyTrainFabricStrategy  # noqa: F401  (registers)
 
     rec = []
     with quiet_logs("lightning", "lightning.fabric", "lightning_lazytrain"):
-        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
-        model = build("llama")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, opt = fabric.setup(model, opt)
+        fabric, model, opt = fabric_llama(strategy)
         model.mark_forward_method("generate")
         bs = batches(4)
         for b in bs[:2]:
@@ -857,10 +863,7 @@ def test_fabric_training_on_a_no_grad_prefix_cache_equals_auto():
     def go(strategy):
         rec = []
         with quiet_logs("lightning", "lightning.fabric", "lightning_lazytrain"):
-            fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
-            model = build("llama")
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            model, opt = fabric.setup(model, opt)
+            fabric, model, opt = fabric_llama(strategy)
             for b in batches(3):
                 ids, mask, lab = b["input_ids"], b["attention_mask"], b["labels"]
                 with torch.no_grad():
